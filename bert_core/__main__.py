@@ -1,0 +1,3 @@
+from bert_core.cli import main
+
+raise SystemExit(main())

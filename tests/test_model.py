@@ -1,0 +1,214 @@
+"""The model is BERT: numerical parity with `transformers` on real and random weights, fp32, CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from bert_core.model import (
+    PRESETS,
+    BertConfig,
+    BertForPreTraining,
+    BertForSequenceClassification,
+    BertModel,
+)
+
+torch.set_num_threads(2)
+
+
+def real_sentences(shared_data: Path, n: int = 8) -> list[str]:
+    lines = (shared_data / "corpus" / "sample_text.txt").read_text(encoding="utf-8").splitlines()
+    lines = [s.strip() for s in lines if len(s.split()) > 3]
+    # different lengths, so the batch is padded
+    return sorted(lines, key=len)[:: max(1, len(lines) // n)][:n]
+
+
+@pytest.fixture(scope="module")
+def batch(minilm_dir: Path, shared_data: Path) -> dict[str, torch.Tensor]:
+    tok = transformers.BertTokenizerFast(vocab_file=str(minilm_dir / "vocab.txt"))
+    sents = real_sentences(shared_data)
+    enc = tok(
+        sents[:4], sents[4:], padding=True, truncation=True, max_length=96, return_tensors="pt"
+    )
+    assert (enc["attention_mask"] == 0).any(), "the batch must contain padding"
+    return dict(enc)
+
+
+def hf_config(config: BertConfig, **kw) -> transformers.BertConfig:
+    return transformers.BertConfig(**config.to_dict(), attn_implementation="eager", **kw)
+
+
+def test_presets_and_config_errors() -> None:
+    for name, (layers, hidden, heads) in PRESETS.items():
+        c = BertConfig.from_preset(name)
+        assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads) == (
+            layers,
+            hidden,
+            heads,
+        )
+        assert c.intermediate_size == 4 * hidden
+    with pytest.raises(
+        ValueError, match="hidden_size 100 is not divisible by num_attention_heads 3"
+    ):
+        BertConfig(hidden_size=100, num_attention_heads=3)
+    with pytest.raises(ValueError, match="unknown preset"):
+        BertConfig.from_preset("huge")
+
+
+def test_bad_inputs_name_the_numbers() -> None:
+    model = BertModel(BertConfig.from_preset("tiny", vocab_size=100, max_position_embeddings=16))
+    with pytest.raises(ValueError, match="sequence length 17 exceeds max_position_embeddings 16"):
+        model(torch.ones(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="token id 100 outside vocab_size 100"):
+        model(torch.tensor([[1, 2, 100]]))
+
+
+def test_init_follows_the_paper() -> None:
+    model = BertForPreTraining(BertConfig.from_preset("mini"))
+    w = model.bert.encoder.layer[0].intermediate.dense.weight
+    assert abs(w.std().item() - 0.02) < 0.001 and abs(w.mean().item()) < 0.001
+    assert torch.all(model.bert.encoder.layer[0].intermediate.dense.bias == 0)
+    assert torch.all(model.bert.embeddings.LayerNorm.weight == 1)
+
+
+def test_real_weights_match_transformers(minilm_dir: Path, batch: dict) -> None:
+    """(a) the real 6-layer MiniLM BERT: same hidden states and pooled output as transformers."""
+    ours = BertModel.from_pretrained(minilm_dir).eval()
+    ref = transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        a = ours(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        b = ref(**batch)
+    real = batch["attention_mask"].bool()
+    diff = (a.last_hidden_state - b.last_hidden_state)[real].abs().max().item()
+    assert diff < 1e-4, diff
+    assert (a.pooler_output - b.pooler_output).abs().max().item() < 1e-4
+    assert a.last_hidden_state.abs().max() > 0.1  # not a degenerate all-zero comparison
+
+
+def test_pretraining_heads_match_transformers() -> None:
+    """(b) random BertForPreTraining weights copied into transformers: logits and losses agree."""
+    torch.manual_seed(0)
+    config = BertConfig.from_preset("tiny", vocab_size=1000)
+    ours = BertForPreTraining(config).eval()
+    ref = transformers.BertForPreTraining(hf_config(config)).eval()
+    missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected
+    assert set(missing) <= {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
+    ref.tie_weights()
+
+    B, L = 3, 24
+    ids = torch.randint(5, 1000, (B, L))
+    types = torch.cat([torch.zeros(B, L // 2), torch.ones(B, L // 2)], 1).long()
+    mask = torch.ones(B, L, dtype=torch.long)
+    mask[1, 18:] = 0
+    positions = torch.tensor([[1, 5, 9, 0], [2, 3, 0, 0], [4, 7, 11, 20]])
+    labels = torch.tensor([[10, 11, 12, -100], [13, 14, -100, -100], [15, 16, 17, 18]])
+    nsp = torch.tensor([0, 1, 0])
+    full_labels = torch.full((B, L), -100)
+    for b in range(B):
+        for p, y in zip(positions[b], labels[b], strict=True):
+            if y != -100:
+                full_labels[b, p] = y
+
+    with torch.no_grad():
+        a = ours(ids, types, mask, positions, labels, nsp)
+        b = ref(
+            input_ids=ids,
+            token_type_ids=types,
+            attention_mask=mask,
+            labels=full_labels,
+            next_sentence_label=nsp,
+        )
+    gathered = torch.stack([b.prediction_logits[i, positions[i]] for i in range(B)])
+    valid = labels != -100
+    assert (a.mlm_logits - gathered)[valid].abs().max() < 1e-4
+    assert (a.nsp_logits - b.seq_relationship_logits).abs().max() < 1e-5
+    assert abs(a.loss.item() - b.loss.item()) < 1e-5
+    assert a.loss.item() > 1.0  # random weights: a real, non-trivial loss
+
+
+@pytest.mark.parametrize(
+    "cls_name, num_labels",
+    [
+        ("BertForPreTraining", 2),
+        ("BertForSequenceClassification", 3),
+        ("BertForSequenceClassification", 1),
+    ],
+)
+def test_saved_checkpoint_loads_in_transformers(
+    tmp_path: Path, minilm_dir: Path, batch: dict, cls_name: str, num_labels: int
+) -> None:
+    """(c) save_pretrained output: no missing/unexpected keys in transformers, same outputs."""
+    ours_cls = {
+        "BertForPreTraining": BertForPreTraining,
+        "BertForSequenceClassification": BertForSequenceClassification,
+    }[cls_name]
+    torch.manual_seed(1)
+    ours = ours_cls.from_pretrained(minilm_dir, num_labels=num_labels).eval()
+    ours.save_pretrained(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "vocab.txt").read_text() == (minilm_dir / "vocab.txt").read_text()
+    saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert saved["architectures"] == [cls_name]
+
+    ref, info = getattr(transformers, cls_name).from_pretrained(
+        tmp_path / "ckpt", attn_implementation="eager", output_loading_info=True
+    )
+    ref.eval()
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["mismatched_keys"], info
+    args = (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        a, b = ours(*args), ref(**batch)
+    if cls_name == "BertForPreTraining":
+        assert (a.mlm_logits - b.prediction_logits).abs().max() < 1e-3
+        assert (a.nsp_logits - b.seq_relationship_logits).abs().max() < 1e-4
+    else:
+        assert a.logits.shape == b.logits.shape == (4, num_labels)
+        assert (a.logits - b.logits).abs().max() < 1e-4
+    # and back: our own loader restores the same weights
+    again = ours_cls.from_pretrained(tmp_path / "ckpt").eval()
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
+
+
+def test_legacy_bin_and_key_errors(tmp_path: Path) -> None:
+    config = BertConfig.from_preset("tiny", vocab_size=200)
+    model = BertModel(config)
+    d = tmp_path / "legacy"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config.to_dict()))
+    # Google-converted names (gamma/beta) in a torch pickle, loaded with weights_only=True
+    state = {
+        k.replace("LayerNorm.weight", "LayerNorm.gamma"): v for k, v in model.state_dict().items()
+    }
+    torch.save(state, d / "pytorch_model.bin")
+    loaded = BertForSequenceClassification.from_pretrained(d, num_labels=2)  # new head: allowed
+    assert torch.equal(loaded.bert.embeddings.LayerNorm.weight, model.embeddings.LayerNorm.weight)
+
+    state.pop("encoder.layer.1.output.dense.weight")
+    state["encoder.layer.9.output.dense.weight"] = torch.zeros(1)
+    torch.save(state, d / "pytorch_model.bin")
+    with pytest.raises(
+        ValueError,
+        match=r"missing \['encoder.layer.1.output.dense.weight'\]"
+        r".*unexpected \['encoder.layer.9.output.dense.weight'\]",
+    ):
+        BertModel.from_pretrained(d)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        BertModel.from_pretrained(tmp_path / "nowhere")
+
+
+def test_regression_head_uses_mse() -> None:
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(
+        BertConfig.from_preset("tiny", vocab_size=100, num_labels=1)
+    )
+    ids = torch.randint(5, 100, (4, 8))
+    y = torch.tensor([0.0, 1.5, 3.0, 5.0])
+    out = model(ids, labels=y)
+    assert out.logits.shape == (4, 1)
+    assert torch.allclose(out.loss, ((out.logits.squeeze(-1) - y) ** 2).mean())

@@ -179,10 +179,12 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, L, H = x.shape
-        q, k, v = (
-            proj(x).view(B, L, self.n_head, H // self.n_head).transpose(1, 2)
-            for proj in (self.query, self.key, self.value)
-        )
+        # one GEMM for q, k and v (3x wider, better device use); the parameters stay three
+        # separate Linears so checkpoints keep the transformers names
+        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
+        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+        qkv = F.linear(x, weight, bias).view(B, L, 3, self.n_head, H // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
         )
@@ -324,7 +326,9 @@ class BertPreTrainedModel(nn.Module):
                 f"sequence length {input_ids.shape[1]} exceeds "
                 f"max_position_embeddings {c.max_position_embeddings}"
             )
-        if input_ids.numel():
+        # ids are checked on the host only: on a GPU the check would stall every step on a
+        # device-to-host copy (there an out-of-range id still fails, as a device-side assert)
+        if input_ids.numel() and not input_ids.is_cuda:
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= c.vocab_size:
                 raise ValueError(

@@ -1,0 +1,151 @@
+"""`s3://` paths and a pre-flight check of the services a run depends on.
+
+On a cluster the instance shards, Ray checkpoints and MLflow artifacts live in an S3-compatible
+object store (MinIO in infra/k8s). Every client finds it the way AWS tools do: the endpoint from
+`AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` (boto3, pyarrow) or MLflow's `MLFLOW_S3_ENDPOINT_URL`,
+credentials from `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` (a Kubernetes Secret). Nothing
+here takes a credential as an argument, so none can end up in a parameter or a log line.
+
+`preflight` exists because a pre-training run that discovers an unreachable bucket or tracking
+server at its first checkpoint has already burnt GPU hours: it checks both in seconds, before
+any data is read, and names what is unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import urllib.error
+import urllib.request
+from urllib.parse import urlparse
+
+from bert_core.errors import BertError
+
+ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")
+
+
+def is_s3(path: str | os.PathLike) -> bool:
+    return str(path).startswith("s3://")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """`s3://bucket/a/b` -> ("bucket", "a/b")."""
+    parsed = urlparse(str(uri))
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise BertError(f"{uri}: not an s3://bucket/key URI")
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
+def s3_endpoint() -> str | None:
+    """The S3 endpoint from the environment (None = AWS itself)."""
+    return next((os.environ[v] for v in ENDPOINT_VARS if os.environ.get(v)), None)
+
+
+def s3_client(connect_timeout: float = 60, retries: int = 5):
+    """A boto3 S3 client for the configured endpoint (credentials from the environment)."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        connect_timeout=connect_timeout,
+        read_timeout=max(connect_timeout, 60),
+        retries={"max_attempts": retries, "mode": "standard"},
+    )
+    return boto3.client("s3", endpoint_url=s3_endpoint(), config=config)
+
+
+def filesystem(path: str | os.PathLike):
+    """(pyarrow FileSystem, path inside it) for a local path or an s3:// URI.
+
+    Pass the pair to pyarrow.parquet / pyarrow.dataset, or to Ray Train as
+    `RunConfig(storage_path=..., storage_filesystem=...)`, so shards and checkpoints go to the
+    same endpoint as DVC and MLflow even when only MLFLOW_S3_ENDPOINT_URL is set.
+    """
+    import pyarrow.fs as pafs
+
+    if not is_s3(path):
+        return pafs.LocalFileSystem(), os.fspath(path)
+    bucket, key = split_s3(str(path))
+    endpoint = s3_endpoint()
+    kwargs = {}
+    if endpoint:
+        parsed = urlparse(endpoint)
+        kwargs = {"endpoint_override": parsed.netloc or endpoint}
+        kwargs["scheme"] = parsed.scheme or "https"
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        kwargs["region"] = region
+    return pafs.S3FileSystem(**kwargs), f"{bucket}/{key}".rstrip("/")
+
+
+def check_tracking(uri: str, timeout: float = 5.0) -> None:
+    """An http(s) tracking URI must answer MLflow's /health; local stores need no server."""
+    if urlparse(uri).scheme not in {"http", "https"}:
+        return
+    url = uri.rstrip("/") + "/health"
+    try:
+        urllib.request.urlopen(url, timeout=timeout).close()
+    except urllib.error.HTTPError as e:
+        raise BertError(f"MLflow tracking server {uri} answered {url} with HTTP {e.code}") from None
+    except OSError as e:
+        reason = getattr(e, "reason", e)
+        raise BertError(
+            f"MLflow tracking server {uri} is unreachable ({reason}); start it or fix "
+            "MLFLOW_TRACKING_URI"
+        ) from None
+
+
+def check_bucket(uri: str, timeout: float = 5.0) -> None:
+    """The bucket of an s3:// URI must exist and accept these credentials."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _ = split_s3(uri)
+    where = s3_endpoint() or "AWS S3"
+    try:
+        s3_client(connect_timeout=timeout, retries=1).head_bucket(Bucket=bucket)
+    except ClientError as e:
+        code = e.response.get("Error", {}).get("Code", "?")
+        what = {"404": "does not exist", "NoSuchBucket": "does not exist", "403": "access denied"}
+        raise BertError(
+            f"{uri}: bucket {bucket!r} at {where} {what.get(code, f'failed ({code})')}"
+        ) from None
+    except BotoCoreError as e:
+        raise BertError(
+            f"{uri}: S3 endpoint {where} is unreachable ({type(e).__name__}); check "
+            "AWS_ENDPOINT_URL / MLFLOW_S3_ENDPOINT_URL and the credentials"
+        ) from None
+
+
+def preflight(
+    tracking_uri: str | None, paths: list[str | os.PathLike] = (), timeout: float = 5.0
+) -> None:
+    """Fail fast, naming the culprit, when the tracking server or a bucket is unreachable."""
+    if tracking_uri:
+        check_tracking(tracking_uri, timeout)
+    for bucket_uri in dict.fromkeys(
+        f"s3://{split_s3(str(p))[0]}/" for p in paths if p and is_s3(p)
+    ):
+        check_bucket(bucket_uri, timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bert_core.storage [--tracking-uri URI] PATH...`: the pipeline's first step."""
+    from bert_core import tracking
+
+    parser = argparse.ArgumentParser(prog="python -m bert_core.storage", description=main.__doc__)
+    parser.add_argument("paths", nargs="*", help="local or s3:// paths the run will use")
+    parser.add_argument("--tracking-uri", default=None, help="default: MLFLOW_TRACKING_URI")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per check")
+    args = parser.parse_args(argv)
+    try:
+        preflight(args.tracking_uri or tracking.tracking_uri(), args.paths, args.timeout)
+    except BertError as e:
+        print(f"preflight: error: {e}", flush=True, file=sys.stderr)
+        return 2
+    print("preflight: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

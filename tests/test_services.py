@@ -1,0 +1,184 @@
+"""Integration tests against real servers on loopback: S3 (moto server) and `mlflow server`.
+
+The servers are started once per session by infra/scripts/local_services.py (the script users
+run too), on free 127.0.0.1 ports, and always stopped. Clients are the real ones: boto3,
+pyarrow's S3 filesystem, DVC's s3 remote, the MLflow client through bert_core.tracking.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bert_core import storage, tracking
+from bert_core.errors import BertError
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET = "bert-ci"
+FAKE_SECRET = "fAkE-sEcReT-5f3c9a1e7b2d4c60"  # a credential value that must never be recorded
+
+
+def _load_services():
+    spec = importlib.util.spec_from_file_location(
+        "local_services", ROOT / "infra" / "scripts" / "local_services.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+services = _load_services()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    svc = services.start_s3(tmp_path_factory.mktemp("s3"), buckets=(BUCKET,))
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory, s3_server):
+    svc = services.start_mlflow(
+        tmp_path_factory.mktemp("mlflow"), s3_server.url, f"s3://{BUCKET}/mlflow"
+    )
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture
+def s3_env(monkeypatch, s3_server):
+    """Client environment for the S3 server, with a known secret we can hunt for later."""
+    for key, value in services.client_env(s3_server.url, {}).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
+    return s3_server
+
+
+def _objects(prefix: str = "") -> dict[str, bytes]:
+    s3 = storage.s3_client()
+    out = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            out[obj["Key"]] = s3.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"].read()
+    return out
+
+
+def test_pyarrow_parquet_round_trip_through_s3(s3_env):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # Only MLflow's variable set: the helpers must still find the endpoint.
+    os.environ.pop("AWS_ENDPOINT_URL")
+    table = pa.table({"input_ids": [[2, 7, 3], [2, 9, 9, 3]], "next_sentence_label": [0, 1]})
+    fs, path = storage.filesystem(f"s3://{BUCKET}/instances/")
+    assert path == f"{BUCKET}/instances"
+    pq.write_table(table, f"{path}/shard-00000.parquet", filesystem=fs)
+    assert "instances/shard-00000.parquet" in _objects("instances/")
+    assert pq.read_table(f"{path}/shard-00000.parquet", filesystem=fs).equals(table)
+    local_fs, local = storage.filesystem(ROOT / "pyproject.toml")
+    assert local_fs.get_file_info(local).size == (ROOT / "pyproject.toml").stat().st_size
+
+
+def test_split_s3_rejects_non_s3():
+    assert storage.split_s3("s3://b/a/b.txt") == ("b", "a/b.txt")
+    with pytest.raises(BertError, match="not an s3://"):
+        storage.split_s3("/tmp/x")
+
+
+def test_mlflow_server_stores_artifacts_in_bucket(s3_env, mlflow_server, tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "infra-ci")
+    # The client holds no S3 credential: artifacts go through the server's proxy.
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    report = tmp_path / "report.txt"
+    report.write_text("mlm_accuracy 0.42\n")
+    with tracking.start_run("infra-check", params={"optim": {"lr": 1e-4}}) as run:
+        mlflow.log_metric("loss", 3.5, step=1)
+        mlflow.log_artifact(str(report))
+    got = mlflow.MlflowClient(mlflow_server.url).get_run(run.info.run_id)
+    assert got.data.params["optim.lr"] == "0.0001" and got.data.metrics["loss"] == 3.5
+    keys = [k for k in _objects("mlflow/") if k.endswith(f"{run.info.run_id}/artifacts/report.txt")]
+    assert len(keys) == 1, keys
+    assert _objects(keys[0])[keys[0]] == b"mlm_accuracy 0.42\n"
+
+
+def _run(cmd, cwd, env):
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"{cmd}: {out.stdout}\n{out.stderr}"
+    return out
+
+
+def test_dvc_push_wipe_pull_round_trip(s3_env, tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    for who in ("AUTHOR", "COMMITTER"):
+        env |= {f"GIT_{who}_NAME": "ci", f"GIT_{who}_EMAIL": "ci@localhost"}
+    dvc = [sys.executable, "-m", "dvc"]
+    data = repo / "data" / "corpus.txt"
+    data.parent.mkdir()
+    payload = "the quick brown fox .\njumps over the lazy dog .\n\nsecond document .\n" * 50
+    data.write_text(payload)
+    _run(["git", "init", "-q"], repo, env)
+    _run([*dvc, "init", "-q"], repo, env)
+    _run([*dvc, "remote", "add", "-d", "store", f"s3://{BUCKET}/dvc"], repo, env)
+    _run([*dvc, "remote", "modify", "store", "endpointurl", s3_env.url], repo, env)
+    _run([*dvc, "add", "-q", "data/corpus.txt"], repo, env)
+    _run(["git", "add", "-A"], repo, env)
+    _run(["git", "commit", "-qm", "data"], repo, env)
+    _run([*dvc, "push", "-q"], repo, env)
+    pushed = _objects("dvc/")
+    assert payload.encode() in pushed.values(), list(pushed)
+    # Credentials came from the environment: the committed DVC config holds none.
+    config = (repo / ".dvc" / "config").read_text()
+    assert FAKE_SECRET not in config and "endpointurl" in config
+    # Wipe the workspace copy and the cache: only the bucket has the data now.
+    data.unlink()
+    subprocess.run(["rm", "-rf", str(repo / ".dvc" / "cache")], check=True)
+    _run([*dvc, "pull", "-q"], repo, env)
+    assert data.read_text() == payload
+
+
+def test_preflight_passes_when_services_are_up(s3_env, mlflow_server, tmp_path):
+    storage.preflight(mlflow_server.url, [f"s3://{BUCKET}/ray", tmp_path])
+    out = subprocess.run(
+        [sys.executable, "-m", "bert_core.storage", "--tracking-uri", mlflow_server.url,
+         f"s3://{BUCKET}/instances"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and "preflight: ok" in out.stdout, out.stderr
+
+
+def test_preflight_fails_fast_on_unreachable_tracking_server(s3_env):
+    dead = f"http://127.0.0.1:{services.free_port()}"
+    with pytest.raises(BertError, match=r"MLflow tracking server .* is unreachable"):
+        storage.preflight(dead, [f"s3://{BUCKET}/ray"], timeout=2)
+    out = subprocess.run(
+        [sys.executable, "-m", "bert_core.storage", "--tracking-uri", dead],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert f"preflight: error: MLflow tracking server {dead} is unreachable" in out.stderr
+
+
+def test_preflight_fails_fast_on_missing_bucket(s3_env, mlflow_server):
+    missing = r"bucket 'no-such-bucket' at http://127\.0\.0\.1:\d+ does not exist"
+    with pytest.raises(BertError, match=missing):
+        storage.preflight(mlflow_server.url, ["s3://no-such-bucket/ray"], timeout=2)
+
+
+def test_preflight_fails_fast_on_unreachable_s3_endpoint(s3_env, monkeypatch):
+    dead = f"http://127.0.0.1:{services.free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+    with pytest.raises(BertError, match=rf"S3 endpoint {dead} is unreachable") as err:
+        storage.preflight(None, [f"s3://{BUCKET}/ray"], timeout=2)
+    assert FAKE_SECRET not in str(err.value)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -36,18 +38,30 @@ def _load_services():
 services = _load_services()
 
 
+@contextmanager
+def _server_credentials():
+    """The servers get the known secret too, so their logs and stores are checked for it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ACCESS_KEY_ID", "ci-access-key")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        yield
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    svc = services.start_s3(tmp_path_factory.mktemp("s3"), buckets=(BUCKET,))
+    with _server_credentials():
+        svc = services.start_s3(tmp_path_factory.mktemp("s3"), buckets=(BUCKET,))
     yield svc
     svc.stop()
 
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory, s3_server):
-    svc = services.start_mlflow(
-        tmp_path_factory.mktemp("mlflow"), s3_server.url, f"s3://{BUCKET}/mlflow"
-    )
+    with _server_credentials():
+        svc = services.start_mlflow(
+            tmp_path_factory.mktemp("mlflow"), s3_server.url, f"s3://{BUCKET}/mlflow"
+        )
     yield svc
     svc.stop()
 
@@ -92,6 +106,7 @@ def test_split_s3_rejects_non_s3():
         storage.split_s3("/tmp/x")
 
 
+@pytest.mark.slow
 def test_mlflow_server_stores_artifacts_in_bucket(s3_env, mlflow_server, tmp_path, monkeypatch):
     import mlflow
 
@@ -117,6 +132,7 @@ def _run(cmd, cwd, env):
     return out
 
 
+@pytest.mark.slow
 def test_dvc_push_wipe_pull_round_trip(s3_env, tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -182,3 +198,56 @@ def test_preflight_fails_fast_on_unreachable_s3_endpoint(s3_env, monkeypatch):
     with pytest.raises(BertError, match=rf"S3 endpoint {dead} is unreachable") as err:
         storage.preflight(None, [f"s3://{BUCKET}/ray"], timeout=2)
     assert FAKE_SECRET not in str(err.value)
+
+
+STEP = """
+import mlflow, sys
+from bert_core import storage, tracking
+storage.preflight(tracking.tracking_uri(), [sys.argv[1]])
+params = {"data": {"output": sys.argv[1]}, "optim": {"lr": 1e-4}, "seed": 12345}
+with tracking.start_run("security-check", params=params, tags={"bert.stage": "ci"}) as run:
+    mlflow.log_metric("loss", 1.25)
+    mlflow.log_dict(params, "config.json")
+    print("RUN_ID=" + run.info.run_id)
+"""
+
+
+def _files_containing(root: Path, needle: bytes) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+@pytest.mark.slow
+def test_secret_never_reaches_params_tags_logs_files_or_git(
+    s3_env, mlflow_server, tmp_path, tmp_path_factory
+):
+    """A step runs with a known AWS secret; it must show up in none of the places people read."""
+    import mlflow
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": mlflow_server.url}
+    env |= {"MLFLOW_EXPERIMENT_NAME": "infra-security", "AWS_SECRET_ACCESS_KEY": FAKE_SECRET}
+    out = subprocess.run(
+        [sys.executable, "-c", STEP, f"s3://{BUCKET}/security"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (run_id,) = re.findall(r"^RUN_ID=(\w+)$", out.stdout, re.M)
+    client = mlflow.MlflowClient(mlflow_server.url)
+    run = client.get_run(run_id)
+    assert (
+        run.data.params["optim.lr"] == "0.0001" and run.data.tags["bert.step"] == "security-check"
+    )
+    recorded = [*run.data.params.items(), *run.data.tags.items()]
+    assert not [kv for kv in recorded if FAKE_SECRET in f"{kv}"], recorded
+    assert FAKE_SECRET not in out.stdout + out.stderr
+    # Files: the step's working folder, both servers' logs and stores, every object in the bucket.
+    for folder in (tmp_path, mlflow_server.log.parent, s3_env.log.parent):
+        assert not _files_containing(folder, FAKE_SECRET.encode()), folder
+    assert all(FAKE_SECRET.encode() not in body for body in _objects().values())
+    assert any(k.endswith(f"{run_id}/artifacts/config.json") for k in _objects("mlflow/"))
+    # Git: no tracked file of the project holds it (nor any AWS-style secret assignment).
+    grep = subprocess.run(
+        ["git", "grep", "-nIE", f"{FAKE_SECRET}|aws_secret_access_key *[:=] *[A-Za-z0-9/+]{{20,}}",
+         "--", ":!tests/test_services.py"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert grep.returncode == 1 and not grep.stdout, grep.stdout

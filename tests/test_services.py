@@ -231,14 +231,24 @@ def test_secret_never_reaches_params_tags_logs_files_or_git(
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     (run_id,) = re.findall(r"^RUN_ID=(\w+)$", out.stdout, re.M)
+    # A real pipeline step, `bert clean`, with the same environment.
+    text = "The first sentence of a document. And its second one.\n\nAnother document here.\n"
+    (tmp_path / "raw.txt").write_text(text * 20)
+    clean = subprocess.run(
+        [sys.executable, "-m", "bert_core", "clean", "--input", "raw.txt", "--output", "clean"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert clean.returncode == 0, clean.stderr
+    assert list((tmp_path / "clean").glob("shard-*.txt"))
     client = mlflow.MlflowClient(mlflow_server.url)
     run = client.get_run(run_id)
-    assert (
-        run.data.params["optim.lr"] == "0.0001" and run.data.tags["bert.step"] == "security-check"
-    )
-    recorded = [*run.data.params.items(), *run.data.tags.items()]
+    assert run.data.params["optim.lr"] == "0.0001"
+    exp = client.get_experiment_by_name("infra-security")
+    runs = client.search_runs([exp.experiment_id])
+    assert {r.data.tags["bert.step"] for r in runs} == {"security-check", "clean"}
+    recorded = [kv for r in runs for kv in [*r.data.params.items(), *r.data.tags.items()]]
     assert not [kv for kv in recorded if FAKE_SECRET in f"{kv}"], recorded
-    assert FAKE_SECRET not in out.stdout + out.stderr
+    assert FAKE_SECRET not in out.stdout + out.stderr + clean.stdout + clean.stderr
     # Files: the step's working folder, both servers' logs and stores, every object in the bucket.
     for folder in (tmp_path, mlflow_server.log.parent, s3_env.log.parent):
         assert not _files_containing(folder, FAKE_SECRET.encode()), folder

@@ -1,0 +1,266 @@
+"""Pre-training batches from instance shards: a rank-aware, resumable Parquet reader.
+
+Why not Ray Data: every worker needs only a few MB/s of token ids, and on a small node the
+streaming executor's extra processes cost more CPU than the reading itself. Instead each worker
+reads its own Parquet row groups with pyarrow, in an order that is a pure function of
+(seed, epoch, rank). The data position is therefore one number, the count of samples a rank has
+consumed, and resuming is skipping that many samples using only the row-group sizes in the
+Parquet footers (no data is read to skip).
+
+Sharding: the row groups of all shards are the unit of work. Each epoch they are shuffled with
+the same seed on every rank and dealt round-robin, so ranks read disjoint data. When there are
+fewer row groups than ranks every rank reads every row group and keeps rows `rank::world_size`.
+Rows inside a row group are shuffled too (`create_pretraining_data` already shuffled globally).
+
+Dynamic masking (RoBERTa): with `masking` set, every sequence gets fresh masked positions each
+time it is read, so unmasked shards (empty `masked_lm_positions`) can be used and masked shards
+are re-masked from their original tokens.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from bert_core.errors import InputError
+
+COLUMNS = ("input_ids", "token_type_ids", "masked_lm_positions", "masked_lm_ids")
+LABEL_COLUMN = "next_sentence_label"
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """One Parquet row group: the unit that ranks share out."""
+
+    path: str
+    index: int
+    num_rows: int
+
+
+@dataclass(frozen=True)
+class MaskingConfig:
+    """RoBERTa-style dynamic masking, with BERT's 80/10/10 replacement rule."""
+
+    vocab_size: int
+    mask_id: int
+    special_ids: tuple[int, ...]
+    masked_lm_prob: float = 0.15
+    max_predictions_per_seq: int = 20
+
+
+def list_row_groups(instances_dir: str | Path) -> list[RowGroup]:
+    """All row groups of `shard-*.parquet`, after checking each shard has the expected columns."""
+    shards = sorted(Path(instances_dir).glob("shard-*.parquet"))
+    if not shards:
+        raise InputError(instances_dir, "no shard-*.parquet files (run `bert instances` first)")
+    groups = []
+    for shard in shards:
+        try:
+            meta = pq.ParquetFile(shard)
+        except Exception as e:  # pyarrow raises several types for a corrupt footer
+            raise InputError(shard, f"not a readable Parquet file ({e})") from e
+        missing = set(COLUMNS + (LABEL_COLUMN,)) - set(meta.schema_arrow.names)
+        if missing:
+            raise InputError(shard, f"missing columns {sorted(missing)}")
+        groups += [
+            RowGroup(str(shard), i, meta.metadata.row_group(i).num_rows)
+            for i in range(meta.num_row_groups)
+            if meta.metadata.row_group(i).num_rows
+        ]
+    if not groups:
+        raise InputError(instances_dir, "the shards hold no instances")
+    return groups
+
+
+def read_vocab(path: str | Path) -> dict[str, int]:
+    """vocab.txt (one token a line) -> token id."""
+    with open(path, encoding="utf-8") as f:
+        return {line.rstrip("\n"): i for i, line in enumerate(f)}
+
+
+def masking_config_from_vocab(vocab: dict[str, int], **kw) -> MaskingConfig:
+    missing = [t for t in ("[MASK]", "[CLS]", "[SEP]", "[PAD]") if t not in vocab]
+    if missing:
+        raise InputError("vocab.txt", f"missing special tokens {missing}")
+    specials = tuple(vocab[t] for t in ("[CLS]", "[SEP]", "[PAD]"))
+    return MaskingConfig(len(vocab), vocab["[MASK]"], specials, **kw)
+
+
+class InstanceStream:
+    """Endless, deterministic stream of padded batches for one rank.
+
+    `start_sample` is the data position: how many samples this rank consumed before (resume).
+    """
+
+    def __init__(
+        self,
+        groups: list[RowGroup],
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        start_sample: int = 0,
+        masking: MaskingConfig | None = None,
+        pad_id: int = 0,
+    ):
+        self.groups, self.batch_size = groups, batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.start_sample, self.masking, self.pad_id = start_sample, masking, pad_id
+
+    def _epoch_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """(row-group number, row order) for this rank in one epoch; no data read."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.groups))
+        deal = len(self.groups) >= self.world_size
+        mine = order[self.rank :: self.world_size] if deal else order
+        plan = []
+        for g in mine:
+            rows = np.random.default_rng([self.seed, epoch, g]).permutation(self.groups[g].num_rows)
+            plan.append((int(g), rows if deal else rows[self.rank :: self.world_size]))
+        return plan
+
+    def _rows(self) -> Iterator[tuple[np.ndarray, ...]]:
+        skip, epoch = self.start_sample, 0
+        while True:
+            plan = self._epoch_plan(epoch)
+            per_epoch = sum(len(rows) for _, rows in plan)
+            if per_epoch == 0:
+                raise InputError(self.groups[0].path, f"rank {self.rank} has no rows to read")
+            if skip >= per_epoch:  # whole epochs are skipped without reading anything
+                skip, epoch = skip - per_epoch, epoch + 1
+                continue
+            for g, rows in plan:
+                if skip >= len(rows):
+                    skip -= len(rows)
+                    continue
+                table = _read_group(self.groups[g])
+                for r in rows[skip:]:
+                    yield tuple(_row(col, r) for col in table[:4]) + (table[4][r],)
+                skip = 0
+            epoch += 1
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        batch, n = [], self.start_sample // self.batch_size
+        for row in self._rows():
+            batch.append(row)
+            if len(batch) == self.batch_size:
+                rng = np.random.default_rng([self.seed, self.rank, n, 7])
+                yield collate(batch, self.pad_id, self.masking, rng)
+                batch, n = [], n + 1
+
+
+def _read_group(group: RowGroup) -> list:
+    """One row group as (offsets, values) per list column plus the label array."""
+    table = pq.ParquetFile(group.path).read_row_group(group.index, columns=[*COLUMNS, LABEL_COLUMN])
+    out = []
+    for name in COLUMNS:
+        arr = table.column(name).combine_chunks()
+        out.append((arr.offsets.to_numpy(), arr.values.to_numpy()))
+    out.append(table.column(LABEL_COLUMN).to_numpy())
+    return out
+
+
+def _row(col: tuple[np.ndarray, np.ndarray], r: int) -> np.ndarray:
+    offsets, values = col
+    return values[offsets[r] : offsets[r + 1]]
+
+
+def dynamic_mask(
+    ids: np.ndarray, cfg: MaskingConfig, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mask one sequence as BERT does: choose ~masked_lm_prob of the non-special tokens, replace
+    80% by [MASK], 10% by a random token, keep 10%. Returns (input_ids, positions, labels)."""
+    candidates = np.flatnonzero(~np.isin(ids, cfg.special_ids))
+    n = min(cfg.max_predictions_per_seq, max(1, round(len(ids) * cfg.masked_lm_prob)))
+    positions = np.sort(rng.choice(candidates, size=min(n, len(candidates)), replace=False))
+    labels = ids[positions].copy()
+    ids = ids.copy()
+    u = rng.random(len(positions))
+    ids[positions[u < 0.8]] = cfg.mask_id
+    rand = positions[(u >= 0.8) & (u < 0.9)]
+    ids[rand] = rng.integers(0, cfg.vocab_size, size=len(rand))
+    return ids, positions, labels
+
+
+def collate(
+    rows: list[tuple[np.ndarray, ...]],
+    pad_id: int = 0,
+    masking: MaskingConfig | None = None,
+    rng: np.random.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """Pad a batch to its longest sequence (and longest prediction list) as the model expects:
+    positions padded with 0, labels with -100 (ignored), attention_mask 1 on real tokens."""
+    seqs = []
+    for ids, types, positions, labels, nsp in rows:
+        if masking is not None:
+            ids = ids.astype(np.int64)
+            ids[positions] = labels  # undo the stored masking, then mask afresh
+            ids, positions, labels = dynamic_mask(ids, masking, rng)
+        elif len(positions) == 0:
+            raise InputError("instances", "a sequence has no masked positions: use dynamic masking")
+        seqs.append((ids, types, positions, labels, nsp))
+    b = len(seqs)
+    length = max(len(s[0]) for s in seqs)
+    preds = max(len(s[2]) for s in seqs)
+    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+    token_type_ids = torch.zeros((b, length), dtype=torch.long)
+    attention_mask = torch.zeros((b, length), dtype=torch.long)
+    positions = torch.zeros((b, preds), dtype=torch.long)
+    labels = torch.full((b, preds), -100, dtype=torch.long)
+    for i, (ids, types, pos, lab, _) in enumerate(seqs):
+        input_ids[i, : len(ids)] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+        token_type_ids[i, : len(types)] = torch.from_numpy(np.asarray(types, dtype=np.int64))
+        attention_mask[i, : len(ids)] = 1
+        positions[i, : len(pos)] = torch.from_numpy(np.asarray(pos, dtype=np.int64))
+        labels[i, : len(lab)] = torch.from_numpy(np.asarray(lab, dtype=np.int64))
+    nsp = torch.tensor([int(s[4]) for s in seqs], dtype=torch.long)
+    return {
+        "input_ids": input_ids,
+        "token_type_ids": token_type_ids,
+        "attention_mask": attention_mask,
+        "masked_lm_positions": positions,
+        "masked_lm_labels": labels,
+        "next_sentence_label": nsp,
+    }
+
+
+def prefetch(iterable, depth: int = 4) -> Iterator:
+    """Produce items in a background thread so reading and padding overlap the training step
+    (pyarrow and numpy release the GIL). Order is unchanged, so determinism is kept."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def produce():
+        try:
+            for item in iterable:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as e:  # hand the error to the consumer
+            q.put(e)
+
+    thread = threading.Thread(target=produce, daemon=True, name="bert-prefetch")
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -1,0 +1,305 @@
+"""`bert pretrain` on real Ray (local, 2 CPUs), real MLflow, instances from the shared corpus.
+
+Ray start-up and each `TorchTrainer.fit` cost tens of seconds on 2 cores, so one Ray instance is
+shared by the module and one 2-worker run serves both the learning and the fault test.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from bert_core import pretrain as pt
+from bert_core.errors import BertError
+from bert_core.pretrain_data import (
+    InstanceStream,
+    list_row_groups,
+    masking_config_from_vocab,
+    read_vocab,
+)
+
+SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("token_type_ids", pa.list_(pa.int8())),
+        ("masked_lm_positions", pa.list_(pa.int32())),
+        ("masked_lm_ids", pa.list_(pa.int32())),
+        ("next_sentence_label", pa.int8()),
+    ]
+)
+
+
+def write_instances(
+    out: Path, text: str, *, vocab_size=1000, max_seq_len=48, shards=2, rows_per_group=64, seed=0
+) -> Path:
+    """Instance shards in the `bert instances` schema: a WordPiece vocabulary trained on `text`,
+    sentence pairs (50% random next sentence) and BERT's 80/10/10 static masking."""
+    import random
+
+    from tokenizers import BertWordPieceTokenizer
+
+    sentences = [
+        s.strip()
+        for s in re.split(r"(?<=[.!?])\s+", re.sub(r"\s+", " ", text))
+        if len(s.strip()) > 20
+    ]
+    tok = BertWordPieceTokenizer(lowercase=True)
+    tok.train_from_iterator(sentences, vocab_size=vocab_size, show_progress=False)
+    out.mkdir(parents=True)
+    tok.save_model(str(out))
+    vocab = tok.get_vocab()
+    cls, sep, mask = vocab["[CLS]"], vocab["[SEP]"], vocab["[MASK]"]
+    ids = [e.ids[1:-1] for e in tok.encode_batch(sentences)]
+    rng, budget = random.Random(seed), (max_seq_len - 3) // 2
+    rows: dict[str, list] = {name: [] for name in SCHEMA.names}
+    for i in range(len(ids) - 1):
+        is_random = rng.random() < 0.5
+        a, b = ids[i][:budget], ids[rng.randrange(len(ids)) if is_random else i + 1][:budget]
+        seq = [cls, *a, sep, *b, sep]
+        candidates = [j for j, t in enumerate(seq) if t not in (cls, sep)]
+        positions = sorted(rng.sample(candidates, min(20, max(1, round(0.15 * len(seq))))))
+        labels = [seq[j] for j in positions]
+        for j in positions:
+            r = rng.random()
+            seq[j] = mask if r < 0.8 else seq[j] if r < 0.9 else rng.randrange(len(vocab))
+        for name, value in zip(
+            SCHEMA.names,
+            (seq, [0] * (len(a) + 2) + [1] * (len(b) + 1), positions, labels, int(is_random)),
+            strict=True,
+        ):
+            rows[name].append(value)
+    table = pa.table(rows, schema=SCHEMA)
+    n = table.num_rows
+    for s in range(shards):
+        lo, hi = s * n // shards, (s + 1) * n // shards
+        pq.write_table(
+            table.slice(lo, hi - lo), out / f"shard-{s:05d}.parquet", row_group_size=rows_per_group
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def instances(tmp_path_factory, shared_data) -> Path:
+    text = (shared_data / "corpus" / "pride_and_prejudice.txt").read_text(encoding="utf-8-sig")
+    # ~40k characters (about 450 sequences): small enough that a tiny BERT learns it within a
+    # couple of hundred steps on 2 CPUs
+    return write_instances(tmp_path_factory.mktemp("pt") / "instances", text[2000:42_000])
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    torch.set_num_threads(1)
+    pt.init_local_ray(2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, monkeypatch) -> str:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("BERT_PARENT_RUN_ID", raising=False)
+    return uri
+
+
+def small_config(instances: Path, output: Path, **kw) -> pt.PretrainConfig:
+    base = dict(
+        instances=str(instances),
+        output=str(output),
+        preset="tiny",
+        batch_size=32,
+        learning_rate=5e-3,
+        warmup_steps=20,
+        log_every=10,
+        seed=7,
+    )
+    return pt.PretrainConfig(**{**base, **kw})
+
+
+# ---------------------------------------------------------------- no Ray
+
+
+def test_stream_is_resumable_and_ranks_are_disjoint(instances):
+    groups = list_row_groups(instances)
+    assert len(groups) >= 4
+    full = InstanceStream(groups, batch_size=8, seed=3)
+    it = iter(full)
+    batches = [next(it) for _ in range(6)]
+    resumed = next(iter(InstanceStream(groups, batch_size=8, seed=3, start_sample=8 * 4)))
+    for key, value in batches[4].items():
+        assert torch.equal(value, resumed[key]), key
+
+    def first_ids(rank: int) -> set[tuple[int, ...]]:
+        b = next(iter(InstanceStream(groups, batch_size=64, rank=rank, world_size=2, seed=3)))
+        return {
+            tuple(row[m.bool()].tolist())
+            for row, m in zip(b["input_ids"], b["attention_mask"], strict=True)
+        }
+
+    assert not first_ids(0) & first_ids(1)
+
+
+def test_batches_are_padded_and_dynamic_masking_remasks(instances):
+    vocab = read_vocab(instances / "vocab.txt")
+    masking = masking_config_from_vocab(vocab)
+    static = next(iter(InstanceStream(list_row_groups(instances), batch_size=16, seed=1)))
+    dynamic = next(
+        iter(InstanceStream(list_row_groups(instances), batch_size=16, seed=1, masking=masking))
+    )
+    lengths = static["attention_mask"].sum(1)
+    assert static["input_ids"].shape[1] == lengths.max()
+    assert (static["input_ids"][static["attention_mask"] == 0] == vocab["[PAD]"]).all()
+    assert not torch.equal(static["masked_lm_positions"], dynamic["masked_lm_positions"])
+    # the original tokens are restored before re-masking: labels agree with the static tokens
+    # wherever the static batch left the token visible
+    pos, lab = dynamic["masked_lm_positions"], dynamic["masked_lm_labels"]
+    visible = static["input_ids"].gather(1, pos)
+    static_masked = torch.zeros_like(static["input_ids"], dtype=torch.bool)
+    sp = static["masked_lm_positions"]
+    static_masked.scatter_(1, sp, static["masked_lm_labels"] != -100)
+    check = (lab != -100) & ~static_masked.gather(1, pos)
+    assert check.sum() > 20 and torch.equal(visible[check], lab[check])
+    specials = {vocab[t] for t in ("[CLS]", "[SEP]", "[PAD]")}
+    assert not set(lab[lab != -100].tolist()) & specials
+
+
+def test_optimizer_excludes_layernorm_and_bias_from_weight_decay():
+    from bert_core.model import BertConfig, BertForPreTraining
+
+    model = BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100))
+    cfg = pt.PretrainConfig(instances="x", output="y")
+    decay, no_decay = pt.build_optimizer(model, cfg).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert all(
+        "LayerNorm" in names[id(p)] or names[id(p)].endswith("bias") for p in no_decay["params"]
+    )
+    assert any("LayerNorm" in names[id(p)] for p in no_decay["params"])
+    assert decay["lr"] == 1e-4 and decay["betas"] == (0.9, 0.999)
+    f = pt.warmup_linear_decay(10, 100)
+    assert (
+        f(0) == pytest.approx(0.1) and f(9) == 1.0 and f(55) == pytest.approx(0.5) and f(100) == 0
+    )
+
+
+def test_bad_instances_fail_clearly(tmp_path, instances):
+    bad = tmp_path / "bad"
+    shutil.copytree(instances, bad)
+    pq.write_table(pa.table({"input_ids": [[1, 2]]}), bad / "shard-00000.parquet")
+    with pytest.raises(ValueError, match=r"shard-00000.parquet: missing columns"):
+        pt.main(["--instances", str(bad), "--output", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(BertError, match="not divisible"):
+        pt.main(
+            [
+                "--instances",
+                str(instances),
+                "--output",
+                str(tmp_path / "o"),
+                "--batch-size",
+                "3",
+                "--num-workers",
+                "2",
+            ]
+        )
+
+
+# ---------------------------------------------------------------- real Ray Train
+
+
+def most_frequent_label_share(instances: Path) -> float:
+    counts: Counter = Counter()
+    for shard in sorted(instances.glob("shard-*.parquet")):
+        counts.update(
+            pq.read_table(shard, columns=["masked_lm_ids"])
+            .column(0)
+            .combine_chunks()
+            .values.to_numpy()
+            .tolist()
+        )
+    return counts.most_common(1)[0][1] / sum(counts.values())
+
+
+@pytest.mark.slow
+def test_two_workers_learn_and_survive_a_worker_failure(
+    ray_cluster, instances, tmp_path, mlflow_uri
+):
+    """200 steps on 2 workers; rank 0 raises at step 130 once. The run must restart from the
+    step-100 checkpoint, finish all steps and have learned."""
+    out = tmp_path / "run"
+    rc = pt.main(
+        [
+            "--instances", str(instances), "--output", str(out), "--steps", "200",
+            "--batch-size", "32", "--num-workers", "2", "--learning-rate", "5e-3",
+            "--warmup-steps", "20", "--log-every", "10", "--checkpoint-every", "100",
+            "--seed", "7", "--inject-failure-at", "130",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    assert (out / ".injected_failure").read_text() == "130"
+    rows = list(csv.DictReader((out / "pretrain_metrics.csv").open()))
+    assert [int(r["step"]) for r in rows] == list(range(10, 201, 10))
+    first, last = rows[0], rows[-1]
+    # learned: MLM loss far below the start, accuracy above always guessing the commonest token
+    assert float(last["mlm_loss"]) < 0.75 * float(first["mlm_loss"])
+    baseline = most_frequent_label_share(instances)
+    assert float(last["mlm_accuracy"]) > baseline + 0.05, (last["mlm_accuracy"], baseline)
+    assert 0 < float(last["learning_rate"]) < 5e-3 and float(last["grad_norm"]) > 0
+
+    # restored from the last checkpoint (step 100), not from scratch: MLflow got steps 110, 120
+    # twice (before the failure and again after the restore) and every other step once
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(mlflow_uri)
+    (run,) = client.search_runs(client.get_experiment_by_name("bert").experiment_id)
+    assert run.data.params["num_workers"] == "2" and run.data.params["learning_rate"] == "0.005"
+    steps = Counter(m.step for m in client.get_metric_history(run.info.run_id, "mlm_loss"))
+    assert {s for s, n in steps.items() if n > 1} == {110, 120}
+    assert set(steps) == set(range(10, 201, 10))
+
+    # the final model is in the Hugging Face layout with its vocabulary, and loads
+    from bert_core.model import BertForPreTraining
+
+    model = BertForPreTraining.from_pretrained(out / "model")
+    assert (out / "model" / "vocab.txt").read_bytes() == (instances / "vocab.txt").read_bytes()
+    assert model.config.vocab_size == len(read_vocab(instances / "vocab.txt"))
+
+
+@pytest.mark.slow
+def test_stop_and_resume_equals_one_go(ray_cluster, instances, tmp_path, mlflow_uri):
+    """K steps in one go == K/2, stop, restart the same command (resumes by itself), K/2 more."""
+    kw = dict(steps=8, num_workers=2, checkpoint_every=4, log_every=2)
+    pt.pretrain(small_config(instances, tmp_path / "one", **kw))
+    half = pt.pretrain(small_config(instances, tmp_path / "two", stop_after=4, **kw))
+    assert half["step"] == 4 and not half["finished"] and not (tmp_path / "two" / "model").exists()
+    done = pt.pretrain(small_config(instances, tmp_path / "two", **kw))
+    assert done["step"] == 8 and done["finished"]
+
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "one" / "model" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+    pt.seed_all(7)
+    init = pt.build_model(
+        small_config(instances, tmp_path), len(read_vocab(instances / "vocab.txt"))
+    )
+    moved = [n for n, p in init.state_dict().items() if not torch.allclose(p, a[n])]
+    assert len(moved) > len(a) // 2  # the weights trained, so equality is not trivial
+    rows_one = list(csv.DictReader((tmp_path / "one" / "pretrain_metrics.csv").open()))
+    rows_two = list(csv.DictReader((tmp_path / "two" / "pretrain_metrics.csv").open()))
+    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == ["2", "4", "6", "8"]
+    assert np.allclose([float(r["loss"]) for r in rows_one], [float(r["loss"]) for r in rows_two])

@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         num_shards=args.num_shards,
         num_workers=args.num_workers,
     )
+    iter_input_files(args.input)  # a missing or empty input fails before the MLflow run
     from bert_core.tracking import start_run
 
     with start_run("clean", {"input": str(args.input), **asdict(cfg)}) as run:

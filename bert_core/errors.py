@@ -35,6 +35,7 @@ def atomic_dir(dest: str | os.PathLike, overwrite: bool = True) -> Iterator[Path
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; outputs are read by other users (KFP, DVC)
     try:
         yield tmp
     except BaseException:

@@ -59,6 +59,7 @@ def atomic_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
+    os.chmod(tmp, 0o644)  # mkstemp makes it 0600
     try:
         with os.fdopen(fd, mode) as f:
             yield f

@@ -258,15 +258,16 @@ class Meter:
     )
 
     def __init__(self):
-        self.sums = dict.fromkeys(self.KEYS, 0.0)
+        self.sums: dict[str, Any] = dict.fromkeys(self.KEYS, 0.0)
         self.start = time.perf_counter()
 
-    def add(self, **kw: float) -> None:
+    def add(self, **kw: float | torch.Tensor) -> None:
+        """Tensors stay on the device (no GPU sync per step); they are read at report time."""
         for k, v in kw.items():
-            self.sums[k] += float(v)
+            self.sums[k] = self.sums[k] + (v.detach().double() if torch.is_tensor(v) else v)
 
     def values(self, device: torch.device, world_size: int) -> dict[str, float]:
-        totals = all_reduce_sum([self.sums[k] for k in self.KEYS], device)
+        totals = all_reduce_sum([float(self.sums[k]) for k in self.KEYS], device)
         s = dict(zip(self.KEYS, totals, strict=True))
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         return {
@@ -281,6 +282,65 @@ class Meter:
             "data_wait_share": s["data_wait"] / world_size / elapsed,
             "_mean_seq_len": s["padded_tokens"] / max(s["sequences"], 1),
         }
+
+
+def autocast_for(device: torch.device):
+    """bf16 autocast on CUDA (as the paper's TPUs used bf16 activations); fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(
+    model: torch.nn.Module,
+    batches,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    cfg: PretrainConfig,
+    device: torch.device,
+    meter: Meter,
+    distributed: bool = False,
+) -> float:
+    """One optimizer step over `grad_accum` micro-batches; returns the learning rate used.
+
+    Shared by the Ray worker and the bare loop of bench/pretrain.py, so the bench measures
+    exactly what Ray Train adds.
+    """
+    for i in range(cfg.grad_accum):
+        t0 = time.perf_counter()
+        batch = next(batches)
+        wait = time.perf_counter() - t0
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        sync = not distributed or i == cfg.grad_accum - 1
+        # accumulation micro-steps skip DDP's gradient all-reduce; the last one syncs
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with autocast_for(device):
+                out = model(**batch)
+            (out.loss / cfg.grad_accum).backward()
+        labels = batch["masked_lm_labels"]
+        predicted = labels != -100
+        meter.add(
+            loss=out.loss,
+            mlm_loss=out.mlm_loss,
+            nsp_loss=out.nsp_loss,
+            micro=1,
+            mlm_correct=((out.mlm_logits.argmax(-1) == labels) & predicted).sum(),
+            mlm_count=predicted.sum(),
+            nsp_correct=(out.nsp_logits.argmax(-1) == batch["next_sentence_label"]).sum(),
+            nsp_count=labels.shape[0],
+            tokens=batch["attention_mask"].sum(),
+            sequences=labels.shape[0],
+            padded_tokens=batch["input_ids"].numel(),
+            data_wait=wait,
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    meter.add(grad_norm=grad_norm, steps=1)
+    return lr
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -325,11 +385,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 if torch.is_tensor(v) and k != "step":
                     s[k] = v.to(device)
     forward = torch.compile(model) if cfg.compile else model
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device.type == "cuda"
-        else contextlib.nullcontext()
-    )
 
     masking = None
     if cfg.dynamic_masking:
@@ -353,45 +408,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     end = min(total, cfg.stop_after or total)
     sink = MetricSink(loop_config) if rank == 0 else None
     peak = peak_flops(cfg, device)
-    params = list(model.parameters())
     meter = Meter()
     model.train()
 
     while step < end:
-        for i in range(cfg.grad_accum):
-            t0 = time.perf_counter()
-            batch = next(batches)
-            wait = time.perf_counter() - t0
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            sync = world == 1 or i == cfg.grad_accum - 1
-            # accumulation micro-steps skip DDP's gradient all-reduce; the last one syncs
-            with contextlib.nullcontext() if sync else model.no_sync():
-                with autocast:
-                    out = forward(**batch)
-                (out.loss / cfg.grad_accum).backward()
-            labels = batch["masked_lm_labels"]
-            predicted = labels != -100
-            meter.add(
-                loss=out.loss.detach(),
-                mlm_loss=out.mlm_loss.detach(),
-                nsp_loss=out.nsp_loss.detach(),
-                micro=1,
-                mlm_correct=((out.mlm_logits.argmax(-1) == labels) & predicted).sum(),
-                mlm_count=predicted.sum(),
-                nsp_correct=(out.nsp_logits.argmax(-1) == batch["next_sentence_label"]).sum(),
-                nsp_count=labels.shape[0],
-                tokens=batch["attention_mask"].sum(),
-                sequences=labels.shape[0],
-                padded_tokens=batch["input_ids"].numel(),
-                data_wait=wait,
-            )
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        lr = train_step(forward, batches, optimizer, scheduler, cfg, device, meter, world > 1)
         step += 1
-        meter.add(grad_norm=grad_norm.detach(), steps=1)
         _maybe_inject_failure(cfg, step)
 
         save = step % cfg.checkpoint_every == 0 or step == end

@@ -45,6 +45,7 @@ from bert_core.pretrain_data import (
     prefetch,
     read_vocab,
 )
+from bert_core.storage import filesystem, is_s3
 
 CSV_COLUMNS = (
     "step",
@@ -353,8 +354,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     torch.set_num_threads(max(1, cfg.cpus_per_worker))
-    instances = Path(cfg.instances)
-    vocab = read_vocab(instances / "vocab.txt")
+    vocab_file = _join(cfg.instances, "vocab.txt")
+    vocab = read_vocab(vocab_file)
 
     seed_all(cfg.seed)  # same initial weights on every rank
     model = build_model(cfg, len(vocab))
@@ -395,7 +396,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         )
     micro = cfg.micro_batch
     stream = InstanceStream(
-        list_row_groups(instances),
+        list_row_groups(cfg.instances),
         micro,
         rank=rank,
         world_size=world,
@@ -441,7 +442,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 metrics,
                 rank,
                 final=step == total,
-                vocab_file=instances / "vocab.txt",
+                vocab_file=vocab_file,
             )
     if sink is not None:
         sink.close()
@@ -501,7 +502,17 @@ class MetricSink:
 
 
 def _report_checkpoint(
-    cfg, model, optimizer, scheduler, step, history, metrics, rank, *, final: bool, vocab_file: Path
+    cfg,
+    model,
+    optimizer,
+    scheduler,
+    step,
+    history,
+    metrics,
+    rank,
+    *,
+    final: bool,
+    vocab_file: str | Path,
 ) -> None:
     """Every rank hands in its RNG state; rank 0 writes the checkpoint and reports it."""
     import ray.train
@@ -523,7 +534,13 @@ def _report_checkpoint(
         }
         torch.save(state, Path(tmp) / "state.pt")
         if final:
+            if is_s3(vocab_file):  # save_pretrained copies a local file
+                fs, inner = filesystem(vocab_file)
+                with fs.open_input_stream(inner) as f:
+                    (Path(tmp) / "vocab.txt").write_bytes(f.read())
+                vocab_file = Path(tmp) / "vocab.txt"
             model.save_pretrained(Path(tmp) / "model", vocab_file=vocab_file)
+            (Path(tmp) / "vocab.txt").unlink(missing_ok=True)
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(tmp),
@@ -575,15 +592,20 @@ def _storage(cfg: PretrainConfig) -> str:
 
 
 def _check_inputs(cfg: PretrainConfig) -> int:
-    instances = Path(cfg.instances)
-    if not instances.is_dir():
-        raise InputError(instances, "instances folder not found")
-    if not (instances / "vocab.txt").is_file():
-        raise InputError(instances / "vocab.txt", "not found (bert instances writes it)")
-    list_row_groups(instances)
+    """Fail before starting Ray: the instances (local or s3://) and their vocabulary exist."""
+    list_row_groups(cfg.instances)
+    vocab = read_vocab(_join(cfg.instances, "vocab.txt"))
     if cfg.init_model and not (Path(cfg.init_model) / "config.json").is_file():
         raise InputError(Path(cfg.init_model) / "config.json", "not found")
-    return len(read_vocab(instances / "vocab.txt"))
+    return len(vocab)
+
+
+def _join(base: str, name: str) -> str:
+    return f"{base.rstrip('/')}/{name}"
+
+
+def _local(path: str) -> str:
+    return path if is_s3(path) else str(Path(path).resolve())
 
 
 class _Progress:
@@ -637,7 +659,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
 
     cfg.validate()
     _check_inputs(cfg)
-    cfg.instances = str(Path(cfg.instances).resolve())
+    cfg.instances = _local(cfg.instances)
     cfg.output = str(Path(cfg.output).resolve())
     if cfg.init_model:
         cfg.init_model = str(Path(cfg.init_model).resolve())
@@ -664,7 +686,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 ),
                 run_config=ray.train.RunConfig(
                     name=cfg.run_name,
-                    storage_path=storage,
+                    storage_path=filesystem(storage)[1] if is_s3(storage) else storage,
+                    storage_filesystem=filesystem(storage)[0] if is_s3(storage) else None,
                     checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
                     failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
                 ),

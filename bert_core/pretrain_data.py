@@ -19,6 +19,7 @@ are re-masked from their original tokens.
 
 from __future__ import annotations
 
+import fnmatch
 import queue
 import threading
 from collections.abc import Iterator
@@ -26,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
 from bert_core.errors import InputError
+from bert_core.storage import filesystem
 
 COLUMNS = ("input_ids", "token_type_ids", "masked_lm_positions", "masked_lm_ids")
 LABEL_COLUMN = "next_sentence_label"
@@ -55,22 +58,34 @@ class MaskingConfig:
     max_predictions_per_seq: int = 20
 
 
+def _join(base: str | Path, name: str) -> str:
+    return f"{str(base).rstrip('/')}/{name}"
+
+
+def _parquet(path: str) -> pq.ParquetFile:
+    """A Parquet file from a local path or an s3:// URI (endpoint as in bert_core.storage)."""
+    fs, inner = filesystem(path)
+    return pq.ParquetFile(fs.open_input_file(inner))
+
+
 def list_row_groups(instances_dir: str | Path) -> list[RowGroup]:
     """All row groups of `shard-*.parquet`, after checking each shard has the expected columns."""
-    shards = sorted(Path(instances_dir).glob("shard-*.parquet"))
-    if not shards:
+    fs, base = filesystem(instances_dir)
+    infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+    names = sorted(i.base_name for i in infos if fnmatch.fnmatch(i.base_name, "shard-*.parquet"))
+    if not names:
         raise InputError(instances_dir, "no shard-*.parquet files (run `bert instances` first)")
     groups = []
-    for shard in shards:
+    for shard in (_join(instances_dir, n) for n in names):
         try:
-            meta = pq.ParquetFile(shard)
+            meta = _parquet(shard)
         except Exception as e:  # pyarrow raises several types for a corrupt footer
             raise InputError(shard, f"not a readable Parquet file ({e})") from e
         missing = set(COLUMNS + (LABEL_COLUMN,)) - set(meta.schema_arrow.names)
         if missing:
             raise InputError(shard, f"missing columns {sorted(missing)}")
         groups += [
-            RowGroup(str(shard), i, meta.metadata.row_group(i).num_rows)
+            RowGroup(shard, i, meta.metadata.row_group(i).num_rows)
             for i in range(meta.num_row_groups)
             if meta.metadata.row_group(i).num_rows
         ]
@@ -80,9 +95,14 @@ def list_row_groups(instances_dir: str | Path) -> list[RowGroup]:
 
 
 def read_vocab(path: str | Path) -> dict[str, int]:
-    """vocab.txt (one token a line) -> token id."""
-    with open(path, encoding="utf-8") as f:
-        return {line.rstrip("\n"): i for i, line in enumerate(f)}
+    """vocab.txt (one token a line) -> token id; a local path or an s3:// URI."""
+    fs, inner = filesystem(path)
+    try:
+        with fs.open_input_stream(inner) as f:
+            text = f.read().decode("utf-8")
+    except FileNotFoundError as e:
+        raise InputError(path, "vocabulary not found (bert instances writes vocab.txt)") from e
+    return {token: i for i, token in enumerate(text.splitlines())}
 
 
 def masking_config_from_vocab(vocab: dict[str, int], **kw) -> MaskingConfig:
@@ -157,7 +177,7 @@ class InstanceStream:
 
 def _read_group(group: RowGroup) -> list:
     """One row group as (offsets, values) per list column plus the label array."""
-    table = pq.ParquetFile(group.path).read_row_group(group.index, columns=[*COLUMNS, LABEL_COLUMN])
+    table = _parquet(group.path).read_row_group(group.index, columns=[*COLUMNS, LABEL_COLUMN])
     out = []
     for name in COLUMNS:
         arr = table.column(name).combine_chunks()

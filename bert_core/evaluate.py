@@ -1,0 +1,167 @@
+"""`bert evaluate`: collect fine-tuning results into one GLUE table, a plot and an MLflow run.
+
+Each `--results` folder is one `bert finetune` output; its `metrics.json` names the task and holds
+the dev metrics of the best epoch, so nothing else is needed. Task scores and the GLUE score are
+recomputed here from the metrics with the leaderboard's rule (`bert_core.glue`), never trusted
+from the input. The table is laid out like BERT's Table 1 (tasks in the paper's order, the
+paper's metric per task, MNLI as matched/mismatched) with the GLUE score added; when fewer than
+nine tasks are given, the score is the mean over those present and is marked partial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from bert_core.errors import InputError, atomic_dir
+from bert_core.glue import TASKS, get_task, glue_score, task_score
+
+# BERT's Table 1 column order, with WNLI (left out of the paper's table) at the end.
+TABLE_ORDER = ["MNLI", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE", "WNLI"]
+
+
+def load_result(folder: str | Path) -> tuple[str, dict[str, float]]:
+    """(task name, metrics) from one fine-tuning output folder, validated."""
+    path = Path(folder) / "metrics.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (is {folder} a `bert finetune` output?)")
+    try:
+        data = json.loads(path.read_text())
+        task = get_task(str(data["task"]))
+        metrics = {str(k): float(v) for k, v in data["metrics"].items()}
+    except json.JSONDecodeError as e:
+        raise InputError(path, f"not valid JSON: {e.msg}", line=e.lineno) from e
+    except (KeyError, TypeError, AttributeError) as e:
+        raise InputError(path, "expected {'task': NAME, 'metrics': {NAME: number}}") from e
+    except ValueError as e:
+        raise InputError(path, str(e)) from e
+    missing = [m for m in task.metric_names() if not math.isfinite(metrics.get(m, math.nan))]
+    if missing:
+        raise InputError(path, f"{task.name}: missing or non-finite metrics {missing}")
+    return task.name, metrics
+
+
+def collect(folders: list[str | Path]) -> dict:
+    """glue_results.json's content: per-task metrics and scores, and the GLUE score."""
+    tasks: dict[str, dict] = {}
+    for folder in folders:
+        name, metrics = load_result(folder)
+        if name in tasks:
+            raise InputError(
+                Path(folder) / "metrics.json", f"{name} given twice (also {tasks[name]['source']})"
+            )
+        score = task_score(TASKS[name], metrics)
+        tasks[name] = {"metrics": metrics, "score": score, "source": str(folder)}
+    ordered = {t: tasks[t] for t in TABLE_ORDER if t in tasks}
+    return {
+        "tasks": ordered,
+        "glue_score": glue_score({t: r["score"] for t, r in ordered.items()}),
+        "num_tasks": len(ordered),
+        "complete": len(ordered) == len(TASKS),
+        "rule": "mean over tasks of the task score; a task's score is the mean of its metrics "
+        "(MRPC, QQP: F1/accuracy; STS-B: Pearson/Spearman; MNLI: matched/mismatched accuracy)",
+    }
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def _paper_cell(name: str, metrics: dict[str, float]) -> str:
+    if name == "MNLI":
+        return f"{_pct(metrics['matched_accuracy'])}/{_pct(metrics['mismatched_accuracy'])}"
+    return _pct(metrics[TASKS[name].paper_metric])
+
+
+def markdown_table(results: dict, system: str) -> str:
+    """Table 1 layout (the paper's metric per task) plus every metric and each task's score."""
+    tasks = results["tasks"]
+    heads = ["MNLI-(m/mm)" if t == "MNLI" else t for t in TABLE_ORDER]
+    cells = [_paper_cell(t, tasks[t]["metrics"]) if t in tasks else "-" for t in TABLE_ORDER]
+    partial = "" if results["complete"] else f" ({results['num_tasks']}/9 tasks)"
+    lines = [
+        "| System | " + " | ".join(heads) + " | GLUE score |",
+        "|---" * (len(heads) + 2) + "|",
+        f"| {system} | " + " | ".join(cells) + f" | {results['glue_score']:.1f}{partial} |",
+        "",
+        "Dev-set metrics in percent. Table 1's metric per task: F1 for QQP and MRPC, Spearman "
+        "for STS-B, Matthews correlation for CoLA, accuracy for the others. GLUE score: mean of "
+        "the task scores, a task's score being the mean of its metrics.",
+        "",
+        "| Task | Metrics | Task score |",
+        "|---|---|---|",
+    ]
+    for name, r in tasks.items():
+        ms = ", ".join(f"{k} {_pct(v)}" for k, v in r["metrics"].items())
+        lines.append(f"| {name} | {ms} | {r['score']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_scores(results: dict, path: Path, system: str) -> None:
+    """Bar chart of task scores with the GLUE score as a line (for the run's report)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["tasks"])
+    scores = [results["tasks"][t]["score"] for t in names]
+    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(names), 4))
+    bars = ax.bar(names, scores, color="#4c72b0")
+    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.axhline(results["glue_score"], color="#c44e52", linestyle="--")
+    ax.text(
+        len(names) - 0.5,
+        results["glue_score"],
+        f"GLUE {results['glue_score']:.1f}",
+        color="#c44e52",
+        ha="right",
+        va="bottom",
+    )
+    ax.set_ylim(min(0.0, *scores) - 5, 100)
+    ax.set_ylabel("task score (dev, %)")
+    ax.set_title(f"{system}: GLUE dev scores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def evaluate(folders: list[str | Path], output: str | Path, system: str = "BERT (ours)") -> dict:
+    results = collect(folders)
+    with atomic_dir(output) as tmp:
+        (tmp / "glue_results.json").write_text(json.dumps(results, indent=2) + "\n")
+        (tmp / "glue_table.md").write_text(markdown_table(results, system))
+        plot_scores(results, tmp / "glue_scores.png", system)
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bert evaluate", description=__doc__.split("\n")[0])
+    p.add_argument("--results", nargs="+", required=True, help="`bert finetune` output folders")
+    p.add_argument("--output", required=True, help="folder for glue_results.json, table, plot")
+    p.add_argument("--system", default="BERT (ours)", help="row name in the table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from bert_core.tracking import start_run
+
+    results = evaluate(args.results, args.output, args.system)
+    with start_run("evaluate", {"results": args.results, "system": args.system}):
+        import mlflow
+
+        mlflow.log_metric("glue_score", results["glue_score"])
+        for name, r in results["tasks"].items():
+            mlflow.log_metric(f"{name}.score", r["score"])
+            mlflow.log_metrics({f"{name}.{k}": 100 * v for k, v in r["metrics"].items()})
+        mlflow.log_artifacts(str(args.output), artifact_path="glue")
+    print(Path(args.output) / "glue_table.md")
+    print(markdown_table(results, args.system).split("\n\n")[0])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

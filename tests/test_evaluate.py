@@ -1,0 +1,115 @@
+"""`bert evaluate`: metrics.json folders -> GLUE results, Table-1 layout, plot, MLflow run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import mlflow
+import pytest
+
+from bert_core import cli
+from bert_core.evaluate import collect
+
+# BERT-Large's GLUE test numbers (paper Table 1 + leaderboard); the leaderboard's score is 80.5.
+BERT_LARGE = {
+    "CoLA": {"mcc": 0.605},
+    "SST-2": {"accuracy": 0.949},
+    "MRPC": {"f1": 0.893, "accuracy": 0.854},
+    "STS-B": {"pearson": 0.876, "spearman": 0.865},
+    "QQP": {"f1": 0.721, "accuracy": 0.893},
+    "MNLI": {"matched_accuracy": 0.867, "mismatched_accuracy": 0.859},
+    "QNLI": {"accuracy": 0.927},
+    "RTE": {"accuracy": 0.701},
+    "WNLI": {"accuracy": 0.651},
+}
+
+
+@pytest.fixture
+def mlflow_env(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # artifacts of the sqlite store land under the cwd
+    return uri
+
+
+def _results(root, tasks: dict[str, dict]) -> list[str]:
+    dirs = []
+    for name, metrics in tasks.items():
+        d = root / f"ft-{name}"
+        d.mkdir(parents=True)
+        (d / "metrics.json").write_text(json.dumps({"task": name, "metrics": metrics, "x": 1}))
+        dirs.append(str(d))
+    return dirs
+
+
+def test_full_glue_table_plot_and_mlflow(tmp_path, mlflow_env):
+    dirs = _results(tmp_path, BERT_LARGE)
+    out = tmp_path / "glue"
+    assert cli.main(["evaluate", "--results", *dirs, "--output", str(out)]) == 0
+
+    results = json.loads((out / "glue_results.json").read_text())
+    assert round(results["glue_score"], 1) == 80.5 and results["complete"] is True
+    assert list(results["tasks"]) == [
+        "MNLI", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE", "WNLI"
+    ]  # fmt: skip
+    assert results["tasks"]["MRPC"]["score"] == pytest.approx(87.35)
+    table = (out / "glue_table.md").read_text()
+    header, _, row = table.splitlines()[:3]
+    assert header.startswith("| System | MNLI-(m/mm) | QQP | QNLI | SST-2 | CoLA | STS-B | MRPC")
+    # Paper's Table 1 row for BERT-Large, then WNLI and the GLUE score.
+    assert row == (
+        "| BERT (ours) | 86.7/85.9 | 72.1 | 92.7 | 94.9 | 60.5 | 86.5 | 89.3 | 70.1 | 65.1 | 80.5 |"
+    )
+    png = (out / "glue_scores.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+    runs = mlflow.search_runs(experiment_names=["bert"], output_format="list")
+    (run,) = [r for r in runs if r.data.tags.get("bert.step") == "evaluate"]
+    assert run.data.metrics["glue_score"] == pytest.approx(results["glue_score"])
+    assert run.data.metrics["CoLA.mcc"] == pytest.approx(60.5)
+    arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "glue")}
+    assert arts == {"glue/glue_results.json", "glue/glue_table.md", "glue/glue_scores.png"}
+
+
+def test_partial_results_are_marked(tmp_path):
+    dirs = _results(tmp_path, {"SST-2": {"accuracy": 0.9}, "MRPC": {"f1": 0.8, "accuracy": 0.7}})
+    results = collect(dirs)
+    assert results["glue_score"] == pytest.approx((90 + 75) / 2)
+    assert results["complete"] is False and results["num_tasks"] == 2
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ({"task": "SQuAD", "metrics": {"f1": 0.5}}, "unknown GLUE task 'SQuAD'"),
+        ({"task": "STS-B", "metrics": {"pearson": 0.5}}, r"missing or non-finite .*spearman"),
+        ({"metrics": {"accuracy": 0.5}}, "expected {'task'"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_results_fail_without_output(tmp_path, content, message):
+    d = tmp_path / "ft"
+    d.mkdir()
+    text = content if isinstance(content, str) else json.dumps(content)
+    (d / "metrics.json").write_text(text)
+    out = tmp_path / "glue"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bert_core", "evaluate", "--results", str(d), "--output", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "bert evaluate: error:" in proc.stderr and "metrics.json" in proc.stderr
+    assert re.search(message, proc.stderr), proc.stderr
+    assert not out.exists()
+
+
+def test_duplicate_task_and_missing_folder(tmp_path):
+    dirs = _results(tmp_path, {"RTE": {"accuracy": 0.6}})
+    with pytest.raises(ValueError, match="RTE given twice"):
+        collect(dirs + dirs)
+    with pytest.raises(FileNotFoundError, match="is .* a `bert finetune` output"):
+        collect([tmp_path / "nothing"])

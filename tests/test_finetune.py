@@ -1,0 +1,248 @@
+"""`bert finetune`: a tiny BERT learns real SST-2, outputs are consistent, bad input fails clean."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+
+from bert_core import cli
+from bert_core.finetune import (
+    FinetuneConfig,
+    build_optimizer,
+    collate,
+    featurize,
+    load_tokenizer,
+    predict,
+    to_predictions,
+)
+from bert_core.glue import Example, compute_metrics, get_task, read_task
+from bert_core.model import BertConfig, BertForSequenceClassification
+
+
+@pytest.fixture(scope="module")
+def mlflow_env(tmp_path_factory):
+    """One MLflow database for the module: creating its tables takes seconds."""
+    root = tmp_path_factory.mktemp("mlflow")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        mp.chdir(root)  # the sqlite store puts artifacts under the cwd
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, minilm_dir):
+    """A randomly initialised `tiny` BERT (2 layers, 128 wide) with bert-base-uncased's vocab."""
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig.from_preset("tiny")).save_pretrained(
+        path, vocab_file=minilm_dir / "vocab.txt"
+    )
+    return path
+
+
+def _read_tsv(path):
+    with open(path, encoding="utf-8", newline="") as f:
+        return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
+@pytest.mark.slow
+def test_tiny_bert_beats_majority_on_real_sst2(tmp_path, shared_data, tiny_dir, mlflow_env):
+    out = tmp_path / "sst2"
+    sst2 = shared_data / "glue" / "SST-2"
+    argv = ["finetune", "--task", "SST-2", "--data", str(sst2), "--model", str(tiny_dir)]
+    argv += ["--output", str(out), "--epochs", "2", "--max-train-examples", "3000"]
+    argv += ["--max-seq-length", "64", "--learning-rate", "1e-3", "--seed", "1"]
+    assert cli.main(argv) == 0
+
+    result = json.loads((out / "metrics.json").read_text())
+    dev = read_task(get_task("SST-2"), sst2, "dev")["dev"]
+    majority = max(np.mean([e.label == "1" for e in dev]), np.mean([e.label == "0" for e in dev]))
+    assert result["task"] == "SST-2" and result["num_dev_examples"] == {"dev": 872}
+    assert result["num_train_examples"] == 3000 and len(result["epochs"]) == 2
+    best = max(result["epochs"], key=lambda r: r["score"])
+    assert result["best_epoch"] == best["epoch"] and result["metrics"] == best["metrics"]
+    assert result["metrics"]["accuracy"] > majority + 0.1, (result["metrics"], majority)
+
+    # dev_predictions.tsv agrees with the reported metric, row for row with the dev file.
+    rows = _read_tsv(out / "dev_predictions.tsv")
+    assert rows[0] == ["split", "guid", "label", "prediction"] and len(rows) == 873
+    assert [r[2] for r in rows[1:]] == [e.label for e in dev]
+    acc = np.mean([r[2] == r[3] for r in rows[1:]])
+    assert acc == pytest.approx(result["metrics"]["accuracy"])
+
+    # The saved model is the best epoch's: reloaded, it makes exactly those predictions.
+    model = BertForSequenceClassification.from_pretrained(out / "model")
+    assert json.loads((out / "model" / "config.json").read_text())["id2label"] == {
+        "0": "0",
+        "1": "1",
+    }
+    feats = featurize(get_task("SST-2"), dev, load_tokenizer(out / "model"), 64)
+    preds = to_predictions(get_task("SST-2"), predict(model, feats, torch.device("cpu"), 256))
+    assert [str(p) for p in preds] == [r[3] for r in rows[1:]]
+
+    # One MLflow run with a dev metric per epoch.
+    client = mlflow.MlflowClient()
+    runs = mlflow.search_runs(experiment_names=["bert"], output_format="list")
+    (run,) = [r for r in runs if r.data.tags.get("bert.step") == "finetune-SST-2"]
+    history = client.get_metric_history(run.info.run_id, "dev_accuracy")
+    assert [m.step for m in history] == [1, 2]
+    assert run.data.params["learning_rate"] == "0.001"
+
+    # ... and `bert evaluate` turns it into the GLUE table.
+    assert cli.main(["evaluate", "--results", str(out), "--output", str(tmp_path / "glue")]) == 0
+    table = (tmp_path / "glue" / "glue_table.md").read_text()
+    assert f"| {100 * result['metrics']['accuracy']:.1f} |" in table.splitlines()[2]
+
+
+def _rte(root, n_train=64):
+    """Synthetic RTE in GLUE's layout: hypothesis copies the premise (entailment) or not."""
+    rng = np.random.default_rng(0)
+    words = "the cat dog man sat ran on a mat red big house tree".split()
+    head = ["index", "sentence1", "sentence2", "label"]
+    for split, n in (("train", n_train), ("dev", 16)):
+        rows = [head]
+        for i in range(n):
+            a = " ".join(rng.choice(words, 8))
+            same = i % 2 == 0
+            b = a if same else " ".join(rng.choice(words, 8))
+            rows.append([str(i), a, b, "entailment" if same else "not_entailment"])
+        (root / f"{split}.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
+    test = [head[:3]] + [[str(100 + i), f"premise {i}", f"hypothesis {i}"] for i in range(5)]
+    (root / "test.tsv").write_text("".join("\t".join(r) + "\n" for r in test))
+
+
+def test_pair_task_writes_glue_submission(tmp_path, tiny_dir, mlflow_env):
+    data = tmp_path / "RTE"
+    data.mkdir()
+    _rte(data)
+    out = tmp_path / "out"
+    argv = ["finetune", "--task", "rte", "--data", str(data), "--model", str(tiny_dir)]
+    assert cli.main([*argv, "--output", str(out), "--epochs", "1", "--batch-size", "16"]) == 0
+    rows = _read_tsv(out / "submission" / "RTE.tsv")
+    assert rows[0] == ["index", "prediction"]
+    assert [r[0] for r in rows[1:]] == ["100", "101", "102", "103", "104"]
+    assert {r[1] for r in rows[1:]} <= {"entailment", "not_entailment"}
+    result = json.loads((out / "metrics.json").read_text())
+    assert result["task"] == "RTE" and set(result["metrics"]) == {"accuracy"}
+    preds = [r[3] for r in _read_tsv(out / "dev_predictions.tsv")[1:]]
+    assert set(preds) <= {"entailment", "not_entailment"} and len(preds) == 16
+
+
+def test_regression_task_sts_b(tmp_path, shared_data, tiny_dir, mlflow_env):
+    # The tiny model carries a 2-way head: fine-tuning on STS-B replaces it with a 1-output one.
+    out = tmp_path / "stsb"
+    argv = ["finetune", "--task", "STS-B", "--data", str(shared_data / "glue" / "STS-B")]
+    argv += ["--model", str(tiny_dir), "--output", str(out), "--epochs", "1"]
+    argv += ["--max-train-examples", "64", "--max-eval-examples", "48", "--max-seq-length", "32"]
+    assert cli.main(argv) == 0
+    result = json.loads((out / "metrics.json").read_text())
+    assert set(result["metrics"]) == {"pearson", "spearman"}
+    assert result["num_dev_examples"] == {"dev": 48}
+    rows = _read_tsv(out / "dev_predictions.tsv")[1:]
+    labels = np.array([float(r[2]) for r in rows])
+    preds = np.array([float(r[3]) for r in rows])
+    # Predictions are written to 3 places; the metric recomputed from the file agrees.
+    got = compute_metrics(get_task("STS-B"), preds, labels)
+    assert got["spearman"] == pytest.approx(result["metrics"]["spearman"], abs=0.02)
+
+
+def _tokens(tokenizer, feats, i):
+    return [tokenizer.id_to_token(int(t)) for t in feats.input_ids[i]]
+
+
+def test_pairs_packed_and_longer_side_truncated_first(minilm_dir):
+    tok = load_tokenizer(minilm_dir)
+    rte = get_task("RTE")
+    long_a = "One two three four five six seven eight nine ten"
+    examples = [
+        Example("0", long_a, "Short Pair", "entailment"),
+        Example("1", long_a, long_a, "entailment"),
+        Example("2", "x y", long_a, "entailment"),
+    ]
+    feats = featurize(rte, examples, tok, max_seq_length=12)
+    assert _tokens(tok, feats, 0) == ["[CLS]", "one", "two", "three", "four", "five", "six",
+                                      "seven", "[SEP]", "short", "pair", "[SEP]"]  # fmt: skip
+    assert feats.token_type_ids[0].tolist() == [0] * 9 + [1] * 3
+    # Equal lengths: _truncate_seq_pair pops B on ties, so A keeps the odd token.
+    assert _tokens(tok, feats, 1) == ["[CLS]", "one", "two", "three", "four", "five", "[SEP]",
+                                      "one", "two", "three", "four", "[SEP]"]  # fmt: skip
+    assert _tokens(tok, feats, 2)[:5] == ["[CLS]", "x", "y", "[SEP]", "one"]
+    assert len(feats.input_ids[2]) == 12 and feats.labels.tolist() == [0, 0, 0]
+    sst2 = featurize(get_task("SST-2"), [Example("0", long_a, None, "1")], tok, 6)
+    assert _tokens(tok, sst2, 0) == ["[CLS]", "one", "two", "three", "four", "[SEP]"]
+    assert sst2.token_type_ids[0].tolist() == [0] * 6
+
+
+def test_dynamic_padding_and_masks(minilm_dir):
+    task = get_task("SST-2")
+    examples = [Example("a", "a b c d e f", None, "1"), Example("b", "hi", None, "0")]
+    feats = featurize(task, examples, load_tokenizer(minilm_dir), 128)
+    batch = collate(feats, [0, 1])
+    assert batch["input_ids"].shape == (2, 8)  # padded to the longer one, not to 128
+    assert batch["attention_mask"].tolist() == [[1] * 8, [1, 1, 1] + [0] * 5]
+    assert batch["input_ids"][1, 3:].tolist() == [0] * 5 and batch["labels"].tolist() == [1, 0]
+
+
+def test_optimizer_schedule_and_decay_groups(tiny_dir):
+    model = BertForSequenceClassification.from_pretrained(tiny_dir)
+    cfg = FinetuneConfig(learning_rate=1e-3, warmup_proportion=0.1)
+    optimizer, scheduler = build_optimizer(model, cfg, total_steps=100)
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all("LayerNorm" in names[id(p)] or names[id(p)].endswith("bias")
+               for p in no_decay["params"])  # fmt: skip
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    lrs = []
+    for _ in range(100):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == 0.0 and lrs[5] == pytest.approx(5e-4) and lrs[10] == pytest.approx(1e-3)
+    assert lrs[55] == pytest.approx(5e-4) and lrs[99] == pytest.approx(1e-3 / 90)
+
+
+def _finetune_fails(capsys, out, *argv) -> str:
+    code = cli.main(["finetune", *argv, "--output", str(out), "--epochs", "1"])
+    assert code == 2
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))
+    return capsys.readouterr().err
+
+
+def test_bad_input_fails_without_output(tmp_path, tiny_dir, capsys, mlflow_env):
+    data = tmp_path / "RTE"
+    data.mkdir()
+    _rte(data, n_train=8)
+    out = tmp_path / "out"
+    ok = ["--data", str(data), "--model", str(tiny_dir)]
+
+    err = _finetune_fails(capsys, out, "--task", "SQuAD", *ok)
+    assert "bert finetune: error: unknown GLUE task 'SQuAD'" in err
+
+    no_vocab = tmp_path / "no_vocab"
+    shutil.copytree(tiny_dir, no_vocab)
+    (no_vocab / "vocab.txt").unlink()
+    err = _finetune_fails(
+        capsys, out, "--task", "RTE", "--data", str(data), "--model", str(no_vocab)
+    )
+    assert "no_vocab: no vocab.txt" in err
+
+    train = (data / "train.tsv").read_text().splitlines()
+    (data / "train.tsv").write_text("\n".join(train[:4] + ["5\tonly two columns"] + train[4:]))
+    err = _finetune_fails(capsys, out, "--task", "RTE", *ok)
+    assert "train.tsv:5: RTE: expected at least 4 tab-separated columns, got 2" in err
+
+    (data / "train.tsv").write_text("\n".join(train[:3] + ["7\ta\tb\tcontradiction"]))
+    err = _finetune_fails(capsys, out, "--task", "RTE", *ok)
+    assert "train.tsv:4: RTE: label 'contradiction' not in" in err
+
+    (data / "train.tsv").write_text("\n".join(train) + "\n")
+    (data / "dev.tsv").write_text("index\tsentence1\tsentence2\tlabel\n")
+    err = _finetune_fails(capsys, out, "--task", "RTE", *ok)
+    assert "dev.tsv: RTE: no examples in dev file" in err

@@ -318,7 +318,7 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
             bar.update()
-            bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}")
+            bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}", refresh=False)
         metrics, preds = evaluate_dev(task, model, dev, device, cfg.eval_batch_size)
         record = {
             "epoch": epoch,

@@ -39,6 +39,7 @@ def instances(tmp_path_factory, shared_data) -> Path:
     (root / "slice.txt").write_text(text[20_000:60_000], encoding="utf-8")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        mp.chdir(root)
         mp.delenv("BERT_PARENT_RUN_ID", raising=False)
         for argv in (
             ["clean", "--input", root / "slice.txt", "--output", root / "clean",
@@ -65,8 +66,10 @@ def ray_cluster():
 
 @pytest.fixture
 def mlflow_uri(tmp_path, monkeypatch) -> str:
+    """MLflow in tmp_path; the cwd too, since a sqlite store puts artifacts under ./mlruns."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("BERT_PARENT_RUN_ID", raising=False)
     return uri
 

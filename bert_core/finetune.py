@@ -369,7 +369,7 @@ def finetune(
 
     params = {"task": task.name, "data": str(data_dir), "model": str(model_dir), **asdict(cfg)}
     params |= {"num_train_examples": len(train_set), "device": str(device)}
-    with start_run(f"finetune-{task.name}", params) as _, atomic_dir(output) as tmp:
+    with start_run(f"finetune-{task.name}", params), atomic_dir(output) as tmp:
         import mlflow
 
         def log_epoch(r: dict) -> None:

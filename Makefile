@@ -2,8 +2,6 @@
 # Both create the virtual environment themselves (pip, the CPU torch pinned in constraints-cpu.txt).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-DATA ?= $(abspath ../shared/data)
-RUN_DIR ?= runs/default
 export PYTHONPATH := $(CURDIR)
 
 .PHONY: venv run test lint bench clean
@@ -23,8 +21,10 @@ lint: venv
 test: venv lint
 	$(PY) -m pytest -q
 
+# The whole DAG (dvc repro inside an MLflow pipeline run); settings in params.yaml, e.g.
+# `make run ARGS="-S model.preset=mini"` runs it as a DVC experiment with that override.
 run: venv
-	$(PY) -m bert_core.run_default --data $(DATA) --output $(RUN_DIR)
+	$(PY) pipelines/run_dvc.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs mlflow.db .pytest_cache .ruff_cache

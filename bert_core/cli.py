@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pretrain": ("bert_core.pretrain", "pre-train BERT with Ray Train (MLM + NSP)"),
     "finetune": ("bert_core.finetune", "fine-tune on one GLUE task"),
     "evaluate": ("bert_core.evaluate", "collect GLUE metrics into one table, plot and MLflow run"),
+    "runs": ("bert_core.runs", "compare recent pipeline runs: GLUE scores and settings (MLflow)"),
 }
 
 

@@ -1,0 +1,89 @@
+"""`bert runs`: compare recent pipeline runs, their GLUE scores and settings, in one table.
+
+Each pipeline run (`make run`, `dvc repro` through it, or a Kubeflow run) is a parent MLflow run
+in the pipeline's experiment; its scores are the ones its `evaluate` step logged. The table is a
+pandas DataFrame, newest run first, so it also reads well in a notebook (`runs_table()`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from bert_core import tracking
+
+# the settings that usually explain a difference in GLUE score
+SETTINGS = (
+    "model.preset",
+    "pretrain.steps",
+    "pretrain.batch_size",
+    "pretrain.learning_rate",
+    "vocab.vocab_size",
+    "instances.max_seq_length",
+    "finetune.epochs",
+    "finetune.max_train_examples",
+)
+
+
+def _scores(run: Any) -> dict[str, float]:
+    """GLUE scores of a pipeline run: its own, else those of its newest evaluate step."""
+    metrics = run.data.metrics
+    if "glue_score" not in metrics:
+        evaluated = tracking.child_runs(run.info.run_id, "evaluate")
+        metrics = evaluated[0].data.metrics if evaluated else {}
+    return {k: v for k, v in metrics.items() if k == "glue_score" or k.endswith(".score")}
+
+
+def runs_table(experiment: str = tracking.PIPELINE_EXPERIMENT, limit: int = 10):
+    """A DataFrame of the newest `limit` pipeline runs: when, how, settings and GLUE scores."""
+    import pandas as pd
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking.tracking_uri())
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise ValueError(f"no MLflow experiment {experiment!r} at {tracking.tracking_uri()}")
+    runs = client.search_runs(
+        [exp.experiment_id],
+        filter_string="tags.`bert.step` = 'pipeline'",
+        order_by=["attributes.start_time DESC"],
+        max_results=limit,
+    )
+    rows = []
+    for run in runs:
+        tags, params = run.data.tags, run.data.params
+        row = {
+            "run": run.info.run_id[:8],
+            "started": pd.to_datetime(run.info.start_time, unit="ms").strftime("%Y-%m-%d %H:%M"),
+            "status": run.info.status,
+            "runner": tags.get("bert.runner", "kfp" if "kfp.run_id" in tags else ""),
+            "commit": tags.get("mlflow.source.git.commit", "")[:8],
+        }
+        row.update({k: params.get(k, "") for k in SETTINGS if k in params})
+        row.update(_scores(run))
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    scores = sorted(c for c in frame.columns if c.endswith(".score"))
+    ordered = [c for c in frame.columns if c not in scores and c != "glue_score"]
+    ordered += [c for c in ["glue_score"] if c in frame.columns] + scores
+    return frame[ordered] if rows else frame
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bert runs", description=__doc__.split("\n")[0])
+    p.add_argument("--experiment", default=tracking.PIPELINE_EXPERIMENT)
+    p.add_argument("--limit", type=int, default=10, help="newest N pipeline runs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import pandas as pd
+
+    args = build_parser().parse_args(argv)
+    frame = runs_table(args.experiment, args.limit)
+    if frame.empty:
+        print(f"no pipeline runs in {args.experiment!r} yet: `make run` starts one")
+        return 0
+    with pd.option_context("display.width", 200, "display.max_columns", None):
+        print(frame.round(2).to_string(index=False))
+    return 0

@@ -1,0 +1,151 @@
+"""One Kubeflow Pipelines v2 lightweight component per pipeline step.
+
+Each component is one call of the step's `bert` command through `bert_core.tracking.kfp_step`
+(which also nests the step's MLflow run under the pipeline run, found by the KFP run id): all
+logic lives in `bert_core`, so the DAG run by KFP, by DVC and by hand is the same code.
+
+The image is the project's (infra/docker/Dockerfile), chosen at compile time with BERT_IMAGE; it
+already holds every package, so nothing is pip-installed when a step starts.
+"""
+
+import os
+from typing import List  # noqa: UP035 - KFP reads these annotations: typing.List
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
+
+DEFAULT_IMAGE = "bert-pipeline/bert:0.1.0"
+IMAGE = os.environ.get("BERT_IMAGE", DEFAULT_IMAGE)
+
+
+def component(func):
+    """A lightweight component in the project image, no run-time installs (kfp is in it too)."""
+    return dsl.component(base_image=IMAGE, packages_to_install=[], install_kfp_package=False)(func)
+
+
+@component
+def clean(corpus: str, kfp_run_id: str, cleaned: Output[Dataset]):
+    """bert clean: raw text -> sharded documents in BERT's input format."""
+    from bert_core.tracking import kfp_step
+
+    kfp_step(["clean", "--input", corpus, "--output", cleaned.path], kfp_run_id)
+
+
+@component
+def vocab(cleaned: Input[Dataset], vocab_size: int, kfp_run_id: str, wordpiece: Output[Dataset]):
+    """bert vocab: WordPiece vocab.txt + tokenizer.json."""
+    from bert_core.tracking import kfp_step
+
+    argv = ["vocab", "--input", cleaned.path, "--output", wordpiece.path]
+    kfp_step([*argv, "--vocab-size", vocab_size], kfp_run_id)
+
+
+@component
+def instances(
+    cleaned: Input[Dataset],
+    wordpiece: Input[Dataset],
+    max_seq_length: int,
+    max_predictions_per_seq: int,
+    masked_lm_prob: float,
+    dupe_factor: int,
+    random_seed: int,
+    kfp_run_id: str,
+    shards: Output[Dataset],
+):
+    """bert instances: MLM/NSP pre-training instances as Parquet shards."""
+    from bert_core.tracking import kfp_step
+
+    kfp_step(
+        ["instances", "--input", cleaned.path, "--vocab", f"{wordpiece.path}/vocab.txt"]
+        + ["--output", shards.path, "--max-seq-length", max_seq_length]
+        + ["--max-predictions-per-seq", max_predictions_per_seq]
+        + ["--masked-lm-prob", masked_lm_prob, "--dupe-factor", dupe_factor]
+        + ["--random-seed", random_seed],
+        kfp_run_id,
+    )
+
+
+@component
+def pretrain(
+    shards: Input[Dataset],
+    preset: str,
+    steps: int,
+    batch_size: int,
+    num_workers: int,
+    learning_rate: float,
+    use_gpu: bool,
+    kfp_run_id: str,
+    pretrained: Output[Model],
+    metrics: Output[Metrics],
+):
+    """bert pretrain (Ray Train); the model is logged and registered in MLflow."""
+    import os
+
+    from bert_core.tracking import kfp_step, last_pretrain_metrics, register_pretrained
+
+    kfp_step(
+        ["pretrain", "--instances", shards.path, "--output", pretrained.path, "--preset", preset]
+        + ["--steps", steps, "--batch-size", batch_size, "--num-workers", num_workers]
+        + ["--learning-rate", learning_rate]
+        + (["--use-gpu"] if use_gpu else []),
+        kfp_run_id,
+    )
+    register_pretrained(f"{pretrained.path}/model", os.environ.get("BERT_PARENT_RUN_ID"))
+    for name, value in last_pretrain_metrics(f"{pretrained.path}/pretrain_metrics.csv").items():
+        metrics.log_metric(name, value)
+
+
+@component
+def finetune(
+    pretrained: Input[Model],
+    glue_dir: str,
+    task: str,
+    epochs: int,
+    batch_size: int,
+    learning_rate: float,
+    max_seq_length: int,
+    max_train_examples: int,
+    use_gpu: bool,
+    kfp_run_id: str,
+    finetuned: Output[Model],
+    metrics: Output[Metrics],
+):
+    """bert finetune on one GLUE task (the pipeline fans this out with dsl.ParallelFor)."""
+    import json
+
+    from bert_core.tracking import kfp_step
+
+    kfp_step(
+        ["finetune", "--task", task, "--data", f"{glue_dir}/{task}"]
+        + ["--model", f"{pretrained.path}/model", "--output", finetuned.path]
+        + ["--epochs", epochs, "--batch-size", batch_size, "--learning-rate", learning_rate]
+        + ["--max-seq-length", max_seq_length, "--max-train-examples", max_train_examples]
+        + ["--device", "cuda" if use_gpu else "cpu"],
+        kfp_run_id,
+    )
+    result = json.loads(open(f"{finetuned.path}/metrics.json").read())
+    for name, value in result["metrics"].items():
+        metrics.log_metric(f"{task}.{name}", value)
+
+
+@component
+def evaluate(
+    results: Input[List[Model]],  # noqa: UP006
+    kfp_run_id: str,
+    glue: Output[Dataset],
+    table: Output[Markdown],
+    metrics: Output[Metrics],
+):
+    """bert evaluate: the GLUE table (rendered by the KFP UI as Markdown) and the GLUE score."""
+    import json
+    import shutil
+
+    from bert_core.tracking import kfp_step
+
+    folders = [r.path for r in results]
+    kfp_step(["evaluate", "--results", *folders, "--output", glue.path], kfp_run_id)
+    shutil.copyfile(f"{glue.path}/glue_table.md", table.path)
+    summary = json.loads(open(f"{glue.path}/glue_results.json").read())
+    metrics.log_metric("glue_score", summary["glue_score"])
+    for name, task in summary["tasks"].items():
+        metrics.log_metric(f"{name}.score", task["score"])

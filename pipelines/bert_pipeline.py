@@ -1,0 +1,265 @@
+"""The BERT DAG as a Kubeflow Pipelines v2 pipeline: compile it, run it locally, or submit it.
+
+    clean -> vocab -> instances -> pretrain -> finetune (ParallelFor over GLUE tasks) -> evaluate
+
+Every pipeline parameter's default comes from params.yaml (the file `dvc repro` reads too), so
+the KFP UI, DVC and `make run` start from the same settings.
+
+    python -m pipelines.bert_pipeline compile [--image IMAGE]     # writes bert_pipeline.yaml
+    python -m pipelines.bert_pipeline local [--set KEY=VALUE ...]  # whole DAG via kfp.local
+    python -m pipelines.bert_pipeline submit --host URL [--experiment E] [--run-name R] [--set ..]
+
+Pre-training and fine-tuning run on GPUs when `use_gpu` is true: KFP resources are fixed per
+task at compile time, so the pipeline holds the training part twice (a GPU and a CPU variant)
+and a `dsl.If`/`dsl.Else` on `use_gpu` picks one at run time.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = Path(__file__).with_name("bert_pipeline.yaml")
+NAME = "bert-pipeline"
+
+
+def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:
+    """params.yaml flattened to pipeline parameter names (`section_key`, `data.output` left out:
+    under KFP the artifact store decides where outputs go)."""
+    params = yaml.safe_load(path.read_text())
+    flat = {
+        f"{section}_{key}": value
+        for section, values in params.items()
+        for key, value in values.items()
+    }
+    flat.pop("data_output")
+    return flat
+
+
+P = load_params()
+
+
+def _kfp():
+    # imported lazily: `load_params` and `--help` work without KFP installed
+    from kfp import dsl
+
+    from components import steps
+
+    return dsl, steps
+
+
+def build_pipeline(lineage: bool = True):
+    """The pipeline function. `lineage` passes the KFP run id to every step (MLflow tags and the
+    parent run); since the id differs per run, KFP's cache then only hits within one run:
+    compile with lineage=False to reuse steps across runs."""
+    dsl, steps = _kfp()
+    from kfp.dsl import Dataset, Input, Markdown
+
+    run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER if lineage else ""
+
+    def train_and_evaluate(gpu: bool):
+        @dsl.pipeline(name=f"train-and-evaluate-{'gpu' if gpu else 'cpu'}")
+        def graph(
+            shards: Input[Dataset],
+            glue_dir: str,
+            tasks: list,
+            preset: str,
+            steps_: int,
+            batch_size: int,
+            num_workers: int,
+            learning_rate: float,
+            ft_epochs: int,
+            ft_batch_size: int,
+            ft_learning_rate: float,
+            ft_max_seq_length: int,
+            ft_max_train_examples: int,
+        ) -> Markdown:
+            pre = steps.pretrain(
+                shards=shards,
+                preset=preset,
+                steps=steps_,
+                batch_size=batch_size,
+                num_workers=num_workers,
+                learning_rate=learning_rate,
+                use_gpu=gpu,
+                kfp_run_id=run_id,
+            )
+            pre.set_display_name("pretrain").set_cpu_request("4").set_memory_request("16G")
+            if gpu:
+                pre.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
+            with dsl.ParallelFor(tasks, name="glue-tasks") as task:
+                ft = steps.finetune(
+                    pretrained=pre.outputs["pretrained"],
+                    glue_dir=glue_dir,
+                    task=task,
+                    epochs=ft_epochs,
+                    batch_size=ft_batch_size,
+                    learning_rate=ft_learning_rate,
+                    max_seq_length=ft_max_seq_length,
+                    max_train_examples=ft_max_train_examples,
+                    use_gpu=gpu,
+                    kfp_run_id=run_id,
+                )
+                ft.set_display_name("finetune").set_cpu_request("2").set_memory_request("8G")
+                if gpu:
+                    ft.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
+            ev = steps.evaluate(results=dsl.Collected(ft.outputs["finetuned"]), kfp_run_id=run_id)
+            ev.set_display_name("evaluate").set_cpu_request("1").set_memory_request("2G")
+            return ev.outputs["table"]
+
+        return graph
+
+    on_gpu, on_cpu = train_and_evaluate(True), train_and_evaluate(False)
+
+    @dsl.pipeline(
+        name=NAME, description="BERT: corpus -> WordPiece -> MLM/NSP -> pre-train -> GLUE"
+    )
+    def bert_pipeline(
+        data_corpus: str = P["data_corpus"],
+        data_glue: str = P["data_glue"],
+        vocab_vocab_size: int = P["vocab_vocab_size"],
+        instances_max_seq_length: int = P["instances_max_seq_length"],
+        instances_max_predictions_per_seq: int = P["instances_max_predictions_per_seq"],
+        instances_masked_lm_prob: float = P["instances_masked_lm_prob"],
+        instances_dupe_factor: int = P["instances_dupe_factor"],
+        instances_random_seed: int = P["instances_random_seed"],
+        model_preset: str = P["model_preset"],
+        pretrain_steps: int = P["pretrain_steps"],
+        pretrain_batch_size: int = P["pretrain_batch_size"],
+        pretrain_num_workers: int = P["pretrain_num_workers"],
+        pretrain_learning_rate: float = P["pretrain_learning_rate"],
+        pretrain_use_gpu: bool = P["pretrain_use_gpu"],
+        finetune_tasks: list = P["finetune_tasks"],
+        finetune_epochs: int = P["finetune_epochs"],
+        finetune_batch_size: int = P["finetune_batch_size"],
+        finetune_learning_rate: float = P["finetune_learning_rate"],
+        finetune_max_seq_length: int = P["finetune_max_seq_length"],
+        finetune_max_train_examples: int = P["finetune_max_train_examples"],
+    ):
+        cl = steps.clean(corpus=data_corpus, kfp_run_id=run_id)
+        cl.set_display_name("clean").set_cpu_request("2").set_memory_request("4G")
+        vo = steps.vocab(
+            cleaned=cl.outputs["cleaned"], vocab_size=vocab_vocab_size, kfp_run_id=run_id
+        )
+        vo.set_display_name("vocab").set_cpu_request("2").set_memory_request("4G")
+        ins = steps.instances(
+            cleaned=cl.outputs["cleaned"],
+            wordpiece=vo.outputs["wordpiece"],
+            max_seq_length=instances_max_seq_length,
+            max_predictions_per_seq=instances_max_predictions_per_seq,
+            masked_lm_prob=instances_masked_lm_prob,
+            dupe_factor=instances_dupe_factor,
+            random_seed=instances_random_seed,
+            kfp_run_id=run_id,
+        )
+        ins.set_display_name("instances").set_cpu_request("2").set_memory_request("8G")
+        train_args = dict(
+            shards=ins.outputs["shards"],
+            glue_dir=data_glue,
+            tasks=finetune_tasks,
+            preset=model_preset,
+            steps_=pretrain_steps,
+            batch_size=pretrain_batch_size,
+            num_workers=pretrain_num_workers,
+            learning_rate=pretrain_learning_rate,
+            ft_epochs=finetune_epochs,
+            ft_batch_size=finetune_batch_size,
+            ft_learning_rate=finetune_learning_rate,
+            ft_max_seq_length=finetune_max_seq_length,
+            ft_max_train_examples=finetune_max_train_examples,
+        )
+        with dsl.If(pretrain_use_gpu == True, name="use-gpu"):  # noqa: E712 - a KFP condition
+            on_gpu(**train_args).set_display_name("train-and-evaluate (GPU)")
+        with dsl.Else(name="cpu-only"):
+            on_cpu(**train_args).set_display_name("train-and-evaluate (CPU)")
+
+    return bert_pipeline
+
+
+def compile_spec(path: Path = SPEC, lineage: bool = True) -> Path:
+    from kfp import compiler
+
+    compiler.Compiler().compile(build_pipeline(lineage), str(path))
+    return path
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set finetune_tasks='["SST-2"]' --set pretrain_steps=50`: values parsed as YAML."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in P:
+            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE with KEY one of {sorted(P)}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
+    """The whole DAG through kfp.local's SubprocessRunner in this environment (no containers;
+    resource settings are ignored). Relative data paths are made absolute first."""
+    from kfp import local
+
+    args = {**P, **overrides}
+    for key in ("data_corpus", "data_glue"):
+        if "://" not in str(args[key]):
+            args[key] = str((ROOT / args[key]).resolve())
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=pipeline_root)
+    return build_pipeline()(**args)
+
+
+def submit(host: str, experiment: str, run_name: str | None, overrides: dict[str, Any]) -> str:
+    """Upload the committed spec to a KFP endpoint and start a run; returns the run id."""
+    import kfp
+
+    client = kfp.Client(host=host)
+    run = client.create_run_from_pipeline_package(
+        str(SPEC), arguments=overrides, run_name=run_name, experiment_name=experiment
+    )
+    return run.run_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipelines.bert_pipeline", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compile", help="write the pipeline spec (YAML)")
+    c.add_argument("--output", type=Path, default=SPEC)
+    c.add_argument("--image", help="component image (default: $BERT_IMAGE or the project's)")
+    c.add_argument("--no-lineage", action="store_true", help="no KFP run id in steps: cacheable")
+    lo = sub.add_parser("local", help="run the whole DAG here through kfp.local")
+    lo.add_argument("--pipeline-root", default=str(ROOT / "runs" / "kfp"))
+    lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    s = sub.add_parser("submit", help="upload the spec to a KFP endpoint and start a run")
+    s.add_argument("--host", required=True, help="KFP API endpoint, e.g. http://localhost:8080")
+    s.add_argument("--experiment", default=NAME)
+    s.add_argument("--run-name", default=None)
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    if args.command == "compile":
+        if args.image:
+            os.environ["BERT_IMAGE"] = args.image
+            sys.modules.pop("components.steps", None)
+        print(compile_spec(args.output, lineage=not args.no_lineage))
+    elif args.command == "local":
+        run_local(parse_overrides(args.set), args.pipeline_root)
+    else:
+        print(
+            json.dumps(
+                {
+                    "run_id": submit(
+                        args.host, args.experiment, args.run_name, parse_overrides(args.set)
+                    )
+                }
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

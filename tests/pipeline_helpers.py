@@ -1,0 +1,69 @@
+"""Shared by the pipeline tests: the small settings a whole DAG runs on in CI, and a throwaway
+copy of the project (the tracked files, as a fresh clone has them) with ../shared beside it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a few thousand sentences, a 1,000-piece vocabulary, 20 tiny-model steps, 200 examples a task
+SMALL = {
+    "data": {"corpus": "../shared/data/corpus/a_christmas_carol.txt"},
+    "vocab": {"vocab_size": 1000},
+    "instances": {"max_seq_length": 64},
+    "pretrain": {"steps": 20, "batch_size": 16, "num_workers": 1},
+    "finetune": {"epochs": 1, "max_train_examples": 200, "max_seq_length": 64},
+}
+
+
+def small_params(base: dict) -> dict:
+    params = {k: dict(v) for k, v in base.items()}
+    for section, values in SMALL.items():
+        params[section].update(values)
+    return params
+
+
+def project_copy(tmp: Path, shared_data: Path) -> Path:
+    """tmp/repo: the project's files (tracked, plus new ones not ignored) in a new git repo, and
+    tmp/shared -> the shared data, so params.yaml's ../shared/data paths resolve as in a clone."""
+    repo = tmp / "repo"
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file() and not src.is_symlink():
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, repo / name)
+    (tmp / "shared").mkdir()
+    os.symlink(shared_data, tmp / "shared" / "data")
+    params = small_params(yaml.safe_load((repo / "params.yaml").read_text()))
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    git = ["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci"]
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "copy"], cwd=repo, check=True)
+    return repo
+
+
+def env_for(repo: Path, tracking_uri: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BERT_PARENT", "KFP_"))}
+    env.update(
+        MLFLOW_TRACKING_URI=tracking_uri,
+        PYTHONPATH=str(repo),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        OMP_NUM_THREADS="2",
+    )
+    env.pop("MLFLOW_EXPERIMENT_NAME", None)
+    return env

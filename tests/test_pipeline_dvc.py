@@ -1,0 +1,150 @@
+"""`make run` (dvc repro in an MLflow pipeline run) end to end, in a copy of the project.
+
+Small settings (tests/pipeline_helpers.py): the same stages and commands as the default run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.pipeline_helpers import env_for, project_copy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def dvc_run(tmp_path_factory, shared_data):
+    """The DAG run twice by `pipelines/run_dvc.py` (what `make run` runs)."""
+    tmp = tmp_path_factory.mktemp("dvc")
+    repo = project_copy(tmp, shared_data)
+    env = env_for(repo, f"sqlite:///{tmp / 'mlflow.db'}")
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "pipelines/run_dvc.py"],
+            cwd=repo,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs.append(proc.stdout)
+    return repo, env, runs
+
+
+def _dvc(repo: Path, env: dict, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
+    repo, env, (first, _) = dvc_run
+    results = json.loads((repo / "runs/dvc/evaluate/glue_results.json").read_text())
+    assert sorted(results["tasks"]) == ["MRPC", "SST-2", "STS-B"]
+    for task, row in results["tasks"].items():
+        assert f"| {task} |" in first
+        assert -100 <= row["score"] <= 100
+    assert "GLUE score" in first
+    assert f"mlflow ui --backend-store-uri {env['MLFLOW_TRACKING_URI']}" in first
+    shown = json.loads(_dvc(repo, env, "metrics", "show", "--json"))
+    (metrics,) = [d["data"] for d in shown.values()]
+    (glue,) = metrics.values()
+    assert glue["data"]["glue_score"] == pytest.approx(results["glue_score"])
+
+
+def test_second_repro_is_a_no_op(dvc_run):
+    repo, env, (first, second) = dvc_run
+    assert "Running stage 'pretrain'" in first
+    assert "Running stage" not in second
+    assert "none, all cached" in second
+    assert "Data and pipelines are up to date" in _dvc(repo, env, "repro")
+
+
+def test_params_are_wired_to_their_stages(dvc_run):
+    """`dvc exp run -S model.preset=mini` works through the same params: changing a key marks
+    exactly the stages reading it as changed (a whole mini run is too slow for CI)."""
+    repo, env, _ = dvc_run
+    original = (repo / "params.yaml").read_text()
+    cases = {
+        ("model", "preset", "mini"): {"pretrain"},
+        ("vocab", "vocab_size", 1200): {"vocab"},
+        ("instances", "dupe_factor", 2): {"instances"},
+        ("finetune", "epochs", 2): {"finetune@SST-2", "finetune@MRPC", "finetune@STS-B"},
+        ("finetune", "tasks", ["SST-2", "MRPC", "STS-B", "CoLA"]): {"evaluate", "finetune@CoLA"},
+    }
+    try:
+        for (section, key, value), stages in cases.items():
+            params = yaml.safe_load(original)
+            params[section][key] = value
+            (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+            changed = set(json.loads(_dvc(repo, env, "status", "--json")))
+            assert changed == stages, (section, key, changed)
+    finally:
+        (repo / "params.yaml").write_text(original)
+    assert json.loads(_dvc(repo, env, "status", "--json")) == {}
+
+
+def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run):
+    from mlflow import MlflowClient
+
+    from bert_core import tracking
+
+    repo, env, _ = dvc_run
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name(tracking.PIPELINE_EXPERIMENT)
+    parents = client.search_runs(
+        [experiment.experiment_id],
+        filter_string="tags.`bert.step` = 'pipeline'",
+        order_by=["attributes.start_time ASC"],
+    )
+    assert len(parents) == 2
+    first, second = parents
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    corpus_md5 = lock["clean"]["deps"][0]["md5"]
+    assert first.data.tags["dvc.input.../shared/data/corpus/a_christmas_carol.txt"] == corpus_md5
+    assert (
+        first.data.tags["mlflow.source.git.commit"]
+        == subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True
+        ).stdout.strip()
+    )
+    assert first.data.params["model.preset"] == "tiny"
+    assert first.data.metrics["glue_score"] == pytest.approx(second.data.metrics["glue_score"])
+
+    children = {r.data.tags["dvc.stage"]: r for r in tracking.child_runs(first.info.run_id)}
+    assert set(children) == set(lock)  # one nested run per stage, all in this experiment
+    for stage, run in children.items():
+        assert run.info.experiment_id == experiment.experiment_id
+        assert run.info.status == "FINISHED"
+        for dep in lock[stage]["deps"]:
+            assert run.data.tags[f"dvc.dep.{dep['path']}"] == dep["md5"], stage
+    assert children["pretrain"].data.metrics["loss"] > 0
+    assert 0 <= children["finetune@SST-2"].data.metrics["best_dev_accuracy"] <= 1
+    assert children["evaluate"].data.metrics["glue_score"] == first.data.metrics["glue_score"]
+    assert tracking.child_runs(second.info.run_id) == []  # cached: nothing re-ran
+
+    (version,) = client.search_model_versions(f"name='{tracking.REGISTERED_MODEL}'")
+    assert version.run_id == children["pretrain"].info.run_id
+    files = {Path(f.path).name for f in client.list_artifacts(version.run_id, "model")}
+    assert {"config.json", "model.safetensors", "vocab.txt"} <= files
+
+    table = subprocess.run(
+        [sys.executable, "-m", "bert_core", "runs"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert first.info.run_id[:8] in table and second.info.run_id[:8] in table
+    assert f"{first.data.metrics['glue_score']:.2f}" in table

@@ -1,0 +1,115 @@
+"""MLflow lineage: pipeline parent runs, nested step runs (also from other processes, as DVC and
+Kubeflow start them), the KFP parent found by run id, model registration and `bert runs`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from mlflow import MlflowClient
+
+from bert_core import tracking
+from bert_core.cli import main as bert
+
+CHILD = """
+import mlflow
+from bert_core.tracking import start_run
+with start_run("instances", {"dupe_factor": 5}) as run:
+    mlflow.log_metric("instances", 1234.0)
+print(run.info.run_id)
+"""
+
+
+@pytest.fixture
+def uri(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    for key in ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "KFP_RUN_ID", "DVC_STAGE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return uri
+
+
+def test_step_processes_nest_under_the_pipeline_run(uri):
+    params = {"model": {"preset": "tiny"}, "pretrain": {"steps": 20}}
+    with tracking.start_pipeline_run(params=params, tags={"bert.runner": "test"}) as parent:
+        assert os.environ["BERT_PARENT_RUN_ID"] == parent.info.run_id
+        env = {**os.environ, "DVC_STAGE": "instances"}
+        child_id = subprocess.run(
+            [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+    assert "BERT_PARENT_RUN_ID" not in os.environ  # restored when the pipeline run ends
+
+    client = MlflowClient(uri)
+    parent = client.get_run(parent.info.run_id)
+    assert parent.data.params == {"model.preset": "tiny", "pretrain.steps": "20"}
+    assert parent.data.tags["bert.runner"] == "test"
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.name == tracking.PIPELINE_EXPERIMENT
+    (child,) = tracking.child_runs(parent.info.run_id)
+    assert child.info.run_id == child_id
+    assert child.info.experiment_id == parent.info.experiment_id
+    assert child.data.tags["dvc.stage"] == "instances"
+    assert child.data.params == {"dupe_factor": "5"}
+    assert child.data.metrics == {"instances": 1234.0}
+
+
+def test_kfp_steps_share_one_parent_per_kfp_run(uri, monkeypatch, capsys):
+    monkeypatch.setenv("BERT_PARENT_RUN_ID", "")  # kfp_step sets these: restore after the test
+    monkeypatch.setenv("KFP_RUN_ID", "")
+    first = tracking.kfp_parent_run("4f1c-run-a")
+    assert tracking.kfp_parent_run("4f1c-run-a") == first
+    assert tracking.kfp_parent_run("77aa-run-b") != first
+
+    tracking.kfp_step(["runs"], "4f1c-run-a")  # a real `bert` command, as a component runs it
+    assert os.environ["BERT_PARENT_RUN_ID"] == first
+    assert os.environ["KFP_RUN_ID"] == "4f1c-run-a"
+    assert "kfp" in capsys.readouterr().out  # `bert runs` lists the two KFP pipeline runs
+    with pytest.raises(RuntimeError, match="bert runs exited with code 2"):
+        tracking.kfp_step(["runs", "--limit", "x"], "{{$.pipeline_job_uuid}}")
+
+
+def test_register_pretrained_logs_and_versions_the_model(uri, tmp_path):
+    import torch
+
+    from bert_core.model import BertConfig, BertForPreTraining
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefgh"]))
+    model = BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=13))
+    model.save_pretrained(tmp_path / "model", vocab_file=vocab)
+    with tracking.start_pipeline_run() as parent:
+        with tracking.start_run("pretrain", {"steps": 1}):
+            pass
+        first = tracking.register_pretrained(tmp_path / "model", parent.info.run_id)
+        second = tracking.register_pretrained(tmp_path / "model", parent.info.run_id)
+    (pretrain,) = tracking.child_runs(parent.info.run_id, "pretrain")
+    assert (int(first.version), int(second.version)) == (1, 2)
+    assert first.run_id == pretrain.info.run_id
+    assert first.tags == {"bert.hidden_size": "128", "bert.num_hidden_layers": "2"}
+    import mlflow
+
+    local = mlflow.artifacts.download_artifacts(f"models:/{tracking.REGISTERED_MODEL}/1")
+    loaded = BertForPreTraining.from_pretrained(local)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_bert_runs_compares_pipeline_runs(uri, capsys):
+    assert bert(["runs"]) == 2  # no experiment yet: a clear error
+    assert "no MLflow experiment 'bert-pipeline'" in capsys.readouterr().err
+    for preset, score in (("tiny", 41.5), ("mini", 63.25)):
+        with tracking.start_pipeline_run(params={"model": {"preset": preset}}):
+            with tracking.start_run("evaluate"):
+                import mlflow
+
+                mlflow.log_metrics({"glue_score": score, "SST-2.score": score + 1})
+    assert bert(["runs"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, newest, oldest = lines
+    assert header.split()[-2:] == ["glue_score", "SST-2.score"]
+    assert "model.preset" in header
+    assert newest.split()[-3:] == ["mini", "63.25", "64.25"]
+    assert oldest.split()[-3:] == ["tiny", "41.50", "42.50"]

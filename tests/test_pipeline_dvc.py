@@ -75,15 +75,15 @@ def test_params_are_wired_to_their_stages(dvc_run):
     exactly the stages reading it as changed (a whole mini run is too slow for CI)."""
     repo, env, _ = dvc_run
     original = (repo / "params.yaml").read_text()
-    cases = {
-        ("model", "preset", "mini"): {"pretrain"},
-        ("vocab", "vocab_size", 1200): {"vocab"},
-        ("instances", "dupe_factor", 2): {"instances"},
-        ("finetune", "epochs", 2): {"finetune@SST-2", "finetune@MRPC", "finetune@STS-B"},
-        ("finetune", "tasks", ["SST-2", "MRPC", "STS-B", "CoLA"]): {"evaluate", "finetune@CoLA"},
-    }
+    cases = [
+        ("model", "preset", "mini", {"pretrain"}),
+        ("vocab", "vocab_size", 1200, {"vocab"}),
+        ("instances", "dupe_factor", 2, {"instances"}),
+        ("finetune", "epochs", 2, {"finetune@SST-2", "finetune@MRPC", "finetune@STS-B"}),
+        ("finetune", "tasks", ["SST-2", "MRPC", "STS-B", "CoLA"], {"evaluate", "finetune@CoLA"}),
+    ]
     try:
-        for (section, key, value), stages in cases.items():
+        for section, key, value, stages in cases:
             params = yaml.safe_load(original)
             params[section][key] = value
             (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -94,12 +94,13 @@ def test_params_are_wired_to_their_stages(dvc_run):
     assert json.loads(_dvc(repo, env, "status", "--json")) == {}
 
 
-def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run):
+def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch):
     from mlflow import MlflowClient
 
     from bert_core import tracking
 
     repo, env, _ = dvc_run
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     experiment = client.get_experiment_by_name(tracking.PIPELINE_EXPERIMENT)
     parents = client.search_runs(

@@ -4,6 +4,7 @@ requests follow `use_gpu`, and the whole DAG runs end to end through kfp.local."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,7 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     settings = {
         "data_corpus": str(shared_data / "corpus" / "a_christmas_carol.txt"),
         "data_glue": str(shared_data / "glue"),
+        "finetune_tasks": ["SST-2", "STS-B"],  # a fan-out of two keeps CI time down
         **{
             f"{section}_{key}": value
             for section, values in SMALL.items()
@@ -98,15 +100,16 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
-    assert "Pipeline 'bert-pipeline' finished with status SUCCESS" in log.replace("\x1b", "")
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", log)  # kfp.local colours its log
+    assert "Pipeline 'bert-pipeline' finished with status SUCCESS" in plain
 
     (table,) = (tmp_path / "root").glob("bert-pipeline-*/evaluate*/table")
     markdown = table.read_text()
-    for task in ("SST-2", "MRPC", "STS-B"):
+    for task in ("SST-2", "STS-B"):
         assert f"| {task} |" in markdown
     (metrics,) = (tmp_path / "root").glob("bert-pipeline-*/evaluate*/executor_output.json")
     scores = json.loads(metrics.read_text())["artifacts"]["metrics"]["artifacts"][0]["metadata"]
-    assert {"glue_score", "SST-2.score", "MRPC.score", "STS-B.score"} <= set(scores)
+    assert {"glue_score", "SST-2.score", "STS-B.score"} <= set(scores)
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     client = MlflowClient(uri)
@@ -117,8 +120,7 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     kfp_run_id = parent.data.tags["kfp.run_id"]
     steps = {r.data.tags["bert.step"]: r for r in tracking.child_runs(parent.info.run_id)}
     assert set(steps) == {
-        "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-MRPC",
-        "finetune-STS-B", "evaluate",
+        "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B", "evaluate",
     }  # fmt: skip
     for run in steps.values():
         assert run.data.tags["kfp.run_id"] == kfp_run_id

@@ -27,4 +27,4 @@ run: venv
 	$(PY) pipelines/run_dvc.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs mlflow.db .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs mlflow.db mlruns .dvc/cache .dvc/tmp .pytest_cache .ruff_cache

@@ -1,0 +1,179 @@
+"""CoNLL-2003 NER: reading (IOB1/IOB2), WordPiece windows, seqeval scores, fine-tuning via the CLI."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from bert_core import cli
+from bert_core.finetune import load_tokenizer
+from bert_core.model import BertConfig, BertForPreTraining
+from bert_core.ner import (
+    LABELS,
+    download,
+    entity_metrics,
+    featurize,
+    iob1_to_iob2,
+    read_conll,
+)
+
+torch.set_num_threads(2)
+
+
+def test_iob1_is_normalised_to_iob2() -> None:
+    # IOB1: an entity starts with I-; B- only splits two adjacent entities of one type
+    iob1 = ["I-PER", "I-PER", "O", "I-LOC", "B-LOC", "I-ORG", "I-MISC"]
+    assert iob1_to_iob2(iob1) == ["B-PER", "I-PER", "O", "B-LOC", "B-LOC", "B-ORG", "B-MISC"]
+    iob2 = ["B-ORG", "I-ORG", "O", "B-PER", "B-PER", "I-PER"]
+    assert iob1_to_iob2(iob2) == iob2
+
+
+def test_seqeval_strict_scores_on_hand_made_tags() -> None:
+    gold = [["B-PER", "I-PER", "O", "B-LOC"], ["B-ORG", "I-ORG", "I-ORG", "O", "B-MISC"]]
+    pred = [
+        ["B-PER", "I-PER", "O", "I-LOC"],  # PER right; LOC starts with I-: not an entity (strict)
+        ["B-ORG", "I-ORG", "O", "O", "B-MISC"],  # ORG boundary wrong; MISC right
+    ]
+    m = entity_metrics(gold, pred)
+    # 4 gold entities, 3 predicted (PER, ORG[0:2], MISC), 2 right
+    assert m["precision"] == pytest.approx(2 / 3)
+    assert m["recall"] == pytest.approx(2 / 4)
+    assert m["f1"] == pytest.approx(2 * (2 / 3) * 0.5 / (2 / 3 + 0.5))
+    assert m["per_type"]["PER"]["f1"] == 1.0 and m["per_type"]["LOC"]["recall"] == 0.0
+    assert m["per_type"]["ORG"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 1}
+    assert m["accuracy"] == pytest.approx(7 / 9)
+    # the same IOB1 prediction, normalised to IOB2 first, finds the LOC entity
+    m = entity_metrics(gold[:1], [iob1_to_iob2(pred[0])])
+    assert m["f1"] == 1.0
+
+
+def test_reads_iob1_original_format(tmp_path: Path) -> None:
+    f = tmp_path / "eng.train"
+    f.write_text(
+        "-DOCSTART- -X- O O\n\nEU NNP I-NP I-ORG\nrejects VBZ I-VP O\nGerman JJ I-NP I-MISC\n"
+        "\nPeter NNP I-NP I-PER\nBlackburn NNP I-NP I-PER\n"
+    )
+    sents = read_conll(f)
+    assert [s.words for s in sents] == [["EU", "rejects", "German"], ["Peter", "Blackburn"]]
+    assert sents[0].tags == ["B-ORG", "O", "B-MISC"] and sents[1].tags == ["B-PER", "I-PER"]
+    assert sents[1].line == 7
+
+
+def test_shared_files_read(shared_data: Path) -> None:
+    dev = read_conll(shared_data / "conll2003" / "valid.txt")
+    assert len(dev) == 3250 and sum(len(s.words) for s in dev) == 51362
+    n_ent = sum(t.startswith("B-") for s in dev for t in s.tags)
+    assert n_ent == 1842 + 1837 + 1341 + 922
+
+
+def test_long_sentences_become_windows_not_truncated(shared_data: Path, minilm_dir: Path) -> None:
+    sents = read_conll(shared_data / "conll2003" / "valid.txt")[:200]
+    longest = max(range(len(sents)), key=lambda i: len(sents[i].words))
+    tok = load_tokenizer(minilm_dir, 32)
+    tok.no_truncation()
+    w = featurize(sents, tok, max_seq_length=32)
+    assert len(w) > len(sents)  # some sentences needed several windows
+    assert max(len(x) for x in w.input_ids) <= 32
+    # every word appears exactly once, its label on its first sub-token only
+    seen = sorted((int(a), int(b)) for ws in w.words for a, b in ws)
+    assert seen == [(i, j) for i, s in enumerate(sents) for j in range(len(s.words))]
+    for ids, labels, first, words in zip(w.input_ids, w.labels, w.first, w.words, strict=True):
+        assert ids[0] == tok.token_to_id("[CLS]") and ids[-1] == tok.token_to_id("[SEP]")
+        assert sorted(first.tolist()) == [i for i, y in enumerate(labels) if y != -100]
+        for pos, (si, wi) in zip(first, words, strict=True):
+            assert LABELS[labels[pos]] == sents[si].tags[wi]
+    assert sum(int(ws[0, 0]) == longest for ws in w.words if len(ws)) > 1
+
+
+def _write(path: Path, text: str) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "train.txt").write_text(text)
+    (path / "valid.txt").write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ("Germany NNP B-NP", r"train.txt:4: expected 4 columns"),
+        ("Germany NNP B-NP B-CITY", r"train.txt:4: unknown NER tag 'B-CITY'"),
+        ("Germany NNP B-NP X-LOC", r"train.txt:4: unknown NER tag 'X-LOC'"),
+    ],
+)
+def test_bad_conll_is_a_clear_error_and_no_output(
+    tmp_path: Path, minilm_dir: Path, capsys, monkeypatch, bad_line: str, message: str
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    data = _write(tmp_path / "data", f"-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\n{bad_line}\n")
+    out = tmp_path / "out"
+    argv = ["finetune", "--task", "conll2003", "--data", str(data), "--model", str(minilm_dir)]
+    assert cli.main([*argv, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "bert finetune: error:" in err
+    assert re.search(message, err), err
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_download_from_a_local_server(tmp_path: Path, shared_data: Path) -> None:
+    handler = functools.partial(
+        http.server.SimpleHTTPRequestHandler, directory=str(shared_data / "conll2003")
+    )
+    handler.log_message = lambda *a, **k: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        download(tmp_path / "conll", url)
+        for name in ("train.txt", "valid.txt"):
+            got = (tmp_path / "conll" / name).read_bytes()
+            assert got == (shared_data / "conll2003" / name).read_bytes()
+        with pytest.raises(Exception, match="404"):
+            download(tmp_path / "missing", url + "nothing-here/")
+        assert not list((tmp_path / "missing").iterdir())  # nothing partial left behind
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.slow
+def test_tiny_model_beats_all_o_baseline(tmp_path: Path, shared_data: Path, minilm_dir: Path,
+                                         monkeypatch) -> None:  # fmt: skip
+    """A randomly initialised `tiny` BERT, fine-tuned briefly on real CoNLL sentences."""
+    import mlflow
+
+    db = tmp_path / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.from_preset("tiny", max_position_embeddings=128))
+    model.save_pretrained(tmp_path / "tiny", vocab_file=minilm_dir / "vocab.txt")
+    out = tmp_path / "ner"
+    argv = [
+        "finetune", "--task", "conll2003", "--data", str(shared_data / "conll2003"),
+        "--model", str(tmp_path / "tiny"), "--output", str(out), "--max-seq-length", "64",
+        "--max-train-examples", "400", "--max-eval-examples", "150", "--epochs", "3",
+        "--batch-size", "16", "--learning-rate", "1e-3",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    result = json.loads((out / "metrics.json").read_text())
+    assert result["task"] == "conll2003"
+    lines = [x.split() for x in (out / "dev_predictions.txt").read_text().splitlines() if x]
+    assert all(len(x) == 5 for x in lines)
+    gold = [x[3] for x in lines]
+    baseline = gold.count("O") / len(gold)  # the all-O tagger's token accuracy
+    accuracy = sum(x[3] == x[4] for x in lines) / len(lines)
+    assert accuracy == pytest.approx(result["metrics"]["accuracy"])
+    assert accuracy > baseline, (accuracy, baseline)
+    assert 0 < result["metrics"]["f1"] <= 1
+    assert set(result["per_type"]) == {"PER", "ORG", "LOC", "MISC"}
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["id2label"]["1"] == "B-PER" and len(config["id2label"]) == len(LABELS)
+    mlflow.set_tracking_uri(f"sqlite:///{db}")
+    run = mlflow.search_runs(experiment_names=["bert"], output_format="list")[0]
+    assert run.data.params["task"] == "conll2003"
+    assert run.data.metrics["best_dev_f1"] == pytest.approx(result["metrics"]["f1"])

@@ -254,9 +254,9 @@ def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
 
     hf_train, hf_dev = encode(train_ex, True), encode(dev_ex, False)
     torch.manual_seed(cfg.seed)
-    ref = transformers.BertForQuestionAnswering.from_pretrained(
-        args.model, dtype=torch.float32
-    ).to(device)
+    ref = transformers.BertForQuestionAnswering.from_pretrained(args.model, dtype=torch.float32).to(
+        device
+    )
     keys = ("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions")
     seconds = train_reference(
         ref, lambda idx: pad([{k: hf_train[i][k] for k in keys} for i in idx], hf_tok),

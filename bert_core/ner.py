@@ -180,35 +180,34 @@ def featurize(sentences: Sequence[Sentence], tokenizer, max_seq_length: int) -> 
         [s.words for s in sentences], is_pretokenized=True, add_special_tokens=False
     )
     out = Windows([], [], [], [])
+
+    def emit(si: int, window: list[tuple[int, list[int]]]) -> None:
+        ids, labels, first, words = [cls_id], [-100], [], []
+        for wi, p in window:
+            first.append(len(ids))
+            words.append((si, wi))
+            labels += [LABELS.index(sentences[si].tags[wi])] + [-100] * (len(p) - 1)
+            ids += p
+        out.input_ids.append(np.asarray(ids + [sep_id], dtype=np.int64))
+        out.labels.append(np.asarray(labels + [-100], dtype=np.int64))
+        out.first.append(np.asarray(first, dtype=np.int64))
+        out.words.append(np.asarray(words, dtype=np.int64).reshape(-1, 2))
+
     for si, (sent, enc) in enumerate(zip(sentences, encs, strict=True)):
         pieces: list[list[int]] = [[] for _ in sent.words]
         for tid, wid in zip(enc.ids, enc.word_ids, strict=True):
             if wid is not None:
                 pieces[wid].append(tid)
         window: list[tuple[int, list[int]]] = []
-
-        def emit() -> None:
-            ids, labels, first, words = [cls_id], [-100], [], []
-            for wi, p in window:
-                first.append(len(ids))
-                words.append((si, wi))
-                labels += [LABELS.index(sent.tags[wi])] + [-100] * (len(p) - 1)
-                ids += p
-            out.input_ids.append(np.asarray(ids + [sep_id], dtype=np.int64))
-            out.labels.append(np.asarray(labels + [-100], dtype=np.int64))
-            out.first.append(np.asarray(first, dtype=np.int64))
-            out.words.append(np.asarray(words, dtype=np.int64).reshape(-1, 2))
-            window.clear()
-
         used = 0
         for wi, p in enumerate(pieces):
             p = (p or [unk_id])[:capacity]  # a word the normaliser empties is still predicted
             if used + len(p) > capacity:
-                emit()
-                used = 0
+                emit(si, window)
+                window, used = [], 0
             window.append((wi, p))
             used += len(p)
-        emit()
+        emit(si, window)
     return out
 
 

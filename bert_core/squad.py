@@ -104,9 +104,7 @@ def _examples(path: Path, articles: list, version: str) -> list[Example]:
     return out
 
 
-def read_squad(
-    path: str | Path, version: str = "1.1", split: str | None = None
-) -> list[Example]:
+def read_squad(path: str | Path, version: str = "1.1", split: str | None = None) -> list[Example]:
     """Examples of a SQuAD JSON file, checked; `split` ('train'/'dev') takes the deterministic
     by-article split of a file that has no separate dev set."""
     path = Path(path)
@@ -248,7 +246,11 @@ def featurize(
         owner = max_context_window(len(doc_ids), spans)
         first_window = len(f.max_context)
         for s, n in spans:
-            f.input_ids.append(np.concatenate([[cls_id], q.ids, [sep_id], doc_ids[s : s + n], [sep_id]]).astype(np.int64))  # noqa: E501
+            f.input_ids.append(
+                np.concatenate([[cls_id], q.ids, [sep_id], doc_ids[s : s + n], [sep_id]]).astype(
+                    np.int64
+                )
+            )  # noqa: E501
             f.token_type_ids.append(np.r_[np.zeros(prefix, np.int64), np.ones(n + 1, np.int64)])
             offsets = np.full((prefix + n + 1, 2), -1, dtype=np.int64)
             offsets[prefix : prefix + n] = doc_offsets[s : s + n]

@@ -1,4 +1,4 @@
-"""CoNLL-2003 NER: reading (IOB1/IOB2), WordPiece windows, seqeval scores, fine-tuning via the CLI."""
+"""CoNLL-2003 NER: reading (IOB1/IOB2), WordPiece windows, seqeval scores, the CLI."""
 
 from __future__ import annotations
 

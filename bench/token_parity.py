@@ -105,7 +105,7 @@ def bench_ner(args, cfg: FinetuneConfig, device) -> dict:
     result = {"train_sentences": len(train_s), "dev_sentences": len(dev_s)}
 
     # ours
-    tok = load_tokenizer(args.model, cfg.max_seq_length)
+    tok = load_tokenizer(args.model)
     tok.no_truncation()
     train, dev = (ner.featurize(s, tok, cfg.max_seq_length) for s in (train_s, dev_s))
     torch.manual_seed(cfg.seed)
@@ -204,7 +204,7 @@ def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
     dev_ex = sample(squad.read_squad(path, split="dev"), args.squad_dev, cfg.seed)
     result = {"train_questions": len(train_ex), "dev_questions": len(dev_ex)}
 
-    tok = load_tokenizer(args.model, cfg.max_seq_length)
+    tok = load_tokenizer(args.model)
     tok.no_truncation()
     train = squad.featurize(train_ex, tok, cfg, path, train=True)
     dev = squad.featurize(dev_ex, tok, cfg, path)

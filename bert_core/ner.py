@@ -412,7 +412,7 @@ def finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path, cf
     train_path, dev_path = find_split(data_dir, "train"), find_split(data_dir, "dev")
     train_sents = sample(read_conll(train_path), cfg.max_train_examples, cfg.seed)
     dev_sents = sample(read_conll(dev_path), cfg.max_eval_examples, cfg.seed)
-    tokenizer = load_tokenizer(model_dir, cfg.max_seq_length)
+    tokenizer = load_tokenizer(model_dir)
     tokenizer.no_truncation()  # windows, not truncation
     train = featurize(train_sents, tokenizer, cfg.max_seq_length)
     dev = featurize(dev_sents, tokenizer, cfg.max_seq_length)

@@ -427,7 +427,7 @@ def finetune(
         dev_source = str(dev_path)
     train_ex = sample(train_ex, cfg.max_train_examples, cfg.seed)
     dev_ex = sample(dev_ex, cfg.max_eval_examples, cfg.seed)
-    tokenizer = load_tokenizer(model_dir, cfg.max_seq_length)
+    tokenizer = load_tokenizer(model_dir)
     tokenizer.no_truncation()  # windows, not truncation
     train = featurize(train_ex, tokenizer, cfg, train_path, train=True)
     dev = featurize(dev_ex, tokenizer, cfg, dev_path or train_path)

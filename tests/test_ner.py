@@ -76,7 +76,7 @@ def test_shared_files_read(shared_data: Path) -> None:
 def test_long_sentences_become_windows_not_truncated(shared_data: Path, minilm_dir: Path) -> None:
     sents = read_conll(shared_data / "conll2003" / "valid.txt")[:200]
     longest = max(range(len(sents)), key=lambda i: len(sents[i].words))
-    tok = load_tokenizer(minilm_dir, 32)
+    tok = load_tokenizer(minilm_dir)
     tok.no_truncation()
     w = featurize(sents, tok, max_seq_length=32)
     assert len(w) > len(sents)  # some sentences needed several windows

@@ -35,7 +35,7 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="module")
 def tokenizer(minilm_dir: Path):
-    tok = load_tokenizer(minilm_dir, 384)
+    tok = load_tokenizer(minilm_dir)
     tok.no_truncation()
     return tok
 

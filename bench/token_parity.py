@@ -74,6 +74,22 @@ def train_reference(model, batches, num_train: int, cfg, device) -> float:
     return time.perf_counter() - start
 
 
+def reference_tokenizer(model_dir: Path, ours):
+    """transformers' tokenizer for the model folder, checked against ours.
+
+    Why `from_pretrained`: in transformers 5, `BertTokenizerFast(vocab_file=...)` silently
+    ignores the file and builds a 5-token vocabulary, so every word becomes [UNK] (that made the
+    reference score at the all-O / empty-answer level in an earlier run of this benchmark).
+    """
+    import transformers
+
+    hf = transformers.BertTokenizerFast.from_pretrained(str(model_dir))
+    text = "EU rejects German call to boycott British lamb, said Peter Blackburn."
+    if len(hf) != ours.get_vocab_size() or hf(text)["input_ids"] != ours.encode(text).ids:
+        raise RuntimeError(f"transformers' tokenizer for {model_dir} differs from ours")
+    return hf
+
+
 def pad(rows: list[dict], tok) -> dict[str, torch.Tensor]:
     length = max(len(r["input_ids"]) for r in rows)
     out = {}
@@ -125,7 +141,7 @@ def bench_ner(args, cfg: FinetuneConfig, device) -> dict:
     del model
 
     # transformers (run_ner.py's preprocessing: first sub-token labelled, truncation)
-    hf_tok = transformers.BertTokenizerFast(vocab_file=str(args.model / "vocab.txt"))
+    hf_tok = reference_tokenizer(args.model, tok)
 
     def encode(sents):
         enc = hf_tok([s.words for s in sents], is_split_into_words=True, truncation=True,
@@ -225,7 +241,7 @@ def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
     del model
 
     # transformers, run_qa.py's preprocessing (stride = overlap between windows)
-    hf_tok = transformers.BertTokenizerFast(vocab_file=str(args.model / "vocab.txt"))
+    hf_tok = reference_tokenizer(args.model, tok)
 
     def encode(examples, training):
         enc = hf_tok([e.question for e in examples], [e.context for e in examples],

@@ -6,6 +6,10 @@ recomputed here from the metrics with the leaderboard's rule (`bert_core.glue`),
 from the input. The table is laid out like BERT's Table 1 (tasks in the paper's order, the
 paper's metric per task, MNLI as matched/mismatched) with the GLUE score added; when fewer than
 nine tasks are given, the score is the mean over those present and is marked partial.
+
+Token-level results (`bert finetune --task conll2003|squad|squad_v2`) get their own rows, laid
+out like the paper's Tables 2 and 3 (SQuAD v1.1 / v2.0: EM and F1) and its CoNLL-2003 table (F1);
+they are reported beside GLUE, never averaged into the GLUE score.
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ from bert_core.glue import TASKS, get_task, glue_score, task_score
 
 # BERT's Table 1 column order, with WNLI (left out of the paper's table) at the end.
 TABLE_ORDER = ["MNLI", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE", "WNLI"]
+# Token-level tasks (names as bert_core.ner / bert_core.squad write them): title, table columns.
+TOKEN_TASKS = {
+    "squad": ("SQuAD v1.1 (Table 2 layout)", {"exact_match": "Dev EM", "f1": "Dev F1"}),
+    "squad_v2": ("SQuAD v2.0 (Table 3 layout)", {"exact_match": "Dev EM", "f1": "Dev F1"}),
+    "conll2003": ("CoNLL-2003 NER", {"f1": "Dev F1"}),
+}
 
 
 def load_result(folder: str | Path) -> tuple[str, dict[str, float]]:
@@ -29,8 +39,10 @@ def load_result(folder: str | Path) -> tuple[str, dict[str, float]]:
         raise FileNotFoundError(f"{path}: not found (is {folder} a `bert finetune` output?)")
     try:
         data = json.loads(path.read_text())
-        task = get_task(str(data["task"]))
         metrics = {str(k): float(v) for k, v in data["metrics"].items()}
+        if data["task"] in TOKEN_TASKS:
+            return _token_result(path, data["task"], metrics)
+        task = get_task(str(data["task"]))
     except json.JSONDecodeError as e:
         raise InputError(path, f"not valid JSON: {e.msg}", line=e.lineno) from e
     except (KeyError, TypeError, AttributeError) as e:
@@ -43,26 +55,42 @@ def load_result(folder: str | Path) -> tuple[str, dict[str, float]]:
     return task.name, metrics
 
 
+def _token_result(path: Path, name: str, metrics: dict[str, float]):
+    missing = [m for m in TOKEN_TASKS[name][1] if not math.isfinite(metrics.get(m, math.nan))]
+    if missing:
+        raise InputError(path, f"{name}: missing or non-finite metrics {missing}")
+    return name, metrics
+
+
 def collect(folders: list[str | Path]) -> dict:
     """glue_results.json's content: per-task metrics and scores, and the GLUE score."""
     tasks: dict[str, dict] = {}
+    token: dict[str, dict] = {}
     for folder in folders:
         name, metrics = load_result(folder)
-        if name in tasks:
+        seen = tasks.get(name) or token.get(name)
+        if seen:
             raise InputError(
-                Path(folder) / "metrics.json", f"{name} given twice (also {tasks[name]['source']})"
+                Path(folder) / "metrics.json", f"{name} given twice (also {seen['source']})"
             )
+        if name in TOKEN_TASKS:
+            token[name] = {"metrics": metrics, "source": str(folder)}
+            continue
         score = task_score(TASKS[name], metrics)
         tasks[name] = {"metrics": metrics, "score": score, "source": str(folder)}
     ordered = {t: tasks[t] for t in TABLE_ORDER if t in tasks}
-    return {
+    results = {
         "tasks": ordered,
-        "glue_score": glue_score({t: r["score"] for t, r in ordered.items()}),
+        # None when only token-level results were given: there is no GLUE score to report
+        "glue_score": glue_score({t: r["score"] for t, r in ordered.items()}) if ordered else None,
         "num_tasks": len(ordered),
         "complete": len(ordered) == len(TASKS),
         "rule": "mean over tasks of the task score; a task's score is the mean of its metrics "
         "(MRPC, QQP: F1/accuracy; STS-B: Pearson/Spearman; MNLI: matched/mismatched accuracy)",
     }
+    if token:
+        results["token_tasks"] = {t: token[t] for t in TOKEN_TASKS if t in token}
+    return results
 
 
 def _pct(x: float) -> str:
@@ -75,8 +103,26 @@ def _paper_cell(name: str, metrics: dict[str, float]) -> str:
     return _pct(metrics[TASKS[name].paper_metric])
 
 
+def token_tables(results: dict, system: str) -> str:
+    """One small table per token-level task, in the paper's layout (dev columns only)."""
+    parts = []
+    for name, r in results.get("token_tasks", {}).items():
+        title, columns = TOKEN_TASKS[name]
+        cells = [_pct(r["metrics"][m]) for m in columns]
+        parts.append(
+            f"**{title}**\n\n| System | " + " | ".join(columns.values()) + " |\n"
+            + "|---" * (len(columns) + 1) + "|\n"
+            + f"| {system} | " + " | ".join(cells) + " |\n"
+        )  # fmt: skip
+    return "\n".join(parts)
+
+
 def markdown_table(results: dict, system: str) -> str:
-    """Table 1 layout (the paper's metric per task) plus every metric and each task's score."""
+    """Table 1 layout (the paper's metric per task) plus every metric and each task's score;
+    then the token-level tasks' tables."""
+    tokens = token_tables(results, system)
+    if not results["tasks"]:
+        return tokens
     tasks = results["tasks"]
     heads = ["MNLI-(m/mm)" if t == "MNLI" else t for t in TABLE_ORDER]
     cells = [_paper_cell(t, tasks[t]["metrics"]) if t in tasks else "-" for t in TABLE_ORDER]
@@ -96,11 +142,12 @@ def markdown_table(results: dict, system: str) -> str:
     for name, r in tasks.items():
         ms = ", ".join(f"{k} {_pct(v)}" for k, v in r["metrics"].items())
         lines.append(f"| {name} | {ms} | {r['score']:.1f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + ("\n" + tokens if tokens else "")
 
 
 def plot_scores(results: dict, path: Path, system: str) -> None:
-    """Bar chart of task scores with the GLUE score as a line (for the run's report)."""
+    """Bar chart of task scores with the GLUE score as a line (for the run's report); token-level
+    tasks' F1 as bars of another colour."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,21 +155,27 @@ def plot_scores(results: dict, path: Path, system: str) -> None:
 
     names = list(results["tasks"])
     scores = [results["tasks"][t]["score"] for t in names]
-    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(names), 4))
+    token = results.get("token_tasks", {})
+    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * (len(names) + len(token)), 4))
     bars = ax.bar(names, scores, color="#4c72b0")
     ax.bar_label(bars, fmt="%.1f", fontsize=8)
-    ax.axhline(results["glue_score"], color="#c44e52", linestyle="--")
-    ax.text(
-        len(names) - 0.5,
-        results["glue_score"],
-        f"GLUE {results['glue_score']:.1f}",
-        color="#c44e52",
-        ha="right",
-        va="bottom",
-    )
+    if token:
+        f1 = [100 * r["metrics"]["f1"] for r in token.values()]
+        ax.bar_label(ax.bar([f"{t} F1" for t in token], f1, color="#55a868"), fmt="%.1f", fontsize=8)
+        scores += f1
+    if results["glue_score"] is not None:
+        ax.axhline(results["glue_score"], color="#c44e52", linestyle="--")
+        ax.text(
+            len(names) - 0.5,
+            results["glue_score"],
+            f"GLUE {results['glue_score']:.1f}",
+            color="#c44e52",
+            ha="right",
+            va="bottom",
+        )
     ax.set_ylim(min(0.0, *scores) - 5, 100)
     ax.set_ylabel("task score (dev, %)")
-    ax.set_title(f"{system}: GLUE dev scores")
+    ax.set_title(f"{system}: {'dev' if token else 'GLUE dev'} scores")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -153,9 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     with start_run("evaluate", {"results": args.results, "system": args.system}):
         import mlflow
 
-        mlflow.log_metric("glue_score", results["glue_score"])
+        if results["glue_score"] is not None:
+            mlflow.log_metric("glue_score", results["glue_score"])
         for name, r in results["tasks"].items():
             mlflow.log_metric(f"{name}.score", r["score"])
+            mlflow.log_metrics({f"{name}.{k}": 100 * v for k, v in r["metrics"].items()})
+        for name, r in results.get("token_tasks", {}).items():
             mlflow.log_metrics({f"{name}.{k}": 100 * v for k, v in r["metrics"].items()})
         mlflow.log_artifacts(str(args.output), artifact_path="glue")
     print(Path(args.output) / "glue_table.md")

@@ -439,8 +439,11 @@ def _write_outputs(tmp: Path, task, model, dev_ex, dev_preds, test_ex, tokenizer
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert finetune", description=__doc__.split("\n")[0])
-    p.add_argument("--task", required=True, help="GLUE task: CoLA, SST-2, MRPC, STS-B, QQP, ...")
-    p.add_argument("--data", required=True, type=Path, help="the task's folder of GLUE TSVs")
+    p.add_argument(
+        "--task", required=True,
+        help="GLUE task (CoLA, SST-2, MRPC, STS-B, QQP, ...), or conll2003, squad, squad_v2",
+    )  # fmt: skip
+    p.add_argument("--data", required=True, type=Path, help="the task's data folder")
     p.add_argument("--model", required=True, type=Path, help="HF-layout BERT folder with vocab")
     p.add_argument("--output", required=True, type=Path)
     d = FinetuneConfig()
@@ -459,7 +462,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Token-level tasks: one `bert finetune` for all fine-tuning (same options, outputs, MLflow
+# runs), their data, model head and metrics in their own modules.
+TOKEN_TASKS = {"conll2003": "bert_core.ner", "squad": "bert_core.squad", "squad_v2": "bert_core.squad"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--task")
+    known, _ = peek.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.task is not None and known.task.lower() in TOKEN_TASKS:
+        return importlib.import_module(TOKEN_TASKS[known.task.lower()]).main(argv)
     args = build_parser().parse_args(argv)
     cfg = FinetuneConfig(
         learning_rate=args.learning_rate,

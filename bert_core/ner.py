@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -321,7 +322,9 @@ def fit(
     optimizer, scheduler = build_optimizer(model, cfg, total_steps)
     history: list[dict] = []
     best: dict | None = None
-    bar = tqdm(total=total_steps, desc=desc, unit="step")
+    interactive = sys.stderr.isatty()  # in a log: a line every 30 s, as finetune's bar
+    bar = tqdm(total=total_steps, desc=desc, unit="step", ascii=not interactive,
+               mininterval=0.1 if interactive else 30.0)  # fmt: skip
     train_seconds = 0.0  # evaluation is not training time
     for epoch in range(1, cfg.epochs + 1):
         start = time.perf_counter()
@@ -338,7 +341,7 @@ def fit(
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
             bar.update()
-            bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}")
+            bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}", refresh=False)
         train_seconds += time.perf_counter() - start
         metrics, score, preds = evaluate(model)
         record = {

@@ -11,7 +11,7 @@ import mlflow
 import pytest
 
 from bert_core import cli
-from bert_core.evaluate import collect
+from bert_core.evaluate import collect, evaluate
 
 # BERT-Large's GLUE test numbers (paper Table 1 + leaderboard); the leaderboard's score is 80.5.
 BERT_LARGE = {
@@ -113,3 +113,40 @@ def test_duplicate_task_and_missing_folder(tmp_path):
         collect(dirs + dirs)
     with pytest.raises(FileNotFoundError, match="is .* a `bert finetune` output"):
         collect([tmp_path / "nothing"])
+
+
+def test_token_tasks_get_their_own_rows_outside_the_glue_score(tmp_path, mlflow_env):
+    """NER F1 and SQuAD EM/F1 rows (the paper's Tables 2 and 3 layout); GLUE score unchanged."""
+    glue = {"SST-2": {"accuracy": 0.9}, "MRPC": {"f1": 0.8, "accuracy": 0.7}}
+    token = {
+        "squad": {"exact_match": 0.841, "f1": 0.909},
+        "squad_v2": {"exact_match": 0.787, "f1": 0.819, "has_ans_f1": 0.8},
+        "conll2003": {"f1": 0.964, "precision": 0.96, "recall": 0.968, "accuracy": 0.99},
+    }
+    dirs = _results(tmp_path, glue | token)
+    results = collect(dirs)
+    assert results["glue_score"] == pytest.approx((90 + 75) / 2) and results["num_tasks"] == 2
+    assert list(results["token_tasks"]) == ["squad", "squad_v2", "conll2003"]
+    out = tmp_path / "eval"
+    assert cli.main(["evaluate", "--results", *dirs, "--output", str(out)]) == 0
+    table = (out / "glue_table.md").read_text()
+    assert "| System | Dev EM | Dev F1 |\n|---|---|---|\n| BERT (ours) | 84.1 | 90.9 |" in table
+    assert "**SQuAD v2.0 (Table 3 layout)**\n\n| System | Dev EM | Dev F1 |" in table
+    assert "| BERT (ours) | 78.7 | 81.9 |" in table
+    assert "**CoNLL-2003 NER**\n\n| System | Dev F1 |\n|---|---|\n| BERT (ours) | 96.4 |" in table
+    saved = json.loads((out / "glue_results.json").read_text())
+    assert saved["token_tasks"]["conll2003"]["metrics"]["f1"] == 0.964
+    (run,) = [
+        r
+        for r in mlflow.search_runs(experiment_names=["bert"], output_format="list")
+        if r.data.tags.get("bert.step") == "evaluate"
+    ]
+    assert run.data.metrics["squad.f1"] == pytest.approx(90.9)
+    assert run.data.metrics["glue_score"] == pytest.approx(82.5)
+    # token-level results alone: their tables, no GLUE score
+    only = evaluate(dirs[2:], tmp_path / "only")
+    assert only["glue_score"] is None and only["tasks"] == {}
+    assert (tmp_path / "only" / "glue_table.md").read_text().startswith("**SQuAD v1.1")
+    assert (tmp_path / "only" / "glue_scores.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="squad: missing or non-finite metrics \\['exact_match'\\]"):
+        collect(_results(tmp_path / "bad", {"squad": {"f1": 0.5}}))

@@ -161,7 +161,9 @@ def plot_scores(results: dict, path: Path, system: str) -> None:
     ax.bar_label(bars, fmt="%.1f", fontsize=8)
     if token:
         f1 = [100 * r["metrics"]["f1"] for r in token.values()]
-        ax.bar_label(ax.bar([f"{t} F1" for t in token], f1, color="#55a868"), fmt="%.1f", fontsize=8)
+        ax.bar_label(
+            ax.bar([f"{t} F1" for t in token], f1, color="#55a868"), fmt="%.1f", fontsize=8
+        )
         scores += f1
     if results["glue_score"] is not None:
         ax.axhline(results["glue_score"], color="#c44e52", linestyle="--")

@@ -464,7 +464,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Token-level tasks: one `bert finetune` for all fine-tuning (same options, outputs, MLflow
 # runs), their data, model head and metrics in their own modules.
-TOKEN_TASKS = {"conll2003": "bert_core.ner", "squad": "bert_core.squad", "squad_v2": "bert_core.squad"}
+TOKEN_TASKS = {
+    "conll2003": "bert_core.ner",
+    "squad": "bert_core.squad",
+    "squad_v2": "bert_core.squad",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -148,5 +148,7 @@ def test_token_tasks_get_their_own_rows_outside_the_glue_score(tmp_path, mlflow_
     assert only["glue_score"] is None and only["tasks"] == {}
     assert (tmp_path / "only" / "glue_table.md").read_text().startswith("**SQuAD v1.1")
     assert (tmp_path / "only" / "glue_scores.png").read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ValueError, match="squad: missing or non-finite metrics \\['exact_match'\\]"):
+    with pytest.raises(
+        ValueError, match="squad: missing or non-finite metrics \\['exact_match'\\]"
+    ):
         collect(_results(tmp_path / "bad", {"squad": {"f1": 0.5}}))

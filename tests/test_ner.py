@@ -24,7 +24,7 @@ from bert_core.ner import (
     read_conll,
 )
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # as the other fine-tuning tests: CI's cores are shared
 
 
 def test_iob1_is_normalised_to_iob2() -> None:
@@ -144,20 +144,25 @@ def test_download_from_a_local_server(tmp_path: Path, shared_data: Path) -> None
 @pytest.mark.slow
 def test_tiny_model_beats_all_o_baseline(tmp_path: Path, shared_data: Path, minilm_dir: Path,
                                          monkeypatch) -> None:  # fmt: skip
-    """A randomly initialised `tiny` BERT, fine-tuned briefly on real CoNLL sentences."""
+    """A randomly initialised `tiny` BERT, fine-tuned briefly on 1,000 real CoNLL sentences.
+
+    Measured with seeds 0, 1, 2, 3, 42 (model init and data sample): dev token accuracy 2.4 to
+    6.0 points above the all-O tagger's, entity F1 0.31 to 0.40; fewer sentences with more
+    epochs over-fit (200 sentences x 6 epochs: +0.1 to +0.5 points). The test asserts half the
+    smallest margin."""
     import mlflow
 
     db = tmp_path / "mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # with --seed 0: margin +4.6 points, F1 0.37
     model = BertForPreTraining(BertConfig.from_preset("tiny", max_position_embeddings=128))
     model.save_pretrained(tmp_path / "tiny", vocab_file=minilm_dir / "vocab.txt")
     out = tmp_path / "ner"
     argv = [
         "finetune", "--task", "conll2003", "--data", str(shared_data / "conll2003"),
         "--model", str(tmp_path / "tiny"), "--output", str(out), "--max-seq-length", "64",
-        "--max-train-examples", "400", "--max-eval-examples", "150", "--epochs", "3",
-        "--batch-size", "16", "--learning-rate", "1e-3",
+        "--max-train-examples", "1000", "--max-eval-examples", "100", "--epochs", "3",
+        "--batch-size", "16", "--learning-rate", "1e-3", "--seed", "0",
     ]  # fmt: skip
     assert cli.main(argv) == 0
     result = json.loads((out / "metrics.json").read_text())
@@ -168,8 +173,8 @@ def test_tiny_model_beats_all_o_baseline(tmp_path: Path, shared_data: Path, mini
     baseline = gold.count("O") / len(gold)  # the all-O tagger's token accuracy
     accuracy = sum(x[3] == x[4] for x in lines) / len(lines)
     assert accuracy == pytest.approx(result["metrics"]["accuracy"])
-    assert accuracy > baseline, (accuracy, baseline)
-    assert 0 < result["metrics"]["f1"] <= 1
+    assert accuracy > baseline + 0.012, (accuracy, baseline)
+    assert 0.15 < result["metrics"]["f1"] <= 1
     assert set(result["per_type"]) == {"PER", "ORG", "LOC", "MISC"}
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["id2label"]["1"] == "B-PER" and len(config["id2label"]) == len(LABELS)

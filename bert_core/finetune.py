@@ -477,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     peek = argparse.ArgumentParser(add_help=False)
     peek.add_argument("--task")
     known, _ = peek.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if known.task is not None and known.task.lower() in TOKEN_TASKS:
-        return importlib.import_module(TOKEN_TASKS[known.task.lower()]).main(argv)
+    if known.task in TOKEN_TASKS:  # exact names, as in metrics.json and `bert evaluate`
+        return importlib.import_module(TOKEN_TASKS[known.task]).main(argv)
     args = build_parser().parse_args(argv)
     cfg = FinetuneConfig(
         learning_rate=args.learning_rate,

@@ -145,11 +145,11 @@ def run_task(name: str, args, cfg: FinetuneConfig, order: int = 0) -> dict:
 
     # Alternate who goes first, so drift in a shared machine's load favours neither side.
     if order % 2 == 0:
-        (_, best), ours_s, ours_cpu = timed(train, ours)
+        (best, _, _), ours_s, ours_cpu = timed(train, ours)
         ref_best, ref_s, ref_cpu = timed(reference_train, ref)
     else:
         ref_best, ref_s, ref_cpu = timed(reference_train, ref)
-        (_, best), ours_s, ours_cpu = timed(train, ours)
+        (best, _, _), ours_s, ours_cpu = timed(train, ours)
     return {
         "task": task.name,
         "train_examples": len(train_set),

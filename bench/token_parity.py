@@ -34,6 +34,7 @@ from bert_core.finetune import (
     FinetuneConfig,
     _autocast,
     build_optimizer,
+    fit,
     load_tokenizer,
     resolve_device,
     sample,
@@ -133,7 +134,7 @@ def bench_ner(args, cfg: FinetuneConfig, device) -> dict:
         metrics = ner.entity_metrics(gold, pred)
         return metrics, time.perf_counter(), pred  # the last epoch wins, as for the reference
 
-    best, _, seconds = ner.fit(
+    best, _, seconds = fit(
         model, len(train), lambda i: ner.collate(train, i), evaluate, cfg, device, "ours"
     )
     result["ours"] = {"f1": best["metrics"]["f1"], "accuracy": best["metrics"]["accuracy"],
@@ -233,7 +234,7 @@ def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
         metrics = squad.squad_metrics(dev_ex, preds)
         return metrics, time.perf_counter(), preds  # the last epoch wins
 
-    best, _, seconds = ner.fit(
+    best, _, seconds = fit(
         model, len(train), lambda i: squad.collate(train, i), evaluate, cfg, device, "ours"
     )
     result["ours"] = {**best["metrics"], "train_seconds": seconds, "train_windows": len(train),

@@ -273,42 +273,41 @@ def evaluate_dev(task, model, dev: dict[str, Features], device, batch_size):
 # The step
 
 
-def train(
-    task: GlueTask,
+def fit(
     model: torch.nn.Module,
-    train_set: Features,
-    dev: dict[str, Features],
-    cfg: FinetuneConfig,
+    num_train: int,
+    make_batch: Callable[[np.ndarray], dict[str, torch.Tensor]],
+    evaluate: Callable[[torch.nn.Module], tuple[dict, float, object]],
+    cfg,
     device: torch.device,
-    on_epoch: Callable[[dict], None] | None = None,
-) -> tuple[list[dict], dict]:
-    """The fine-tuning loop: returns (per-epoch history, best epoch with its weights and preds).
+    desc: str,
+    log_metrics: Callable[..., None] | None = None,
+) -> tuple[dict, list[dict], float]:
+    """The fine-tuning loop of every task (GLUE, NER, SQuAD): `cfg.epochs` epochs with the
+    paper's optimizer, schedule and clipping, dev scored after each epoch, and the best epoch's
+    weights loaded back into `model`.
 
-    Works for any model whose forward takes the collated batch and returns `.loss`/`.logits`
-    (ours, or transformers' for the parity benchmark). The best epoch's weights are kept on the
-    CPU, so memory holds one extra copy of the model at most.
+    `evaluate(model) -> (metrics, score, predictions)`. Returns (best epoch's record with its
+    predictions, all epochs' records, training seconds). Per-epoch metrics go to `log_metrics`
+    (`mlflow.log_metrics` in the CLI; None in the benchmarks, which run without MLflow). Works
+    for any model whose forward takes the batch and returns `.loss` (transformers' too).
     """
     from tqdm import tqdm
 
-    total_steps = math.ceil(len(train_set) / cfg.batch_size) * cfg.epochs
+    total_steps = math.ceil(num_train / cfg.batch_size) * cfg.epochs
     optimizer, scheduler = build_optimizer(model, cfg, total_steps)
-    # In a log (not a terminal) a bar line every 30 s, not a carriage return per step.
-    interactive = sys.stderr.isatty()
-    bar = tqdm(
-        total=total_steps,
-        desc=f"finetune {task.name}",
-        unit="step",
-        mininterval=0.1 if interactive else 30.0,
-        ascii=not interactive,
-    )
     history: list[dict] = []
-    best: dict = {}
-    start = time.perf_counter()
+    best: dict | None = None
+    interactive = sys.stderr.isatty()  # in a log: a line every 30 s, as finetune's bar
+    bar = tqdm(total=total_steps, desc=desc, unit="step", ascii=not interactive,
+               mininterval=0.1 if interactive else 30.0)  # fmt: skip
+    train_seconds = 0.0  # evaluation is not training time
     for epoch in range(1, cfg.epochs + 1):
+        start = time.perf_counter()
         model.train()
         losses = []
-        for index in train_batches(len(train_set), cfg.batch_size, epoch, cfg.seed):
-            batch = {k: v.to(device) for k, v in collate(train_set, index).items()}
+        for index in train_batches(num_train, cfg.batch_size, epoch, cfg.seed):
+            batch = {k: v.to(device) for k, v in make_batch(index).items()}
             with _autocast(device):
                 loss = model(**batch).loss
             loss.backward()
@@ -319,23 +318,51 @@ def train(
             losses.append(loss.item())
             bar.update()
             bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}", refresh=False)
-        metrics, preds = evaluate_dev(task, model, dev, device, cfg.eval_batch_size)
+        train_seconds += time.perf_counter() - start
+        metrics, score, preds = evaluate(model)
         record = {
             "epoch": epoch,
             "train_loss": float(np.mean(losses)),
             "metrics": metrics,
-            "score": task_score(task, metrics),
-            "seconds": time.perf_counter() - start,
+            "score": score,
+            "train_seconds": train_seconds,
         }
         history.append(record)
-        bar.write(f"epoch {epoch}: train_loss {record['train_loss']:.4f} dev {metrics}")
-        if on_epoch is not None:
-            on_epoch(record)
-        if not best or record["score"] > best["score"]:
+        flat = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        if log_metrics is not None:
+            log_metrics(
+                {"train_loss": record["train_loss"], "dev_score": score}
+                | {f"dev_{k}": v for k, v in flat.items()},
+                step=epoch,
+            )
+        bar.write(f"epoch {epoch}: train_loss {record['train_loss']:.4f} dev {flat}")
+        if best is None or score > best["score"]:
             state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
             best = {**record, "state": state, "preds": preds}
     bar.close()
-    return history, best
+    model.load_state_dict(best.pop("state"))
+    return best, history, train_seconds
+
+
+def train(
+    task: GlueTask,
+    model: torch.nn.Module,
+    train_set: Features,
+    dev: dict[str, Features],
+    cfg: FinetuneConfig,
+    device: torch.device,
+    log_metrics: Callable[..., None] | None = None,
+) -> tuple[dict, list[dict], float]:
+    """`fit` on a GLUE task: (best epoch with its dev predictions, history, training seconds)."""
+
+    def evaluate(m: torch.nn.Module) -> tuple[dict, float, dict[str, np.ndarray]]:
+        metrics, preds = evaluate_dev(task, m, dev, device, cfg.eval_batch_size)
+        return metrics, task_score(task, metrics), preds
+
+    return fit(
+        model, len(train_set), lambda index: collate(train_set, index), evaluate, cfg, device,
+        f"finetune {task.name}", log_metrics,
+    )  # fmt: skip
 
 
 def finetune(
@@ -372,17 +399,9 @@ def finetune(
     with start_run(f"finetune-{task.name}", params), atomic_dir(output) as tmp:
         import mlflow
 
-        def log_epoch(r: dict) -> None:
-            dev_metrics = {f"dev_{k}": v for k, v in r["metrics"].items()}
-            mlflow.log_metrics(
-                {"train_loss": r["train_loss"], "dev_score": r["score"], **dev_metrics},
-                step=r["epoch"],
-            )
-
-        start = time.perf_counter()
-        history, best = train(task, model, train_set, dev, cfg, device, log_epoch)
-        train_seconds = time.perf_counter() - start
-        model.load_state_dict(best["state"])
+        best, history, train_seconds = train(
+            task, model, train_set, dev, cfg, device, mlflow.log_metrics
+        )
         result = {
             "task": task.name,
             "metrics": best["metrics"],

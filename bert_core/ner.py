@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
-import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -293,81 +290,6 @@ def write_conll(path: Path, sentences: Sequence[Sentence], pred: Sequence[Sequen
             f.write("\n")
 
 
-# ---------------------------------------------------------------------------------------------
-# Training: the GLUE recipe's pieces (bert_core.finetune), one loop for both token-level tasks
-
-
-def fit(
-    model: torch.nn.Module,
-    num_train: int,
-    make_batch: Callable[[np.ndarray], dict[str, torch.Tensor]],
-    evaluate: Callable[[torch.nn.Module], tuple[dict, float, object]],
-    cfg,
-    device: torch.device,
-    desc: str,
-    log_metrics: Callable[..., None] | None = None,
-) -> tuple[dict, list[dict], float]:
-    """Train `cfg.epochs` epochs with finetune's optimizer, schedule and clipping; score on dev
-    after each epoch; the best epoch's weights are loaded back into `model`.
-
-    `evaluate(model) -> (metrics, score, predictions)`. Returns (best epoch's record with its
-    predictions, all epochs' records, training seconds). Per-epoch metrics go to `log_metrics`
-    (`mlflow.log_metrics` in the CLI; None in the benchmark, which runs without MLflow).
-    """
-    from tqdm import tqdm
-
-    from bert_core.finetune import _autocast, build_optimizer, train_batches
-
-    total_steps = math.ceil(num_train / cfg.batch_size) * cfg.epochs
-    optimizer, scheduler = build_optimizer(model, cfg, total_steps)
-    history: list[dict] = []
-    best: dict | None = None
-    interactive = sys.stderr.isatty()  # in a log: a line every 30 s, as finetune's bar
-    bar = tqdm(total=total_steps, desc=desc, unit="step", ascii=not interactive,
-               mininterval=0.1 if interactive else 30.0)  # fmt: skip
-    train_seconds = 0.0  # evaluation is not training time
-    for epoch in range(1, cfg.epochs + 1):
-        start = time.perf_counter()
-        model.train()
-        losses = []
-        for index in train_batches(num_train, cfg.batch_size, epoch, cfg.seed):
-            batch = {k: v.to(device) for k, v in make_batch(index).items()}
-            with _autocast(device):
-                loss = model(**batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            bar.update()
-            bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}", refresh=False)
-        train_seconds += time.perf_counter() - start
-        metrics, score, preds = evaluate(model)
-        record = {
-            "epoch": epoch,
-            "train_loss": float(np.mean(losses)),
-            "metrics": metrics,
-            "score": score,
-            "train_seconds": train_seconds,
-        }
-        history.append(record)
-        flat = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
-        if log_metrics is not None:
-            log_metrics(
-                {"train_loss": record["train_loss"], "dev_score": score}
-                | {f"dev_{k}": v for k, v in flat.items()},
-                step=epoch,
-            )
-        bar.write(f"epoch {epoch}: train_loss {record['train_loss']:.4f} dev {flat}")
-        if best is None or score > best["score"]:
-            state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            best = {**record, "state": state, "preds": preds}
-    bar.close()
-    model.load_state_dict(best.pop("state"))
-    return best, history, train_seconds
-
-
 def save_model(model, model_dir: Path, task: str, labels: Sequence[str] | None) -> None:
     """save_pretrained, then label names and the task in config.json (read by transformers)."""
     model.save_pretrained(model_dir)
@@ -407,7 +329,7 @@ def result_record(task: str, best: dict, history: list[dict], cfg, **extra) -> d
 
 def finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path, cfg) -> dict:
     """Fine-tune on CoNLL-2003, keep the best epoch by dev F1, write the output folder."""
-    from bert_core.finetune import load_tokenizer, resolve_device, sample
+    from bert_core.finetune import fit, load_tokenizer, resolve_device, sample
     from bert_core.model import BertForTokenClassification
     from bert_core.tracking import start_run
 

@@ -411,9 +411,9 @@ def squad_metrics(
 def finetune(
     task: str, data_dir: str | Path, model_dir: str | Path, output: str | Path, cfg: SquadConfig
 ) -> dict:
-    from bert_core.finetune import load_tokenizer, resolve_device, sample
+    from bert_core.finetune import fit, load_tokenizer, resolve_device, sample
     from bert_core.model import BertForQuestionAnswering
-    from bert_core.ner import fit, result_record, save_model
+    from bert_core.ner import result_record, save_model
     from bert_core.tracking import start_run
 
     version = VERSIONS[task]

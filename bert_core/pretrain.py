@@ -45,7 +45,7 @@ from bert_core.pretrain_data import (
     prefetch,
     read_vocab,
 )
-from bert_core.storage import filesystem, is_s3
+from bert_core.storage import filesystem, is_s3, preflight
 
 CSV_COLUMNS = (
     "step",
@@ -658,6 +658,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from bert_core import tracking
 
     cfg.validate()
+    # Seconds, not GPU hours: an unreachable tracking server or bucket fails before Ray starts.
+    preflight(tracking.tracking_uri(), [cfg.instances, cfg.storage_path])
     _check_inputs(cfg)
     cfg.instances = _local(cfg.instances)
     cfg.output = str(Path(cfg.output).resolve())

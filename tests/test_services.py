@@ -8,6 +8,7 @@ pyarrow's S3 filesystem, DVC's s3 remote, the MLflow client through bert_core.tr
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
 import re
 import subprocess
@@ -261,3 +262,98 @@ def test_secret_never_reaches_params_tags_logs_files_or_git(
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert grep.returncode == 1 and not grep.stdout, grep.stdout
+
+
+# ---------------------------------------------------------------- `bert pretrain` on the servers
+
+
+@pytest.fixture(scope="module")
+def tiny_instances(tmp_path_factory, shared_data) -> Path:
+    """Instances from the real `bert clean` / `bert vocab` / `bert instances` on a 12k-character
+    slice of a shared-corpus book (as tests/test_pretrain.py does, smaller: a few steps only)."""
+    from bert_core import cli
+
+    root = tmp_path_factory.mktemp("pt-svc")
+    text = (shared_data / "corpus" / "pride_and_prejudice.txt").read_text(encoding="utf-8-sig")
+    (root / "slice.txt").write_text(text[20_000:32_000], encoding="utf-8")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        mp.chdir(root)
+        mp.delenv("BERT_PARENT_RUN_ID", raising=False)
+        for argv in (
+            ["clean", "--input", root / "slice.txt", "--output", root / "clean",
+             "--num-shards", "2", "--num-workers", "1"],
+            ["vocab", "--input", root / "clean", "--output", root / "vocab", "--vocab-size", "500"],
+            ["instances", "--input", root / "clean", "--vocab", root / "vocab" / "vocab.txt",
+             "--output", root / "instances", "--max-seq-length", "32", "--dupe-factor", "1",
+             "--num-workers", "1"],
+        ):  # fmt: skip
+            assert cli.main([str(a) for a in argv]) == 0, argv
+    return root / "instances"
+
+
+def _pretrain(instances: Path, cwd: Path, env: dict[str, str], *args: str):
+    cmd = [sys.executable, "-m", "bert_core", "pretrain", "--instances", str(instances),
+           "--output", "run", "--preset", "tiny", "--num-workers", "1", *args]  # fmt: skip
+    env = {**env, "PYTHONPATH": str(ROOT)}
+    env.pop("BERT_PARENT_RUN_ID", None)
+    env.pop("RAY_ADDRESS", None)  # a private local Ray, started by the command
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_tiny_pretrain_logs_to_server_and_checkpoints_to_bucket(
+    s3_env, mlflow_server, tiny_instances, tmp_path
+):
+    import mlflow
+    import torch
+
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server.url}
+    env |= {"MLFLOW_EXPERIMENT_NAME": "infra-pretrain"}
+    out = _pretrain(
+        tiny_instances, tmp_path, env,
+        "--steps", "4", "--batch-size", "8", "--log-every", "2", "--checkpoint-every", "2",
+        "--storage-path", f"s3://{BUCKET}/ray", "--run-name", "svc-tiny",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "pretrain: step 4/4" in out.stdout
+    # Metrics: in the server's store, one point per log line.
+    client = mlflow.MlflowClient(mlflow_server.url)
+    exp = client.get_experiment_by_name("infra-pretrain")
+    (run,) = client.search_runs([exp.experiment_id], "tags.`bert.step` = 'pretrain'")
+    assert run.data.tags["bert.storage_path"] == f"s3://{BUCKET}/ray"
+    assert run.data.params["preset"] == "tiny" and run.data.params["steps"] == "4"
+    losses = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in losses) == [2, 4]
+    assert all(0 < m.value < 20 for m in losses), losses
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert "pretrain_metrics.csv" in artifacts
+    # Checkpoints: Ray Train wrote them to the bucket; the last holds step 4 and the final model.
+    objects = _objects("ray/svc-tiny/")
+    steps = {k.split("/")[2] for k in objects if k.endswith("/state.pt")}
+    assert steps == {"checkpoint_00000002", "checkpoint_00000004"}, sorted(objects)
+    last = "ray/svc-tiny/checkpoint_00000004/"
+    assert {f"{last}model/model.safetensors", f"{last}model/vocab.txt"} <= set(objects)
+    state = torch.load(io.BytesIO(objects[f"{last}state.pt"]), weights_only=False)
+    assert state["step"] == 4 and [r["step"] for r in state["history"]] == [2, 4]
+    # ... and the run folder got the model copied out of the bucket's checkpoint.
+    assert (tmp_path / "run" / "model" / "model.safetensors").read_bytes() == objects[
+        f"{last}model/model.safetensors"
+    ]
+
+
+def test_pretrain_fails_fast_before_ray_when_a_service_is_down(s3_env, tiny_instances, tmp_path):
+    """Unreachable tracking server, then a missing bucket: exit 2 naming it, no Ray, no output."""
+    dead = f"http://127.0.0.1:{services.free_port()}"
+    out = _pretrain(tiny_instances, tmp_path, {**os.environ, "MLFLOW_TRACKING_URI": dead})
+    assert out.returncode == 2, out.stderr
+    assert f"bert pretrain: error: MLflow tracking server {dead} is unreachable" in out.stderr
+    bucket_uri = "s3://no-such-bucket/ckpt"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    out2 = _pretrain(tiny_instances, tmp_path, env, "--storage-path", bucket_uri)
+    assert out2.returncode == 2, out2.stderr
+    assert "bucket 'no-such-bucket'" in out2.stderr and "does not exist" in out2.stderr
+    for o in (out, out2):  # one error line, raised before Ray was started
+        assert len(o.stderr.strip().splitlines()) == 1, o.stderr
+        assert "Ray instance" not in o.stdout + o.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "mlflow.db").exists()

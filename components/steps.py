@@ -109,8 +109,12 @@ def finetune(
     kfp_run_id: str,
     finetuned: Output[Model],
     metrics: Output[Metrics],
+    max_eval_examples: int = 0,
 ):
-    """bert finetune on one GLUE task (the pipeline fans this out with dsl.ParallelFor)."""
+    """bert finetune on one task, `{glue_dir}/{task}`: a GLUE task, or a token-level one
+    (conll2003, squad) with glue_dir the folder holding it. The pipeline fans this out with
+    dsl.ParallelFor, once over the GLUE tasks and once over the token-level ones; 0
+    max_eval_examples means the whole dev set."""
     import json
 
     from bert_core.tracking import kfp_step
@@ -120,7 +124,8 @@ def finetune(
         + ["--model", f"{pretrained.path}/model", "--output", finetuned.path]
         + ["--epochs", epochs, "--batch-size", batch_size, "--learning-rate", learning_rate]
         + ["--max-seq-length", max_seq_length, "--max-train-examples", max_train_examples]
-        + ["--device", "cuda" if use_gpu else "cpu"],
+        + ["--device", "cuda" if use_gpu else "cpu"]
+        + (["--max-eval-examples", max_eval_examples] if max_eval_examples > 0 else []),
         kfp_run_id,
     )
     result = json.loads(open(f"{finetuned.path}/metrics.json").read())
@@ -131,21 +136,27 @@ def finetune(
 @component
 def evaluate(
     results: Input[List[Model]],  # noqa: UP006
+    token_results: Input[List[Model]],  # noqa: UP006
     kfp_run_id: str,
     glue: Output[Dataset],
     table: Output[Markdown],
     metrics: Output[Metrics],
 ):
-    """bert evaluate: the GLUE table (rendered by the KFP UI as Markdown) and the GLUE score."""
+    """bert evaluate: the GLUE table (rendered by the KFP UI as Markdown) and the GLUE score,
+    with NER / SQuAD rows when token-level tasks ran (token_results may be empty)."""
     import json
     import shutil
 
     from bert_core.tracking import kfp_step
 
-    folders = [r.path for r in results]
+    folders = [r.path for r in [*results, *token_results]]
     kfp_step(["evaluate", "--results", *folders, "--output", glue.path], kfp_run_id)
     shutil.copyfile(f"{glue.path}/glue_table.md", table.path)
     summary = json.loads(open(f"{glue.path}/glue_results.json").read())
-    metrics.log_metric("glue_score", summary["glue_score"])
+    if summary["glue_score"] is not None:
+        metrics.log_metric("glue_score", summary["glue_score"])
     for name, task in summary["tasks"].items():
         metrics.log_metric(f"{name}.score", task["score"])
+    for name, task in summary.get("token_tasks", {}).items():
+        for key, value in task["metrics"].items():
+            metrics.log_metric(f"{name}.{key}", value)

@@ -1,6 +1,10 @@
 """The BERT DAG as a Kubeflow Pipelines v2 pipeline: compile it, run it locally, or submit it.
 
     clean -> vocab -> instances -> pretrain -> finetune (ParallelFor over GLUE tasks) -> evaluate
+                                             -> finetune (ParallelFor over token tasks) -^
+
+The token-level tasks (`finetune_token_tasks`: conll2003, squad) reuse the finetune component;
+the list is empty by default, so that loop runs nothing unless asked for.
 
 Every pipeline parameter's default comes from params.yaml (the file `dvc repro` reads too), so
 the KFP UI, DVC and `make run` start from the same settings.
@@ -78,6 +82,12 @@ def build_pipeline(lineage: bool = True):
             ft_learning_rate: float,
             ft_max_seq_length: int,
             ft_max_train_examples: int,
+            token_dir: str,
+            token_tasks: list,
+            tok_epochs: int,
+            tok_max_seq_length: int,
+            tok_max_train_examples: int,
+            tok_max_eval_examples: int,
         ) -> Markdown:
             pre = steps.pretrain(
                 shards=shards,
@@ -108,7 +118,29 @@ def build_pipeline(lineage: bool = True):
                 ft.set_display_name("finetune").set_cpu_request("2").set_memory_request("8G")
                 if gpu:
                     ft.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
-            ev = steps.evaluate(results=dsl.Collected(ft.outputs["finetuned"]), kfp_run_id=run_id)
+            with dsl.ParallelFor(token_tasks, name="token-tasks") as token_task:
+                tok = steps.finetune(
+                    pretrained=pre.outputs["pretrained"],
+                    glue_dir=token_dir,
+                    task=token_task,
+                    epochs=tok_epochs,
+                    batch_size=ft_batch_size,
+                    learning_rate=ft_learning_rate,
+                    max_seq_length=tok_max_seq_length,
+                    max_train_examples=tok_max_train_examples,
+                    max_eval_examples=tok_max_eval_examples,
+                    use_gpu=gpu,
+                    kfp_run_id=run_id,
+                )
+                tok.set_display_name("finetune-token").set_cpu_request("2")
+                tok.set_memory_request("8G")
+                if gpu:
+                    tok.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
+            ev = steps.evaluate(
+                results=dsl.Collected(ft.outputs["finetuned"]),
+                token_results=dsl.Collected(tok.outputs["finetuned"]),
+                kfp_run_id=run_id,
+            )
             ev.set_display_name("evaluate").set_cpu_request("1").set_memory_request("2G")
             return ev.outputs["table"]
 
@@ -117,11 +149,13 @@ def build_pipeline(lineage: bool = True):
     on_gpu, on_cpu = train_and_evaluate(True), train_and_evaluate(False)
 
     @dsl.pipeline(
-        name=NAME, description="BERT: corpus -> WordPiece -> MLM/NSP -> pre-train -> GLUE"
+        name=NAME,
+        description="BERT: corpus -> WordPiece -> MLM/NSP -> pre-train -> GLUE (+ NER, SQuAD)",
     )
     def bert_pipeline(
         data_corpus: str = P["data_corpus"],
         data_glue: str = P["data_glue"],
+        data_token: str = P["data_token"],
         vocab_vocab_size: int = P["vocab_vocab_size"],
         instances_max_seq_length: int = P["instances_max_seq_length"],
         instances_max_predictions_per_seq: int = P["instances_max_predictions_per_seq"],
@@ -140,6 +174,11 @@ def build_pipeline(lineage: bool = True):
         finetune_learning_rate: float = P["finetune_learning_rate"],
         finetune_max_seq_length: int = P["finetune_max_seq_length"],
         finetune_max_train_examples: int = P["finetune_max_train_examples"],
+        finetune_token_tasks: list = P["finetune_token_tasks"],
+        finetune_token_epochs: int = P["finetune_token_epochs"],
+        finetune_token_max_seq_length: int = P["finetune_token_max_seq_length"],
+        finetune_token_max_train_examples: int = P["finetune_token_max_train_examples"],
+        finetune_token_max_eval_examples: int = P["finetune_token_max_eval_examples"],
     ):
         cl = steps.clean(corpus=data_corpus, kfp_run_id=run_id)
         cl.set_display_name("clean").set_cpu_request("2").set_memory_request("4G")
@@ -172,6 +211,12 @@ def build_pipeline(lineage: bool = True):
             ft_learning_rate=finetune_learning_rate,
             ft_max_seq_length=finetune_max_seq_length,
             ft_max_train_examples=finetune_max_train_examples,
+            token_dir=data_token,
+            token_tasks=finetune_token_tasks,
+            tok_epochs=finetune_token_epochs,
+            tok_max_seq_length=finetune_token_max_seq_length,
+            tok_max_train_examples=finetune_token_max_train_examples,
+            tok_max_eval_examples=finetune_token_max_eval_examples,
         )
         with dsl.If(pretrain_use_gpu == True, name="use-gpu"):  # noqa: E712 - a KFP condition
             on_gpu(**train_args).set_display_name("train-and-evaluate (GPU)")
@@ -205,7 +250,7 @@ def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     from kfp import local
 
     args = {**P, **overrides}
-    for key in ("data_corpus", "data_glue"):
+    for key in ("data_corpus", "data_glue", "data_token"):
         if "://" not in str(args[key]):
             args[key] = str((ROOT / args[key]).resolve())
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=pipeline_root)

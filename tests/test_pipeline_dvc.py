@@ -15,8 +15,6 @@ import yaml
 
 from tests.pipeline_helpers import env_for, project_copy
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def dvc_run(tmp_path_factory, shared_data):
@@ -47,6 +45,7 @@ def _dvc(repo: Path, env: dict, *args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
     repo, env, (first, _) = dvc_run
     results = json.loads((repo / "runs/dvc/evaluate/glue_results.json").read_text())
@@ -62,6 +61,7 @@ def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
     assert glue["data"]["glue_score"] == pytest.approx(results["glue_score"])
 
 
+@pytest.mark.slow
 def test_second_repro_is_a_no_op(dvc_run):
     repo, env, (first, second) = dvc_run
     assert "Running stage 'pretrain'" in first
@@ -70,6 +70,7 @@ def test_second_repro_is_a_no_op(dvc_run):
     assert "Data and pipelines are up to date" in _dvc(repo, env, "repro")
 
 
+@pytest.mark.slow
 def test_params_are_wired_to_their_stages(dvc_run):
     """`dvc exp run -S model.preset=mini` works through the same params: changing a key marks
     exactly the stages reading it as changed (a whole mini run is too slow for CI)."""
@@ -94,6 +95,7 @@ def test_params_are_wired_to_their_stages(dvc_run):
     assert json.loads(_dvc(repo, env, "status", "--json")) == {}
 
 
+@pytest.mark.slow
 def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch):
     from mlflow import MlflowClient
 
@@ -149,3 +151,30 @@ def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch)
     ).stdout
     assert first.info.run_id[:8] in table and second.info.run_id[:8] in table
     assert f"{first.data.metrics['glue_score']:.2f}" in table
+
+
+def test_token_tasks_are_a_foreach_stage_feeding_evaluate(tmp_path, shared_data):
+    """No training: an empty `finetune.token_tasks` (the default) makes no token stage, and
+    listing conll2003 adds `finetune-token@conll2003` (on the shared CoNLL folder, after
+    pretrain) upstream of `evaluate`."""
+    repo = project_copy(tmp_path, shared_data)
+    env = env_for(repo, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    assert params["finetune"]["token_tasks"] == []
+    assert "finetune-token" not in _dvc(repo, env, "stage", "list")
+    assert '"finetune@SST-2" -> "evaluate"' in _dvc(repo, env, "dag", "--dot")
+
+    params["finetune"]["token_tasks"] = ["conll2003"]
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    stages = {
+        line.split()[0]: line for line in _dvc(repo, env, "stage", "list").splitlines() if line
+    }
+    assert "finetune-token@conll2003" in stages
+    assert stages["finetune-token@conll2003"].endswith("runs/dvc/glue/conll2003")
+    dag = _dvc(repo, env, "dag", "--dot")
+    assert '"pretrain" -> "finetune-token@conll2003"' in dag
+    assert '"finetune-token@conll2003" -> "evaluate"' in dag
+    status = json.loads(_dvc(repo, env, "status", "--json"))  # nothing has run in this copy
+    assert {"finetune-token@conll2003", "evaluate"} <= set(status)
+    (deps,) = [d["changed deps"] for d in status["finetune-token@conll2003"] if "changed deps" in d]
+    assert any(Path(dep).as_posix().endswith("shared/data/conll2003") for dep in deps), deps

@@ -58,8 +58,9 @@ def test_gpu_requests_follow_use_gpu_and_image_is_configurable(tmp_path):
         for name, e in executors.items()
         if "accelerator" in e["container"].get("resources", {})
     }
-    # pretrain and finetune of the GPU branch only, one GPU each
+    # pretrain and finetune (GLUE and token-level) of the GPU branch only, one GPU each
     assert sorted(n.removeprefix("exec-").rsplit("-", 1)[0] for n in gpu) == [
+        "finetune",
         "finetune",
         "pretrain",
     ]
@@ -73,6 +74,52 @@ def test_gpu_requests_follow_use_gpu_and_image_is_configurable(tmp_path):
     assert len(conditions) == 2 and all("pretrain_use_gpu" in c for c in conditions)
     for executor in executors.values():  # nothing installed when a step starts
         assert "pip install" not in " ".join(executor["container"]["command"])
+
+
+def test_token_tasks_fan_out_into_evaluate():
+    """`finetune_token_tasks` (empty by default) drives a second ParallelFor over the same
+    finetune component, on `data_token/<task>`, collected into evaluate beside the GLUE loop."""
+    spec = yaml.safe_load(SPEC.read_text())
+    root = spec["root"]["inputDefinitions"]["parameters"]
+    assert root["finetune_token_tasks"]["parameterType"] == "LIST"
+    assert root["finetune_token_tasks"]["defaultValue"] == []
+    components = spec["components"]
+    for variant in ("cpu", "gpu"):
+        graph = components[f"comp-train-and-evaluate-{variant}"]["dag"]["tasks"]
+        (loop_name,) = [
+            name
+            for name, task in graph.items()
+            if task.get("parameterIterator", {}).get("items", {}).get("inputParameter")
+            == "pipelinechannel--token_tasks"
+        ]
+        assert graph[loop_name]["taskInfo"]["name"] == "token-tasks"
+        loop = components[graph[loop_name]["componentRef"]["name"]]["dag"]["tasks"]
+        (finetune,) = loop.values()
+        assert components[finetune["componentRef"]["name"]]["executorLabel"].startswith(
+            "exec-finetune"
+        )
+        inputs = finetune["inputs"]["parameters"]
+        assert inputs["glue_dir"]["componentInputParameter"] == "pipelinechannel--token_dir"
+        assert inputs["task"]["componentInputParameter"] == "pipelinechannel--token_tasks-loop-item"
+        assert inputs["max_eval_examples"]["componentInputParameter"] == (
+            "pipelinechannel--tok_max_eval_examples"
+        )
+        evaluate = graph["evaluate"]["inputs"]["artifacts"]
+        assert evaluate["token_results"]["taskOutputArtifact"]["producerTask"] == loop_name
+        assert evaluate["results"]["taskOutputArtifact"]["producerTask"] != loop_name
+    branches = [
+        t
+        for c in components.values()
+        for t in c.get("dag", {}).get("tasks", {}).values()
+        if t["componentRef"]["name"].startswith("comp-train-and-evaluate")
+    ]
+    assert len(branches) == 2
+    for task in branches:
+        wired = task["inputs"]["parameters"]
+        assert wired["token_tasks"]["componentInputParameter"] == (
+            "pipelinechannel--finetune_token_tasks"
+        )
+        assert wired["token_dir"]["componentInputParameter"] == "pipelinechannel--data_token"
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ outs in dvc.lock), so a second `make run` re-runs nothing, and `dvc exp run -S m
 works the same way. This wrapper only adds what DVC does not: it opens the parent MLflow run
 first and exports its id (BERT_PARENT_RUN_ID), so each stage's `bert` command nests its run
 under it; afterwards it tags the runs with the DVC hashes of their inputs, registers the
-pre-trained model (when pretrain ran), logs the GLUE scores on the parent run and prints the
-GLUE table and the command that opens the MLflow UI.
+pre-trained model (when pretrain ran), logs the GLUE (and NER / SQuAD) scores on the parent run
+and prints the GLUE table and the command that opens the MLflow UI.
 
     python pipelines/run_dvc.py                       # dvc repro
     python pipelines/run_dvc.py -S model.preset=mini  # dvc exp run -S ... (an experiment)
@@ -62,8 +62,11 @@ def run(overrides: list[str], force: bool = False) -> dict:
             version = tracking.register_pretrained(output / "pretrain" / "model", parent_id)
             mlflow.set_tag("bert.registered_model", f"{version.name}/{version.version}")
         results = json.loads((output / "evaluate" / "glue_results.json").read_text())
-        mlflow.log_metric("glue_score", results["glue_score"])
+        if results["glue_score"] is not None:  # None when only token-level tasks ran
+            mlflow.log_metric("glue_score", results["glue_score"])
         mlflow.log_metrics({f"{t}.score": r["score"] for t, r in results["tasks"].items()})
+        for task, r in results.get("token_tasks", {}).items():  # NER F1, SQuAD EM/F1
+            mlflow.log_metrics({f"{task}.{k}": v for k, v in r["metrics"].items()})
         mlflow.log_artifact(str(output / "evaluate" / "glue_table.md"))
     return {"parent_run_id": parent_id, "glue_results": results, "stages_run": stages}
 

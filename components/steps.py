@@ -149,7 +149,8 @@ def evaluate(
 
     from bert_core.tracking import kfp_step
 
-    folders = [r.path for r in [*results, *token_results]]
+    # an empty loop's Collected outputs may arrive as None rather than []
+    folders = [r.path for r in [*(results or []), *(token_results or [])]]
     kfp_step(["evaluate", "--results", *folders, "--output", glue.path], kfp_run_id)
     shutil.copyfile(f"{glue.path}/glue_table.md", table.path)
     summary = json.loads(open(f"{glue.path}/glue_results.json").read())

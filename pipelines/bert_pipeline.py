@@ -244,6 +244,33 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def _kfp_local_empty_loops() -> None:
+    """kfp.local (2.17) publishes no outputs for a ParallelFor over an empty list, so a
+    `dsl.Collected` consumer of it fails ("task 'for-loop-2' not found"): with the default
+    empty `finetune_token_tasks`, `evaluate` could not start. Publish an empty list for each
+    output such a loop did not set, the value a loop of no iterations collects."""
+    from kfp.local.orchestrator import enhanced_dag_orchestrator as orchestrator
+
+    original = orchestrator._run_parallel_for_task
+    if getattr(original, "empty_loops_publish_empty_lists", False):
+        return
+
+    def run_loop(**kwargs: Any) -> bool:
+        failed = original(**kwargs)
+        if not failed:
+            name, io_store = kwargs["task_name"], kwargs["io_store"]
+            spec = kwargs["components"][kwargs["task_spec"].component_ref.name]
+            for key in [*spec.output_definitions.artifacts, *spec.output_definitions.parameters]:
+                try:
+                    io_store.get_task_output(name, key)
+                except ValueError:
+                    io_store.put_task_output(name, key, [])
+        return failed
+
+    run_loop.empty_loops_publish_empty_lists = True
+    orchestrator._run_parallel_for_task = run_loop
+
+
 def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     """The whole DAG through kfp.local's SubprocessRunner in this environment (no containers;
     resource settings are ignored). Relative data paths are made absolute first."""
@@ -253,6 +280,7 @@ def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     for key in ("data_corpus", "data_glue", "data_token"):
         if "://" not in str(args[key]):
             args[key] = str((ROOT / args[key]).resolve())
+    _kfp_local_empty_loops()
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=pipeline_root)
     return build_pipeline()(**args)
 

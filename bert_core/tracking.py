@@ -161,15 +161,58 @@ def kfp_parent_run(kfp_run_id: str, pipeline: str = PIPELINE_EXPERIMENT) -> str:
     return run.info.run_id
 
 
-def kfp_step(argv: list[str], kfp_run_id: str = "", pipeline: str = PIPELINE_EXPERIMENT) -> None:
+def kfp_pipeline_run(settings: dict[str, Any], pipeline: str = PIPELINE_EXPERIMENT) -> str | None:
+    """Open the MLflow parent run of this Kubeflow run and log the run's settings on it.
+
+    The pipeline's first task, never cached: the parent exists before any step looks for it (no
+    two fan-out steps can race to create it) and carries the settings `bert runs` compares.
+    KFP hands parameters over as strings ('5', or '5.0' under kfp.local): they are parsed back.
+    """
+    import yaml
+    from mlflow import MlflowClient
+    from mlflow.entities import Param
+
+    kfp_run_id = os.environ.get("KFP_RUN_ID", "")
+    if not kfp_run_id:
+        return None
+    parsed = {}
+    for key, value in settings.items():
+        value = yaml.safe_load(value) if isinstance(value, str) and value else value
+        parsed[key] = int(value) if isinstance(value, float) and value.is_integer() else value
+    parent = kfp_parent_run(kfp_run_id, pipeline)
+    params = [Param(k, v) for k, v in sorted(flatten(parsed).items())]
+    MlflowClient(tracking_uri()).log_batch(parent, params=params)
+    return parent
+
+
+def kfp_pipeline_end(state: str, pipeline: str = PIPELINE_EXPERIMENT) -> str | None:
+    """Close the MLflow parent run of this Kubeflow run with the run's final state.
+
+    The pipeline's exit handler: no process holds a Kubeflow parent run open, so without it
+    the run would show as running forever in the MLflow UI, whatever happened to the pipeline.
+    """
+    from mlflow import MlflowClient
+
+    kfp_run_id = os.environ.get("KFP_RUN_ID", "")
+    if not kfp_run_id:
+        return None
+    status = {"SUCCEEDED": "FINISHED", "CANCELED": "KILLED", "CANCELLED": "KILLED"}
+    status = status.get(state.upper(), "FAILED")
+    MlflowClient(tracking_uri()).set_terminated(kfp_parent_run(kfp_run_id, pipeline), status)
+    return status
+
+
+def kfp_step(argv: list[str], pipeline: str = PIPELINE_EXPERIMENT) -> None:
     """Run one `bert` command as a Kubeflow step, its MLflow run nested under the pipeline's.
 
     The components in `components/` are this one call: all logic stays in the `bert` commands.
+    The KFP run id comes from `KFP_RUN_ID` (the pod's `pipeline/runid` label under Kubeflow, set
+    by the local runner under kfp.local); without it the step logs a standalone run.
     """
     from bert_core.cli import main
 
-    if kfp_run_id and not kfp_run_id.startswith("{{"):  # an unresolved placeholder: no lineage
-        os.environ["KFP_RUN_ID"] = kfp_run_id
+    kfp_run_id = os.environ.get("KFP_RUN_ID", "")  # empty where the pod has no such label
+    if kfp_run_id:
         os.environ["BERT_PARENT_RUN_ID"] = kfp_parent_run(kfp_run_id, pipeline)
     try:
         code = main([str(a) for a in argv])

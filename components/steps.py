@@ -4,6 +4,10 @@ Each component is one call of the step's `bert` command through `bert_core.track
 (which also nests the step's MLflow run under the pipeline run, found by the KFP run id): all
 logic lives in `bert_core`, so the DAG run by KFP, by DVC and by hand is the same code.
 
+The KFP run id is not an input: an input that differs per run would be part of every step's
+cache key, so no step could ever be reused by a later run. The pipeline hands it to the pods
+through the environment instead (`KFP_RUN_ID`, see pipelines/bert_pipeline.py).
+
 The image is the project's (infra/docker/Dockerfile), chosen at compile time with BERT_IMAGE; it
 already holds every package, so nothing is pip-installed when a step starts.
 """
@@ -24,20 +28,39 @@ def component(func):
 
 
 @component
-def clean(corpus: str, kfp_run_id: str, cleaned: Output[Dataset]):
-    """bert clean: raw text -> sharded documents in BERT's input format."""
-    from bert_core.tracking import kfp_step
+def pipeline_run(settings: dict, tasks: list, token_tasks: list):
+    """The MLflow parent run of this KFP run, with the run's settings as its parameters; first
+    in the DAG and never cached, so it exists before any step looks for it. The two list
+    settings come as inputs of their own: inside a dict, KFP pastes a list in as broken text."""
+    from bert_core.tracking import kfp_pipeline_run
 
-    kfp_step(["clean", "--input", corpus, "--output", cleaned.path], kfp_run_id)
+    lists = {"finetune.tasks": tasks, "finetune.token_tasks": token_tasks}
+    print("MLflow parent run:", kfp_pipeline_run({**settings, **lists}))
 
 
 @component
-def vocab(cleaned: Input[Dataset], vocab_size: int, kfp_run_id: str, wordpiece: Output[Dataset]):
+def pipeline_end(status: dsl.PipelineTaskFinalStatus):
+    """The exit handler: closes the MLflow parent run as FINISHED, FAILED or KILLED."""
+    from bert_core.tracking import kfp_pipeline_end
+
+    print("MLflow parent run:", kfp_pipeline_end(status.state))
+
+
+@component
+def clean(corpus: str, cleaned: Output[Dataset]):
+    """bert clean: raw text -> sharded documents in BERT's input format."""
+    from bert_core.tracking import kfp_step
+
+    kfp_step(["clean", "--input", corpus, "--output", cleaned.path])
+
+
+@component
+def vocab(cleaned: Input[Dataset], vocab_size: int, wordpiece: Output[Dataset]):
     """bert vocab: WordPiece vocab.txt + tokenizer.json."""
     from bert_core.tracking import kfp_step
 
     argv = ["vocab", "--input", cleaned.path, "--output", wordpiece.path]
-    kfp_step([*argv, "--vocab-size", vocab_size], kfp_run_id)
+    kfp_step([*argv, "--vocab-size", vocab_size])
 
 
 @component
@@ -49,7 +72,6 @@ def instances(
     masked_lm_prob: float,
     dupe_factor: int,
     random_seed: int,
-    kfp_run_id: str,
     shards: Output[Dataset],
 ):
     """bert instances: MLM/NSP pre-training instances as Parquet shards."""
@@ -60,8 +82,7 @@ def instances(
         + ["--output", shards.path, "--max-seq-length", max_seq_length]
         + ["--max-predictions-per-seq", max_predictions_per_seq]
         + ["--masked-lm-prob", masked_lm_prob, "--dupe-factor", dupe_factor]
-        + ["--random-seed", random_seed],
-        kfp_run_id,
+        + ["--random-seed", random_seed]
     )
 
 
@@ -74,7 +95,6 @@ def pretrain(
     num_workers: int,
     learning_rate: float,
     use_gpu: bool,
-    kfp_run_id: str,
     pretrained: Output[Model],
     metrics: Output[Metrics],
 ):
@@ -87,8 +107,7 @@ def pretrain(
         ["pretrain", "--instances", shards.path, "--output", pretrained.path, "--preset", preset]
         + ["--steps", steps, "--batch-size", batch_size, "--num-workers", num_workers]
         + ["--learning-rate", learning_rate]
-        + (["--use-gpu"] if use_gpu else []),
-        kfp_run_id,
+        + (["--use-gpu"] if use_gpu else [])
     )
     register_pretrained(f"{pretrained.path}/model", os.environ.get("BERT_PARENT_RUN_ID"))
     for name, value in last_pretrain_metrics(f"{pretrained.path}/pretrain_metrics.csv").items():
@@ -106,7 +125,6 @@ def finetune(
     max_seq_length: int,
     max_train_examples: int,
     use_gpu: bool,
-    kfp_run_id: str,
     finetuned: Output[Model],
     metrics: Output[Metrics],
     max_eval_examples: int = 0,
@@ -125,8 +143,7 @@ def finetune(
         + ["--epochs", epochs, "--batch-size", batch_size, "--learning-rate", learning_rate]
         + ["--max-seq-length", max_seq_length, "--max-train-examples", max_train_examples]
         + ["--device", "cuda" if use_gpu else "cpu"]
-        + (["--max-eval-examples", max_eval_examples] if max_eval_examples > 0 else []),
-        kfp_run_id,
+        + (["--max-eval-examples", max_eval_examples] if max_eval_examples > 0 else [])
     )
     result = json.loads(open(f"{finetuned.path}/metrics.json").read())
     for name, value in result["metrics"].items():
@@ -137,7 +154,6 @@ def finetune(
 def evaluate(
     results: Input[List[Model]],  # noqa: UP006
     token_results: Input[List[Model]],  # noqa: UP006
-    kfp_run_id: str,
     glue: Output[Dataset],
     table: Output[Markdown],
     metrics: Output[Metrics],
@@ -151,7 +167,7 @@ def evaluate(
 
     # an empty loop's Collected outputs may arrive as None rather than []
     folders = [r.path for r in [*(results or []), *(token_results or [])]]
-    kfp_step(["evaluate", "--results", *folders, "--output", glue.path], kfp_run_id)
+    kfp_step(["evaluate", "--results", *folders, "--output", glue.path])
     shutil.copyfile(f"{glue.path}/glue_table.md", table.path)
     summary = json.loads(open(f"{glue.path}/glue_results.json").read())
     if summary["glue_score"] is not None:

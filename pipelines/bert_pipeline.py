@@ -4,7 +4,10 @@
                                              -> finetune (ParallelFor over token tasks) -^
 
 The token-level tasks (`finetune_token_tasks`: conll2003, squad) reuse the finetune component;
-the list is empty by default, so that loop runs nothing unless asked for.
+the list is empty by default, so that loop runs nothing unless asked for. Before `clean`, one
+uncached task (`pipeline-run`) opens the run's MLflow parent run with its settings, and an exit
+handler (`pipeline-end`) closes it with the run's final state; the steps
+read the KFP run id from the environment, so it never enters their cache keys (see `step`).
 
 Every pipeline parameter's default comes from params.yaml (the file `dvc repro` reads too), so
 the KFP UI, DVC and `make run` start from the same settings.
@@ -57,14 +60,27 @@ def _kfp():
     return dsl, steps
 
 
-def build_pipeline(lineage: bool = True):
-    """The pipeline function. `lineage` passes the KFP run id to every step (MLflow tags and the
-    parent run); since the id differs per run, KFP's cache then only hits within one run:
-    compile with lineage=False to reuse steps across runs."""
+# The pod label that carries the KFP run id (set by the KFP backend on every step's pod).
+RUN_ID_FIELD = "metadata.labels['pipeline/runid']"
+
+
+def step(task, name: str, cpu: str, memory: str, gpu: bool = False):
+    """A task's display name and resources, and its KFP run id as `KFP_RUN_ID` read from the pod
+    label through the Kubernetes downward API. Passed as an input, the run id would enter every
+    step's cache key and no later run could reuse a step; an environment variable does not, so
+    caching works across runs and each step still nests its MLflow run under its pipeline run."""
+    from kfp import kubernetes
+
+    task.set_display_name(name).set_cpu_request(cpu).set_memory_request(memory)
+    if gpu:
+        task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
+    return kubernetes.use_field_path_as_env(task, env_name="KFP_RUN_ID", field_path=RUN_ID_FIELD)
+
+
+def build_pipeline():
+    """The pipeline function: the DAG of the module docstring, its defaults from params.yaml."""
     dsl, steps = _kfp()
     from kfp.dsl import Dataset, Input, Markdown
-
-    run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER if lineage else ""
 
     def train_and_evaluate(gpu: bool):
         @dsl.pipeline(name=f"train-and-evaluate-{'gpu' if gpu else 'cpu'}")
@@ -97,11 +113,8 @@ def build_pipeline(lineage: bool = True):
                 num_workers=num_workers,
                 learning_rate=learning_rate,
                 use_gpu=gpu,
-                kfp_run_id=run_id,
             )
-            pre.set_display_name("pretrain").set_cpu_request("4").set_memory_request("16G")
-            if gpu:
-                pre.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
+            step(pre, "pretrain", cpu="4", memory="16G", gpu=gpu)
             with dsl.ParallelFor(tasks, name="glue-tasks") as task:
                 ft = steps.finetune(
                     pretrained=pre.outputs["pretrained"],
@@ -113,11 +126,8 @@ def build_pipeline(lineage: bool = True):
                     max_seq_length=ft_max_seq_length,
                     max_train_examples=ft_max_train_examples,
                     use_gpu=gpu,
-                    kfp_run_id=run_id,
                 )
-                ft.set_display_name("finetune").set_cpu_request("2").set_memory_request("8G")
-                if gpu:
-                    ft.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
+                step(ft, "finetune", cpu="2", memory="8G", gpu=gpu)
             with dsl.ParallelFor(token_tasks, name="token-tasks") as token_task:
                 tok = steps.finetune(
                     pretrained=pre.outputs["pretrained"],
@@ -130,18 +140,13 @@ def build_pipeline(lineage: bool = True):
                     max_train_examples=tok_max_train_examples,
                     max_eval_examples=tok_max_eval_examples,
                     use_gpu=gpu,
-                    kfp_run_id=run_id,
                 )
-                tok.set_display_name("finetune-token").set_cpu_request("2")
-                tok.set_memory_request("8G")
-                if gpu:
-                    tok.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
+                step(tok, "finetune-token", cpu="2", memory="8G", gpu=gpu)
             ev = steps.evaluate(
                 results=dsl.Collected(ft.outputs["finetuned"]),
                 token_results=dsl.Collected(tok.outputs["finetuned"]),
-                kfp_run_id=run_id,
             )
-            ev.set_display_name("evaluate").set_cpu_request("1").set_memory_request("2G")
+            step(ev, "evaluate", cpu="1", memory="2G")
             return ev.outputs["table"]
 
         return graph
@@ -180,56 +185,70 @@ def build_pipeline(lineage: bool = True):
         finetune_token_max_train_examples: int = P["finetune_token_max_train_examples"],
         finetune_token_max_eval_examples: int = P["finetune_token_max_eval_examples"],
     ):
-        cl = steps.clean(corpus=data_corpus, kfp_run_id=run_id)
-        cl.set_display_name("clean").set_cpu_request("2").set_memory_request("4G")
-        vo = steps.vocab(
-            cleaned=cl.outputs["cleaned"], vocab_size=vocab_vocab_size, kfp_run_id=run_id
-        )
-        vo.set_display_name("vocab").set_cpu_request("2").set_memory_request("4G")
-        ins = steps.instances(
-            cleaned=cl.outputs["cleaned"],
-            wordpiece=vo.outputs["wordpiece"],
-            max_seq_length=instances_max_seq_length,
-            max_predictions_per_seq=instances_max_predictions_per_seq,
-            masked_lm_prob=instances_masked_lm_prob,
-            dupe_factor=instances_dupe_factor,
-            random_seed=instances_random_seed,
-            kfp_run_id=run_id,
-        )
-        ins.set_display_name("instances").set_cpu_request("2").set_memory_request("8G")
-        train_args = dict(
-            shards=ins.outputs["shards"],
-            glue_dir=data_glue,
-            tasks=finetune_tasks,
-            preset=model_preset,
-            steps_=pretrain_steps,
-            batch_size=pretrain_batch_size,
-            num_workers=pretrain_num_workers,
-            learning_rate=pretrain_learning_rate,
-            ft_epochs=finetune_epochs,
-            ft_batch_size=finetune_batch_size,
-            ft_learning_rate=finetune_learning_rate,
-            ft_max_seq_length=finetune_max_seq_length,
-            ft_max_train_examples=finetune_max_train_examples,
-            token_dir=data_token,
-            token_tasks=finetune_token_tasks,
-            tok_epochs=finetune_token_epochs,
-            tok_max_seq_length=finetune_token_max_seq_length,
-            tok_max_train_examples=finetune_token_max_train_examples,
-            tok_max_eval_examples=finetune_token_max_eval_examples,
-        )
-        with dsl.If(pretrain_use_gpu == True, name="use-gpu"):  # noqa: E712 - a KFP condition
-            on_gpu(**train_args).set_display_name("train-and-evaluate (GPU)")
-        with dsl.Else(name="cpu-only"):
-            on_cpu(**train_args).set_display_name("train-and-evaluate (CPU)")
+        # every pipeline parameter, `section_key` -> `section.key` as DVC's parent run logs them
+        settings = {k.replace("_", ".", 1): v for k, v in locals().items() if k in P}
+        del (
+            settings["finetune.tasks"],
+            settings["finetune.token_tasks"],
+        )  # lists: inputs of their own
+        # the exit handler closes the MLflow parent run, whatever becomes of the steps
+        end = step(steps.pipeline_end(), "pipeline-end", cpu="1", memory="1G")
+        with dsl.ExitHandler(end.set_caching_options(False), name="bert"):
+            start = step(
+                steps.pipeline_run(
+                    settings=settings, tasks=finetune_tasks, token_tasks=finetune_token_tasks
+                ),
+                "pipeline-run",
+                cpu="1",
+                memory="1G",
+            )
+            start.set_caching_options(False)
+            cl = step(steps.clean(corpus=data_corpus), "clean", cpu="2", memory="4G").after(start)
+            vo = steps.vocab(cleaned=cl.outputs["cleaned"], vocab_size=vocab_vocab_size)
+            step(vo, "vocab", cpu="2", memory="4G")
+            ins = steps.instances(
+                cleaned=cl.outputs["cleaned"],
+                wordpiece=vo.outputs["wordpiece"],
+                max_seq_length=instances_max_seq_length,
+                max_predictions_per_seq=instances_max_predictions_per_seq,
+                masked_lm_prob=instances_masked_lm_prob,
+                dupe_factor=instances_dupe_factor,
+                random_seed=instances_random_seed,
+            )
+            step(ins, "instances", cpu="2", memory="8G")
+            train_args = dict(
+                shards=ins.outputs["shards"],
+                glue_dir=data_glue,
+                tasks=finetune_tasks,
+                preset=model_preset,
+                steps_=pretrain_steps,
+                batch_size=pretrain_batch_size,
+                num_workers=pretrain_num_workers,
+                learning_rate=pretrain_learning_rate,
+                ft_epochs=finetune_epochs,
+                ft_batch_size=finetune_batch_size,
+                ft_learning_rate=finetune_learning_rate,
+                ft_max_seq_length=finetune_max_seq_length,
+                ft_max_train_examples=finetune_max_train_examples,
+                token_dir=data_token,
+                token_tasks=finetune_token_tasks,
+                tok_epochs=finetune_token_epochs,
+                tok_max_seq_length=finetune_token_max_seq_length,
+                tok_max_train_examples=finetune_token_max_train_examples,
+                tok_max_eval_examples=finetune_token_max_eval_examples,
+            )
+            with dsl.If(pretrain_use_gpu == True, name="use-gpu"):  # noqa: E712 - a KFP condition
+                on_gpu(**train_args).set_display_name("train-and-evaluate (GPU)")
+            with dsl.Else(name="cpu-only"):
+                on_cpu(**train_args).set_display_name("train-and-evaluate (CPU)")
 
     return bert_pipeline
 
 
-def compile_spec(path: Path = SPEC, lineage: bool = True) -> Path:
+def compile_spec(path: Path = SPEC) -> Path:
     from kfp import compiler
 
-    compiler.Compiler().compile(build_pipeline(lineage), str(path))
+    compiler.Compiler().compile(build_pipeline(), str(path))
     return path
 
 
@@ -273,7 +292,10 @@ def _kfp_local_empty_loops() -> None:
 
 def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     """The whole DAG through kfp.local's SubprocessRunner in this environment (no containers;
-    resource settings are ignored). Relative data paths are made absolute first."""
+    resource settings are ignored). Relative data paths are made absolute first. There is no
+    pod label here, so the run id the steps read (`KFP_RUN_ID`) is made up and inherited."""
+    import uuid
+
     from kfp import local
 
     args = {**P, **overrides}
@@ -282,6 +304,7 @@ def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
             args[key] = str((ROOT / args[key]).resolve())
     _kfp_local_empty_loops()
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=pipeline_root)
+    os.environ["KFP_RUN_ID"] = f"local-{uuid.uuid4()}"
     return build_pipeline()(**args)
 
 
@@ -304,7 +327,6 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compile", help="write the pipeline spec (YAML)")
     c.add_argument("--output", type=Path, default=SPEC)
     c.add_argument("--image", help="component image (default: $BERT_IMAGE or the project's)")
-    c.add_argument("--no-lineage", action="store_true", help="no KFP run id in steps: cacheable")
     lo = sub.add_parser("local", help="run the whole DAG here through kfp.local")
     lo.add_argument("--pipeline-root", default=str(ROOT / "runs" / "kfp"))
     lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -318,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.image:
             os.environ["BERT_IMAGE"] = args.image
             sys.modules.pop("components.steps", None)
-        print(compile_spec(args.output, lineage=not args.no_lineage))
+        print(compile_spec(args.output))
     elif args.command == "local":
         run_local(parse_overrides(args.set), args.pipeline_root)
     else:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipelines.bert_pipeline import P
 from tests.pipeline_helpers import ROOT, SMALL, env_for
 
 SPEC = ROOT / "pipelines" / "bert_pipeline.yaml"
@@ -26,6 +27,12 @@ def _compile(tmp_path: Path, *args: str) -> dict:
     return out
 
 
+def _load(path: Path) -> tuple[dict, dict]:
+    """The compiled file: the pipeline spec, then the Kubernetes platform spec."""
+    pipeline, platform = yaml.safe_load_all(path.read_text())
+    return pipeline, platform
+
+
 def test_committed_spec_is_current(tmp_path):
     """Fails when pipelines/, components/ or params.yaml changed without recompiling:
     `python -m pipelines.bert_pipeline compile` rewrites pipelines/bert_pipeline.yaml."""
@@ -34,7 +41,7 @@ def test_committed_spec_is_current(tmp_path):
 
 
 def test_parameters_and_defaults_come_from_params_yaml():
-    spec = yaml.safe_load(SPEC.read_text())
+    spec, _ = _load(SPEC)
     inputs = spec["root"]["inputDefinitions"]["parameters"]
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     expected = {
@@ -49,7 +56,7 @@ def test_parameters_and_defaults_come_from_params_yaml():
 
 
 def test_gpu_requests_follow_use_gpu_and_image_is_configurable(tmp_path):
-    spec = yaml.safe_load(_compile(tmp_path, "--image", "registry.example/bert:1.2").read_text())
+    spec, _ = _load(_compile(tmp_path, "--image", "registry.example/bert:1.2"))
     executors = spec["deploymentSpec"]["executors"]
     images = {e["container"]["image"] for e in executors.values()}
     assert images == {"registry.example/bert:1.2"}
@@ -76,10 +83,51 @@ def test_gpu_requests_follow_use_gpu_and_image_is_configurable(tmp_path):
         assert "pip install" not in " ".join(executor["container"]["command"])
 
 
+def test_caching_is_on_and_the_run_id_reaches_steps_outside_the_cache_key():
+    """KFP's cache key is a step's inputs, outputs and command: a run id among the inputs would
+    change every key, so no run could reuse a step. Every step is cached, takes nothing
+    run-specific, and reads the run id from its pod's `pipeline/runid` label instead. Two small
+    uncached tasks bracket the DAG: the first opens the MLflow parent run with the settings,
+    the exit handler closes it."""
+    spec, platform = _load(SPEC)
+    tasks = [
+        (name, t)
+        for c in [*spec["components"].values(), spec["root"]]
+        for name, t in c.get("dag", {}).get("tasks", {}).items()
+        if "executorLabel" in spec["components"][t["componentRef"]["name"]]
+    ]
+    # pipeline-run, clean, vocab, instances + 2 branches x (pretrain, 2 finetune, evaluate),
+    # and the exit handler's pipeline-end
+    assert len(tasks) == 13
+    named = dict(tasks)  # the names used below are unique
+    uncached = {name for name, t in tasks if t["cachingOptions"] != {"enableCache": True}}
+    assert uncached == {"pipeline-run", "pipeline-end"}
+    assert named["pipeline-run"]["cachingOptions"] == named["pipeline-end"]["cachingOptions"] == {}
+    assert named["clean"]["dependentTasks"] == ["pipeline-run"]
+    root = spec["root"]["dag"]["tasks"]
+    assert root["pipeline-end"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
+    (body,) = root["pipeline-end"]["dependentTasks"]  # the exit handler holds all the rest
+    assert body in root and len(root) == 2
+    inputs = named["pipeline-run"]["inputs"]["parameters"]
+    settings = set(inputs["settings"]["runtimeValue"]["constant"])
+    lists = {"finetune.tasks", "finetune.token_tasks"}  # their own inputs, not inside the dict
+    assert settings | lists == {k.replace("_", ".", 1) for k in P} and not settings & lists
+    assert inputs["tasks"]["componentInputParameter"] == "pipelinechannel--finetune_tasks"
+    text = yaml.safe_dump(spec)
+    assert "pipeline_job" not in text and "run_id" not in text
+    executors = spec["deploymentSpec"]["executors"]
+    env = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert set(env) == set(executors)
+    for name in executors:
+        assert env[name]["fieldPathAsEnv"] == [
+            {"name": "KFP_RUN_ID", "fieldPath": "metadata.labels['pipeline/runid']"}
+        ], name
+
+
 def test_token_tasks_fan_out_into_evaluate():
     """`finetune_token_tasks` (empty by default) drives a second ParallelFor over the same
     finetune component, on `data_token/<task>`, collected into evaluate beside the GLUE loop."""
-    spec = yaml.safe_load(SPEC.read_text())
+    spec, _ = _load(SPEC)
     root = spec["root"]["inputDefinitions"]["parameters"]
     assert root["finetune_token_tasks"]["parameterType"] == "LIST"
     assert root["finetune_token_tasks"]["defaultValue"] == []
@@ -165,6 +213,13 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
         filter_string="tags.`bert.step` = 'pipeline'",
     )
     kfp_run_id = parent.data.tags["kfp.run_id"]
+    assert kfp_run_id.startswith("local-")
+    assert parent.info.status == "FINISHED"  # closed by the exit handler
+    # the settings, logged by the uncached first task as DVC's parent logs them (types restored)
+    assert parent.data.params["pretrain.steps"] == "20"
+    assert parent.data.params["model.preset"] == P["model_preset"]
+    assert parent.data.params["finetune.tasks"] == "['SST-2', 'STS-B']"
+    assert parent.data.params["pretrain.learning_rate"] == str(P["pretrain_learning_rate"])
     steps = {r.data.tags["bert.step"]: r for r in tracking.child_runs(parent.info.run_id)}
     assert set(steps) == {
         "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B", "evaluate",

@@ -63,12 +63,49 @@ def test_kfp_steps_share_one_parent_per_kfp_run(uri, monkeypatch, capsys):
     assert tracking.kfp_parent_run("4f1c-run-a") == first
     assert tracking.kfp_parent_run("77aa-run-b") != first
 
-    tracking.kfp_step(["runs"], "4f1c-run-a")  # a real `bert` command, as a component runs it
+    monkeypatch.setenv("KFP_RUN_ID", "4f1c-run-a")  # as the pod's `pipeline/runid` label sets it
+    tracking.kfp_step(["runs"])  # a real `bert` command, as a component runs it
     assert os.environ["BERT_PARENT_RUN_ID"] == first
-    assert os.environ["KFP_RUN_ID"] == "4f1c-run-a"
     assert "kfp" in capsys.readouterr().out  # `bert runs` lists the two KFP pipeline runs
+    monkeypatch.setenv("BERT_PARENT_RUN_ID", "")
+    monkeypatch.setenv("KFP_RUN_ID", "")  # a backend without the label: a standalone run
     with pytest.raises(RuntimeError, match="bert runs exited with code 2"):
-        tracking.kfp_step(["runs", "--limit", "x"], "{{$.pipeline_job_uuid}}")
+        tracking.kfp_step(["runs", "--limit", "x"])
+    assert os.environ["BERT_PARENT_RUN_ID"] == ""
+
+
+def test_kfp_pipeline_run_opens_the_parent_with_the_settings(uri, monkeypatch):
+    """The pipeline's first task: KFP hands it every parameter as a string ('5.0' for an int
+    under kfp.local); the parent run gets them typed back, named as DVC's parent names them."""
+    monkeypatch.setenv("KFP_RUN_ID", "")
+    assert tracking.kfp_pipeline_run({"model.preset": "tiny"}) is None  # no run id: no lineage
+    monkeypatch.setenv("KFP_RUN_ID", "5b2e-run-c")
+    settings = {
+        "model.preset": "mini",
+        "pretrain.steps": "300.0",
+        "pretrain.learning_rate": "0.0001",
+        "finetune.tasks": '["SST-2", "MRPC"]',
+        "finetune.token_tasks": "[]",
+    }
+    parent = tracking.kfp_pipeline_run(settings)
+    assert tracking.kfp_parent_run("5b2e-run-c") == parent  # the steps find it
+    run = MlflowClient(uri).get_run(parent)
+    assert run.data.params == {
+        "model.preset": "mini",
+        "pretrain.steps": "300",
+        "pretrain.learning_rate": "0.0001",
+        "finetune.tasks": "['SST-2', 'MRPC']",
+        "finetune.token_tasks": "[]",
+    }
+    assert run.data.tags["kfp.run_id"] == "5b2e-run-c"
+    assert run.data.tags["bert.step"] == "pipeline"
+    assert run.info.status == "RUNNING"  # no process holds it open: the exit handler closes it
+    assert tracking.kfp_pipeline_end("SUCCEEDED") == "FINISHED"
+    assert MlflowClient(uri).get_run(parent).info.status == "FINISHED"
+    monkeypatch.setenv("KFP_RUN_ID", "0c9a-run-d")
+    failed = tracking.kfp_pipeline_run({})
+    assert tracking.kfp_pipeline_end("FAILED") == "FAILED"
+    assert MlflowClient(uri).get_run(failed).info.status == "FAILED"
 
 
 def test_register_pretrained_logs_and_versions_the_model(uri, tmp_path):

@@ -132,23 +132,26 @@ def featurize(
     return Features(input_ids, token_type_ids, label_ids(task, examples) if labelled else None)
 
 
+def pad(rows: Sequence[np.ndarray], index: Sequence[int], fill: int = 0) -> torch.Tensor:
+    """rows[i] for i in index as one int64 batch, right-padded with `fill` to the longest."""
+    out = np.full((len(index), max(len(rows[i]) for i in index)), fill, dtype=np.int64)
+    for row, i in enumerate(index):
+        out[row, : len(rows[i])] = rows[i]
+    return torch.from_numpy(out)
+
+
+def padding_mask(rows: Sequence[np.ndarray], index: Sequence[int]) -> torch.Tensor:
+    """The attention_mask of `pad(rows, index)`: 1 = token, 0 = padding."""
+    lengths = torch.tensor([len(rows[i]) for i in index])
+    return (torch.arange(int(lengths.max()))[None] < lengths[:, None]).long()
+
+
 def collate(features: Features, index: Sequence[int], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """One batch padded to its longest sequence; attention_mask 1 = token, 0 = padding."""
-    length = max(len(features.input_ids[i]) for i in index)
-    ids = np.full((len(index), length), pad_id, dtype=np.int64)
-    types = np.zeros((len(index), length), dtype=np.int64)
-    mask = np.zeros((len(index), length), dtype=np.int64)
-    for row, i in enumerate(index):
-        n = len(features.input_ids[i])
-        ids[row, :n], types[row, :n], mask[row, :n] = (
-            features.input_ids[i],
-            features.token_type_ids[i],
-            1,
-        )
     batch = {
-        "input_ids": torch.from_numpy(ids),
-        "token_type_ids": torch.from_numpy(types),
-        "attention_mask": torch.from_numpy(mask),
+        "input_ids": pad(features.input_ids, index, pad_id),
+        "token_type_ids": pad(features.token_type_ids, index),
+        "attention_mask": padding_mask(features.input_ids, index),
     }
     if features.labels is not None:
         batch["labels"] = torch.from_numpy(features.labels[list(index)])

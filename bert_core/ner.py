@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from bert_core.errors import InputError, atomic_dir
+from bert_core.finetune import pad, padding_mask
 
 TASK = "conll2003"
 ENTITY_TYPES = ("PER", "ORG", "LOC", "MISC")
@@ -210,18 +211,12 @@ def featurize(sentences: Sequence[Sentence], tokenizer, max_seq_length: int) -> 
 
 
 def collate(windows: Windows, index: Sequence[int], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    length = max(len(windows.input_ids[i]) for i in index)
-    ids = np.full((len(index), length), pad_id, dtype=np.int64)
-    labels = np.full((len(index), length), -100, dtype=np.int64)
-    mask = np.zeros((len(index), length), dtype=np.int64)
-    for row, i in enumerate(index):
-        n = len(windows.input_ids[i])
-        ids[row, :n], labels[row, :n], mask[row, :n] = windows.input_ids[i], windows.labels[i], 1
+    ids = pad(windows.input_ids, index, pad_id)
     return {
-        "input_ids": torch.from_numpy(ids),
-        "token_type_ids": torch.zeros_like(torch.from_numpy(ids)),
-        "attention_mask": torch.from_numpy(mask),
-        "labels": torch.from_numpy(labels),
+        "input_ids": ids,
+        "token_type_ids": torch.zeros_like(ids),
+        "attention_mask": padding_mask(windows.input_ids, index),
+        "labels": pad(windows.labels, index, -100),
     }
 
 

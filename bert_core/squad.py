@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from bert_core.errors import InputError, atomic_dir
-from bert_core.finetune import FinetuneConfig
+from bert_core.finetune import FinetuneConfig, pad, padding_mask
 
 VERSIONS = {"squad": "1.1", "squad_v2": "2.0"}
 OFFICIAL_URL = "https://rajpurkar.github.io/SQuAD-explorer/dataset/"
@@ -272,18 +272,11 @@ def featurize(
 
 
 def collate(f: Features, index: Sequence[int], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    length = max(len(f.input_ids[i]) for i in index)
-    ids = np.full((len(index), length), pad_id, dtype=np.int64)
-    types = np.zeros((len(index), length), dtype=np.int64)
-    mask = np.zeros((len(index), length), dtype=np.int64)
-    for row, i in enumerate(index):
-        n = len(f.input_ids[i])
-        ids[row, :n], types[row, :n], mask[row, :n] = f.input_ids[i], f.token_type_ids[i], 1
     index = list(index)
     return {
-        "input_ids": torch.from_numpy(ids),
-        "token_type_ids": torch.from_numpy(types),
-        "attention_mask": torch.from_numpy(mask),
+        "input_ids": pad(f.input_ids, index, pad_id),
+        "token_type_ids": pad(f.token_type_ids, index),
+        "attention_mask": padding_mask(f.input_ids, index),
         "start_positions": torch.from_numpy(f.start_positions[index]),
         "end_positions": torch.from_numpy(f.end_positions[index]),
     }

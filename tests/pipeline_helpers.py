@@ -1,5 +1,6 @@
-"""Shared by the pipeline tests: the small settings a whole DAG runs on in CI, and a throwaway
-copy of the project (the tracked files, as a fresh clone has them) with ../shared beside it."""
+"""Shared by the pipeline tests: the small settings a whole DAG runs on in CI, a throwaway
+copy of the project (the tracked files, as a fresh clone has them) with ../shared beside it,
+and small pre-training instances made by the real data stages."""
 
 from __future__ import annotations
 
@@ -67,3 +68,31 @@ def env_for(repo: Path, tracking_uri: str) -> dict[str, str]:
     )
     env.pop("MLFLOW_EXPERIMENT_NAME", None)
     return env
+
+
+def pretraining_instances(
+    root: Path, shared_data: Path, chars: int, num_shards: int, vocab_size: int, max_seq_length: int
+) -> Path:
+    """The real `bert clean` / `bert vocab` / `bert instances` on a `chars`-character slice of a
+    shared-corpus book, run in `root` with MLflow there; returns the instances folder."""
+    import pytest
+
+    from bert_core import cli
+
+    text = (shared_data / "corpus" / "pride_and_prejudice.txt").read_text(encoding="utf-8-sig")
+    (root / "slice.txt").write_text(text[20_000 : 20_000 + chars], encoding="utf-8")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        mp.chdir(root)
+        mp.delenv("BERT_PARENT_RUN_ID", raising=False)
+        for argv in (
+            ["clean", "--input", root / "slice.txt", "--output", root / "clean",
+             "--num-shards", num_shards, "--num-workers", "1"],
+            ["vocab", "--input", root / "clean", "--output", root / "vocab",
+             "--vocab-size", vocab_size],
+            ["instances", "--input", root / "clean", "--vocab", root / "vocab" / "vocab.txt",
+             "--output", root / "instances", "--max-seq-length", max_seq_length,
+             "--dupe-factor", "1", "--num-workers", "1"],
+        ):  # fmt: skip
+            assert cli.main([str(a) for a in argv]) == 0, argv
+    return root / "instances"

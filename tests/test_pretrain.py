@@ -25,6 +25,7 @@ from bert_core.pretrain_data import (
     masking_config_from_vocab,
     read_vocab,
 )
+from tests.pipeline_helpers import pretraining_instances
 
 
 @pytest.fixture(scope="module")
@@ -32,26 +33,10 @@ def instances(tmp_path_factory, shared_data) -> Path:
     """The real pipeline (`bert clean`, `bert vocab`, `bert instances`) on a 40k-character slice
     of a shared-corpus book: about 230 sequences of <= 48 tokens over 4 shards, with a
     1000-piece vocabulary, small enough that a tiny BERT learns it within 200 steps on 2 CPUs."""
-    from bert_core import cli
-
-    root = tmp_path_factory.mktemp("pt")
-    text = (shared_data / "corpus" / "pride_and_prejudice.txt").read_text(encoding="utf-8-sig")
-    (root / "slice.txt").write_text(text[20_000:60_000], encoding="utf-8")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-        mp.chdir(root)
-        mp.delenv("BERT_PARENT_RUN_ID", raising=False)
-        for argv in (
-            ["clean", "--input", root / "slice.txt", "--output", root / "clean",
-             "--num-shards", "4", "--num-workers", "1"],
-            ["vocab", "--input", root / "clean", "--output", root / "vocab",
-             "--vocab-size", "1000"],
-            ["instances", "--input", root / "clean", "--vocab", root / "vocab" / "vocab.txt",
-             "--output", root / "instances", "--max-seq-length", "48", "--dupe-factor", "1",
-             "--num-workers", "1"],
-        ):  # fmt: skip
-            assert cli.main([str(a) for a in argv]) == 0, argv
-    return root / "instances"
+    return pretraining_instances(
+        tmp_path_factory.mktemp("pt"), shared_data, chars=40_000, num_shards=4,
+        vocab_size=1000, max_seq_length=48,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

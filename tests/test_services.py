@@ -20,6 +20,7 @@ import pytest
 
 from bert_core import storage, tracking
 from bert_core.errors import BertError
+from tests.pipeline_helpers import pretraining_instances
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "bert-ci"
@@ -271,25 +272,10 @@ def test_secret_never_reaches_params_tags_logs_files_or_git(
 def tiny_instances(tmp_path_factory, shared_data) -> Path:
     """Instances from the real `bert clean` / `bert vocab` / `bert instances` on a 12k-character
     slice of a shared-corpus book (as tests/test_pretrain.py does, smaller: a few steps only)."""
-    from bert_core import cli
-
-    root = tmp_path_factory.mktemp("pt-svc")
-    text = (shared_data / "corpus" / "pride_and_prejudice.txt").read_text(encoding="utf-8-sig")
-    (root / "slice.txt").write_text(text[20_000:32_000], encoding="utf-8")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-        mp.chdir(root)
-        mp.delenv("BERT_PARENT_RUN_ID", raising=False)
-        for argv in (
-            ["clean", "--input", root / "slice.txt", "--output", root / "clean",
-             "--num-shards", "2", "--num-workers", "1"],
-            ["vocab", "--input", root / "clean", "--output", root / "vocab", "--vocab-size", "500"],
-            ["instances", "--input", root / "clean", "--vocab", root / "vocab" / "vocab.txt",
-             "--output", root / "instances", "--max-seq-length", "32", "--dupe-factor", "1",
-             "--num-workers", "1"],
-        ):  # fmt: skip
-            assert cli.main([str(a) for a in argv]) == 0, argv
-    return root / "instances"
+    return pretraining_instances(
+        tmp_path_factory.mktemp("pt-svc"), shared_data, chars=12_000, num_shards=2,
+        vocab_size=500, max_seq_length=32,
+    )  # fmt: skip
 
 
 def _pretrain(instances: Path, cwd: Path, env: dict[str, str], *args: str):

@@ -3,11 +3,13 @@
 A step that fails must leave no partial output behind: everything is written under a temporary
 sibling of the destination and renamed into place only when complete (`atomic_dir`,
 `atomic_file`). A rename within one file system is atomic, so readers see either nothing or the
-whole result.
+whole result. A run killed with SIGKILL cannot clean up after itself; the next run of the same
+step removes what it left.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
@@ -29,41 +31,106 @@ class InputError(BertError, ValueError):
         self.path, self.line = str(path), line
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _sweep_staging(dest: Path) -> None:
+    """Remove what killed runs left beside `dest`: `.NAME.tmp-PID-*` staging and `.NAME.old-PID`
+    copies whose process is gone. A SIGKILL runs no cleanup handler, so the next run of the
+    step is the first chance to tidy up; a live process's staging is left alone."""
+    if not dest.parent.is_dir():
+        return
+    for kind in ("tmp", "old"):
+        for stale in dest.parent.glob(f".{glob.escape(dest.name)}.{kind}-*"):
+            pid = stale.name[len(f".{dest.name}.{kind}-") :].split("-")[0]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                if stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
+
+
+def _staging(dest: Path, is_dir: bool) -> Path:
+    """A fresh hidden sibling of `dest`, named after this process so a later run can tell
+    whether its owner is still alive; an unwritable folder is reported as `dest`'s problem."""
+    _sweep_staging(dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        prefix = f".{dest.name}.tmp-{os.getpid()}-"
+        if is_dir:
+            return Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
+        fd, tmp = tempfile.mkstemp(prefix=prefix, dir=dest.parent)
+        os.close(fd)
+        return Path(tmp)
+    except OSError as e:
+        raise BertError(f"cannot write the output {dest}: {e.strerror or e}") from None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False if the
+    platform or file system cannot, and the caller falls back to two renames."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 @contextmanager
 def atomic_dir(dest: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary directory that replaces `dest` only if the block succeeds."""
+    """Yield a temporary directory that replaces `dest` only if the block succeeds.
+
+    An existing `dest` folder is swapped out in one atomic step and then deleted: readers see
+    the old output or the new one, never neither, and no hidden copy of the old one stays. A
+    `dest` that is a file is an error (it is never moved aside). Staging left by killed runs of
+    the same output is removed first.
+    """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    if dest.exists() and not dest.is_dir():
+        raise BertError(f"the output {dest} exists and is a file, not a folder")
+    if dest.exists() and not overwrite:
+        raise BertError(f"{dest} exists")
+    tmp = _staging(dest, is_dir=True)
     tmp.chmod(0o755)  # mkdtemp makes it 0700; outputs are read by other users (KFP, DVC)
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if dest.exists():
-        if not overwrite:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise BertError(f"{dest} exists")
+    if not dest.exists():
+        os.replace(tmp, dest)
+    elif _exchange(tmp, dest):
+        shutil.rmtree(tmp, ignore_errors=True)  # now holds the old output
+    else:
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
         os.replace(dest, old)
         os.replace(tmp, dest)
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
 
 
 @contextmanager
 def atomic_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
     """Open a temporary file next to `dest`; rename it over `dest` when the block succeeds."""
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
+    if dest.is_dir():
+        raise BertError(f"the output {dest} exists and is a folder, not a file")
+    tmp = _staging(dest, is_dir=False)
     os.chmod(tmp, 0o644)  # mkstemp makes it 0600
     try:
-        with os.fdopen(fd, mode) as f:
+        with open(tmp, mode) as f:
             yield f
         os.replace(tmp, dest)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from bert_core import pretrain as pt
-from bert_core.pretrain_data import InstanceStream, list_row_groups, prefetch, read_vocab
+from bert_core.pretrain_data import InstanceStream, list_row_groups, prefetch
+from bert_core.tokenizer import read_vocab
 
 
 def bare_loop(cfg: pt.PretrainConfig, steps: int, start_step: int) -> dict[str, float]:

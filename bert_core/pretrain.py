@@ -43,9 +43,9 @@ from bert_core.pretrain_data import (
     list_row_groups,
     masking_config_from_vocab,
     prefetch,
-    read_vocab,
 )
 from bert_core.storage import filesystem, is_s3, preflight
+from bert_core.tokenizer import read_vocab
 
 CSV_COLUMNS = (
     "step",

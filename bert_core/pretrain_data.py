@@ -94,17 +94,6 @@ def list_row_groups(instances_dir: str | Path) -> list[RowGroup]:
     return groups
 
 
-def read_vocab(path: str | Path) -> dict[str, int]:
-    """vocab.txt (one token a line) -> token id; a local path or an s3:// URI."""
-    fs, inner = filesystem(path)
-    try:
-        with fs.open_input_stream(inner) as f:
-            text = f.read().decode("utf-8")
-    except FileNotFoundError as e:
-        raise InputError(path, "vocabulary not found (bert instances writes vocab.txt)") from e
-    return {token: i for i, token in enumerate(text.splitlines())}
-
-
 def masking_config_from_vocab(vocab: dict[str, int], **kw) -> MaskingConfig:
     missing = [t for t in ("[MASK]", "[CLS]", "[SEP]", "[PAD]") if t not in vocab]
     if missing:

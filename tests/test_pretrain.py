@@ -19,12 +19,8 @@ import torch
 
 from bert_core import pretrain as pt
 from bert_core.errors import BertError
-from bert_core.pretrain_data import (
-    InstanceStream,
-    list_row_groups,
-    masking_config_from_vocab,
-    read_vocab,
-)
+from bert_core.pretrain_data import InstanceStream, list_row_groups, masking_config_from_vocab
+from bert_core.tokenizer import read_vocab
 from tests.pipeline_helpers import pretraining_instances
 
 

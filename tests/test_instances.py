@@ -219,6 +219,9 @@ def test_bad_inputs_fail_cleanly(corpus, vocab_file, tmp_path, capsys, tracked):
     # --max-seq-length below 8
     assert cli_instances(corpus, vocab_file, out, "--max-seq-length", "7") == 2
     assert "--max-seq-length must be >= 8" in capsys.readouterr().err
+    # a masking recipe that does not add up
+    assert cli_instances(corpus, vocab_file, out, "--masking-recipe", "80/10/20") == 2
+    assert "--masking-recipe must be MASK/RANDOM/KEEP" in capsys.readouterr().err
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no temp left
 
@@ -237,3 +240,28 @@ def test_cli_end_to_end(corpus, vocab_file, tmp_path, capsys, tracked):
         "stats.json",
         "vocab.txt",
     ]
+
+
+@pytest.mark.parametrize("recipe", ["100/0/0", "0/0/100"])
+def test_masking_recipe_reaches_the_shards_and_stats(corpus, vocab_file, tmp_path, recipe, tracked):
+    """`--masking-recipe` (the paper's Table 8 ablation): 100/0/0 shows every prediction as
+    [MASK], 0/0/100 leaves every token as it was; stats.json records the recipe."""
+    out = tmp_path / "inst"
+    shard = corpus / "shard-00003.txt"
+    args = ("--max-seq-length", "64", "--num-workers", "1", "--masking-recipe", recipe)
+    assert cli_instances(shard, vocab_file, out, *args) == 0
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["config"]["masking_recipe"] == recipe
+    mask_id = read_vocab(vocab_file)["[MASK]"]
+    data = load(out)
+    shown, labels = [], []
+    for ids, pos, lab in zip(
+        data["input_ids"], data["masked_lm_positions"], data["masked_lm_ids"], strict=True
+    ):
+        shown += [ids[p] for p in pos]
+        labels += lab
+    assert len(shown) > 1000
+    if recipe == "100/0/0":
+        assert set(shown) == {mask_id} and stats["mask_token_share"] == 1.0
+    else:
+        assert shown == labels and stats["unchanged_share"] == 1.0

@@ -8,8 +8,8 @@ The algorithm (per document, `dupe_factor` times with different randomness):
   forms segment A. With probability 0.5 (always if the chunk is one sentence) segment B is a
   random span of another document (`next_sentence_label` 1) and the unused sentences are put back;
   otherwise B is the rest of the chunk (label 0).
-- `truncate_seq_pair` trims the longer segment one token at a time, from the front or the back
-  at random, until `[CLS] A [SEP] B [SEP]` fits.
+- `truncate_pair_randomly` (the original's `truncate_seq_pair`) trims the longer segment one
+  token at a time, from the front or the back at random, until `[CLS] A [SEP] B [SEP]` fits.
 - Masking (`bert_core.masking`, the rule's one home): `num_to_predict = min(max_predictions_per_seq,
   max(1, round(len(tokens) * masked_lm_prob)))` positions are drawn among non-`[CLS]`/`[SEP]`
   tokens (whole words with `--whole-word-mask`); each becomes `[MASK]` 80 %, a random vocabulary
@@ -158,11 +158,17 @@ def randint(rng: random.Random, a: int, b: int) -> int:
     return a + int(rng.random() * (b - a + 1))
 
 
-def truncate_seq_pair(
+def truncate_pair_randomly(
     tokens_a: list[int], tokens_b: list[int], max_num_tokens: int, rng: random.Random
 ) -> tuple[list[int], list[int]]:
-    """The original's trimming, one token at a time from the longer segment (ties: B), from the
-    front or the back by a fair coin; computed in closed form rather than token by token.
+    """Pre-training's trimming (`create_pretraining_data.truncate_seq_pair`): one token at a time
+    from the longer segment (ties: B), from the front or the back by a fair coin; computed in
+    closed form rather than token by token.
+
+    Not fine-tuning's rule, which only ever cuts from the end (`run_classifier`'s
+    `_truncate_seq_pair`, in `bert_core.finetune`): the random front cuts are a pre-training
+    regulariser ("to add more randomness and avoid biases"), while a fine-tuning example must
+    keep its beginning.
 
     Which segment loses each token depends only on the lengths, so the number of tokens cut
     from A and from B is fixed; of the cuts on a segment, the number taken from the front is
@@ -236,7 +242,7 @@ def create_instances_from_document(
                 else:
                     is_random_next = False
                     tokens_b = list(chain.from_iterable(current_chunk[a_end:]))
-                tokens_a, tokens_b = truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
+                tokens_a, tokens_b = truncate_pair_randomly(tokens_a, tokens_b, max_num_tokens, rng)
                 assert tokens_a and tokens_b
                 tokens = [vocab.cls_id, *tokens_a, vocab.sep_id, *tokens_b, vocab.sep_id]
                 instances.append((tokens, len(tokens_a), is_random_next))

@@ -12,7 +12,7 @@ import pytest
 
 from bert_core import cli
 from bert_core.corpus import CleanConfig, clean_corpus
-from bert_core.instances import SCHEMA, InstanceConfig, create_instances, truncate_seq_pair
+from bert_core.instances import SCHEMA, InstanceConfig, create_instances, truncate_pair_randomly
 from bert_core.tokenizer import read_vocab
 
 BOOKS = [
@@ -161,7 +161,7 @@ def test_whole_word_mask(corpus, vocab_file, tmp_path):
     assert pieces > 100
 
 
-def test_truncate_seq_pair_matches_the_original_loop():
+def test_truncate_pair_randomly_matches_the_original_loop():
     def original(a, b, max_num_tokens, rng):
         while len(a) + len(b) > max_num_tokens:
             trunc = a if len(a) > len(b) else b
@@ -177,7 +177,7 @@ def test_truncate_seq_pair_matches_the_original_loop():
         la, lb, m = r.randint(1, 200), r.randint(1, 200), r.randint(5, 125)
         a, b = list(range(la)), list(range(1000, 1000 + lb))
         want = original(list(a), list(b), m, random.Random(1))
-        got = truncate_seq_pair(a, b, m, random.Random(r.random()))
+        got = truncate_pair_randomly(a, b, m, random.Random(r.random()))
         assert (len(got[0]), len(got[1])) == (len(want[0]), len(want[1]))
         # contiguous slices of the inputs
         assert got[0] == a[got[0][0] : got[0][0] + len(got[0])] if got[0] else True

@@ -1,11 +1,12 @@
 """Ray Train overhead: tokens/s of `bert pretrain` with 1 Ray worker against the bare loop.
 
-Both sides run the very same step (`bert_core.pretrain.train_step`: the worker's micro-batches,
-clipping, AdamW, scheduler, metric sums) on the same instances and config, in the same process
-run; the Ray side adds the Ray worker process, metric reporting, the MLflow sink and checkpoints
-(every `--checkpoint-every` steps). The bare loop runs half its steps before and half after the
-Ray run, so slow drift in machine load hits both sides alike. Throughput is steady state: the
-first `--log-every` interval (start-up, warm-up) is left out on both sides.
+Both sides build their training with the very same set-up (`bert_core.pretrain_worker.setup`:
+model, optimizer, schedule, data stream) and run the very same step (`train_step`: the worker's
+micro-batches, clipping, AdamW, scheduler, metric sums) on the same instances and config, in the
+same process run; the Ray side adds the Ray worker process, metric reporting, the MLflow sink
+and checkpoints (every `--checkpoint-every` steps). The bare loop runs half its steps before and
+half after the Ray run, so slow drift in machine load hits both sides alike. Throughput is steady
+state: the first `--log-every` interval (start-up, warm-up) is left out on both sides.
 
 Prints one JSON line: ray/bare tokens/s, the overhead (1 - ray/bare, target <= 10 %), and the
 share of step time spent waiting for data on each side (target <= 5 %).
@@ -25,44 +26,33 @@ from pathlib import Path
 
 import torch
 
-from bert_core import pretrain as pt
-from bert_core.pretrain_data import InstanceStream, list_row_groups, prefetch, read_vocab
+from bert_core.pretrain import pretrain
+from bert_core.pretrain_config import PretrainConfig
+from bert_core.pretrain_data import prefetch
+from bert_core.pretrain_state import Meter
+from bert_core.pretrain_worker import setup, train_step
 
 
-def bare_loop(cfg: pt.PretrainConfig, steps: int, start_step: int) -> dict[str, float]:
+def bare_loop(cfg: PretrainConfig, steps: int, start_step: int) -> dict[str, float]:
     """The training step without Ray: returns tokens/s and data-wait share after warm-up."""
     device = torch.device("cuda" if cfg.use_gpu else "cpu")
-    torch.set_num_threads(cfg.cpus_per_worker)
-    pt.seed_all(cfg.seed)
-    vocab = read_vocab(Path(cfg.instances) / "vocab.txt")
-    model = pt.build_model(cfg, len(vocab)).to(device)
-    optimizer = pt.build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, pt.warmup_linear_decay(pt.warmup_steps(cfg), cfg.steps)
-    )
-    forward = torch.compile(model) if cfg.compile else model
-    stream = InstanceStream(
-        list_row_groups(cfg.instances),
-        cfg.micro_batch,
-        seed=cfg.seed,
-        start_sample=start_step * cfg.micro_batch * cfg.grad_accum,
-    )
-    batches = prefetch(stream)
-    model.train()
+    t = setup(cfg, device=device, start_step=start_step)  # the Ray worker's set-up, rank 0 of 1
+    batches = prefetch(t.stream)
+    t.model.train()
     for _ in range(cfg.log_every):  # warm-up, as the Ray side's first interval
-        pt.train_step(forward, batches, optimizer, scheduler, cfg, device, pt.Meter())
+        train_step(t.model, batches, t.optimizer, t.scheduler, cfg, device, Meter())
     if device.type == "cuda":
         torch.cuda.synchronize()
-    meter = pt.Meter()
+    meter = Meter()
     for _ in range(steps):
-        pt.train_step(forward, batches, optimizer, scheduler, cfg, device, meter)
+        train_step(t.model, batches, t.optimizer, t.scheduler, cfg, device, meter)
     values = meter.values(device, 1)  # reads the sums: waits for the GPU
     return {"tokens_per_s": values["tokens_per_s"], "data_wait_share": values["data_wait_share"]}
 
 
-def ray_run(cfg: pt.PretrainConfig) -> dict[str, float]:
+def ray_run(cfg: PretrainConfig) -> dict[str, float]:
     t0 = time.perf_counter()
-    pt.pretrain(cfg)
+    pretrain(cfg)
     wall = time.perf_counter() - t0
     with open(Path(cfg.output) / "pretrain_metrics.csv") as f:
         rows = list(csv.DictReader(f))[1:]  # leave out the first interval (start-up)
@@ -92,7 +82,7 @@ def main() -> None:
     if not args.bare_only:
         os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{tempfile.mkdtemp()}/mlflow.db")
     with tempfile.TemporaryDirectory(prefix="bench-pretrain-") as tmp:
-        cfg = pt.PretrainConfig(
+        cfg = PretrainConfig(
             instances=str(Path(args.instances).resolve()),
             output=tmp,
             preset=args.preset,

@@ -8,11 +8,12 @@ The algorithm (per document, `dupe_factor` times with different randomness):
   forms segment A. With probability 0.5 (always if the chunk is one sentence) segment B is a
   random span of another document (`next_sentence_label` 1) and the unused sentences are put back;
   otherwise B is the rest of the chunk (label 0).
-- `truncate_seq_pair` trims the longer segment one token at a time, from the front or the back
-  at random, until `[CLS] A [SEP] B [SEP]` fits.
-- Masking: `num_to_predict = min(max_predictions_per_seq, max(1, round(len(tokens) *
-  masked_lm_prob)))` positions are drawn among non-`[CLS]`/`[SEP]` tokens (whole words with
-  `--whole-word-mask`); each becomes `[MASK]` 80 %, a random vocabulary token 10 %, unchanged 10 %.
+- `truncate_pair_randomly` (the original's `truncate_seq_pair`) trims the longer segment one
+  token at a time, from the front or the back at random, until `[CLS] A [SEP] B [SEP]` fits.
+- Masking (`bert_core.masking`, the rule's one home): `num_to_predict = min(max_predictions_per_seq,
+  max(1, round(len(tokens) * masked_lm_prob)))` positions are drawn among non-`[CLS]`/`[SEP]`
+  tokens (whole words with `--whole-word-mask`); each becomes `[MASK]` 80 %, a random vocabulary
+  token 10 %, unchanged 10 % (`--masking-recipe 80/10/10`; other shares for the paper's Table 8).
 
 What differs from the original, and why it does not change the distribution:
 - Tokenisation is the Rust WordPiece (`tokenizers`, `encode_batch_fast`), same ids as the
@@ -48,7 +49,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bert_core import masking
 from bert_core.errors import InputError, atomic_dir
+from bert_core.masking import MaskingRecipe
 
 SCHEMA = pa.schema(
     [
@@ -77,6 +80,11 @@ class InstanceConfig:
     random_seed: int = 12345
     whole_word_mask: bool = False
     lowercase: bool = True
+    masking_recipe: str = masking.DEFAULT_RECIPE  # [MASK]/random/keep percent, bert_core.masking
+
+    @property
+    def recipe(self) -> MaskingRecipe:
+        return MaskingRecipe.parse(self.masking_recipe)
 
     def validate(self) -> None:
         if self.max_seq_length < MIN_SEQ_LENGTH:
@@ -92,6 +100,7 @@ class InstanceConfig:
             raise ValueError("--short-seq-prob must be in [0, 1]")
         if self.dupe_factor < 1:
             raise ValueError("--dupe-factor must be >= 1")
+        MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError
 
 
 @dataclass(frozen=True)
@@ -149,11 +158,17 @@ def randint(rng: random.Random, a: int, b: int) -> int:
     return a + int(rng.random() * (b - a + 1))
 
 
-def truncate_seq_pair(
+def truncate_pair_randomly(
     tokens_a: list[int], tokens_b: list[int], max_num_tokens: int, rng: random.Random
 ) -> tuple[list[int], list[int]]:
-    """The original's trimming, one token at a time from the longer segment (ties: B), from the
-    front or the back by a fair coin; computed in closed form rather than token by token.
+    """Pre-training's trimming (`create_pretraining_data.truncate_seq_pair`): one token at a time
+    from the longer segment (ties: B), from the front or the back by a fair coin; computed in
+    closed form rather than token by token.
+
+    Not fine-tuning's rule, which only ever cuts from the end (`run_classifier`'s
+    `_truncate_seq_pair`, in `bert_core.finetune`): the random front cuts are a pre-training
+    regulariser ("to add more randomness and avoid biases"), while a fine-tuning example must
+    keep its beginning.
 
     Which segment loses each token depends only on the lengths, so the number of tokens cut
     from A and from B is fixed; of the cuts on a segment, the number taken from the front is
@@ -227,7 +242,7 @@ def create_instances_from_document(
                 else:
                     is_random_next = False
                     tokens_b = list(chain.from_iterable(current_chunk[a_end:]))
-                tokens_a, tokens_b = truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
+                tokens_a, tokens_b = truncate_pair_randomly(tokens_a, tokens_b, max_num_tokens, rng)
                 assert tokens_a and tokens_b
                 tokens = [vocab.cls_id, *tokens_a, vocab.sep_id, *tokens_b, vocab.sep_id]
                 instances.append((tokens, len(tokens_a), is_random_next))
@@ -247,32 +262,28 @@ def mask_batch(
     """Masked LM predictions for a padded batch `ids` [N, L] (modified in place).
 
     Returns (positions [N, P], labels [N, P], count [N], decisions [N, P]) with positions
-    sorted and only the first `count` of each row valid; decisions 0 = [MASK], 1 = random
-    token, 2 = unchanged.
+    sorted and only the first `count` of each row valid; decisions `masking.MASK` (0),
+    `RANDOM` (1), `KEEP` (2).
     """
     n, width = ids.shape
     cols = np.arange(width)
     valid = cols[None, :] < lengths[:, None]
-    cand = valid & (ids != vocab.cls_id) & (ids != vocab.sep_id)
+    cand = valid & masking.candidates(ids, (vocab.cls_id, vocab.sep_id))
     keys = rng.random((n, width))
     keys[~cand] = 2.0
     order = np.argsort(keys, axis=1, kind="stable")  # a random permutation of the candidates
-    num_to_predict = np.minimum(
-        cfg.max_predictions_per_seq,
-        np.maximum(1, np.rint(lengths * cfg.masked_lm_prob).astype(np.int64)),
-    )
-    count = np.minimum(num_to_predict, cand.sum(axis=1))
+    wanted = masking.num_to_predict(lengths, cfg.masked_lm_prob, cfg.max_predictions_per_seq)
+    count = np.minimum(wanted, cand.sum(axis=1))
     p = min(cfg.max_predictions_per_seq, width)
     taken = np.arange(p)[None, :] < count[:, None]
     positions = np.sort(np.where(taken, order[:, :p], width), axis=1)
     rows = np.broadcast_to(np.arange(n)[:, None], positions.shape)
     safe = np.minimum(positions, width - 1)
     labels = ids[rows, safe]
-    u = rng.random((n, p))
-    keep = rng.random((n, p)) < 0.5
+    u, v = rng.random((n, p)), rng.random((n, p))
     random_ids = rng.integers(0, vocab.size, (n, p))
-    decisions = np.where(u < 0.8, 0, np.where(keep, 2, 1))
-    new = np.where(decisions == 0, vocab.mask_id, np.where(decisions == 2, labels, random_ids))
+    decisions = cfg.recipe.decide(u, v)
+    new = masking.replace(decisions, labels, vocab.mask_id, random_ids)
     ids[rows[taken], positions[taken]] = new[taken]
     return positions, labels, count, decisions
 
@@ -280,10 +291,13 @@ def mask_batch(
 def mask_whole_words(
     tokens: list[int], cfg: InstanceConfig, vocab: Vocab, rng: random.Random
 ) -> tuple[list[int], list[int], list[int], list[int]]:
-    """The original's whole-word masking for one instance (`##` pieces join the word before)."""
+    """The original's whole-word masking for one instance (`##` pieces join the word before),
+    with its exact sequence of `rng` calls (so the output is the original's for a seed)."""
+    recipe = cfg.recipe
+    cand = masking.candidates(tokens, (vocab.cls_id, vocab.sep_id))
     cand_indexes: list[list[int]] = []
     for i, token in enumerate(tokens):
-        if token == vocab.cls_id or token == vocab.sep_id:
+        if not cand[i]:
             continue
         if cand_indexes and vocab.is_subword[token]:
             cand_indexes[-1].append(i)
@@ -291,8 +305,8 @@ def mask_whole_words(
             cand_indexes.append([i])
     rng.shuffle(cand_indexes)
     output = list(tokens)
-    num_to_predict = min(
-        cfg.max_predictions_per_seq, max(1, int(round(len(tokens) * cfg.masked_lm_prob)))
+    num_to_predict = masking.num_to_predict(
+        len(tokens), cfg.masked_lm_prob, cfg.max_predictions_per_seq
     )
     masked: list[tuple[int, int, int]] = []
     covered: set[int] = set()
@@ -305,12 +319,13 @@ def mask_whole_words(
             continue
         for index in index_set:
             covered.add(index)
-            if rng.random() < 0.8:
-                output[index], decision = vocab.mask_id, 0
-            elif rng.random() < 0.5:
-                decision = 2
-            else:
-                output[index], decision = rng.randint(0, vocab.size - 1), 1
+            u = rng.random()
+            # the second draw only when the first did not pick [MASK], as the original's elif
+            decision = recipe.decide(u, rng.random() if u >= recipe.mask_prob else 0.0)
+            if decision == masking.MASK:
+                output[index] = vocab.mask_id
+            elif decision == masking.RANDOM:
+                output[index] = rng.randint(0, vocab.size - 1)
             masked.append((index, tokens[index], decision))
     masked.sort()
     return output, [m[0] for m in masked], [m[1] for m in masked], [m[2] for m in masked]
@@ -543,6 +558,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dupe-factor", type=int, default=d.dupe_factor)
     p.add_argument("--random-seed", type=int, default=d.random_seed)
     p.add_argument("--whole-word-mask", action="store_true")
+    p.add_argument(
+        "--masking-recipe",
+        default=d.masking_recipe,
+        help="shares of predicted tokens shown as [MASK]/random token/unchanged, percent "
+        "(default %(default)s, the paper's; Table 8 ablates e.g. 100/0/0)",
+    )
     p.add_argument("--cased", action="store_true", help="do not lowercase (cased vocabulary)")
     p.add_argument("--num-workers", type=int, default=max(1, os.cpu_count() or 1))
     return p
@@ -559,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         random_seed=args.random_seed,
         whole_word_mask=args.whole_word_mask,
         lowercase=not args.cased,
+        masking_recipe=args.masking_recipe,
     )
     check_inputs(args.input, args.vocab, cfg)
     from bert_core.tracking import start_run

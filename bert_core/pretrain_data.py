@@ -14,7 +14,7 @@ Rows inside a row group are shuffled too (`create_pretraining_data` already shuf
 
 Dynamic masking (RoBERTa): with `masking` set, every sequence gets fresh masked positions each
 time it is read, so unmasked shards (empty `masked_lm_positions`) can be used and masked shards
-are re-masked from their original tokens.
+are re-masked from their original tokens, by the rule of `bert_core.masking`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
+from bert_core import masking
 from bert_core.errors import InputError
+from bert_core.masking import MaskingRecipe
 from bert_core.storage import filesystem
 
 COLUMNS = ("input_ids", "token_type_ids", "masked_lm_positions", "masked_lm_ids")
@@ -49,13 +51,14 @@ class RowGroup:
 
 @dataclass(frozen=True)
 class MaskingConfig:
-    """RoBERTa-style dynamic masking, with BERT's 80/10/10 replacement rule."""
+    """RoBERTa-style dynamic masking, with BERT's replacement rule (80/10/10 by default)."""
 
     vocab_size: int
     mask_id: int
     special_ids: tuple[int, ...]
     masked_lm_prob: float = 0.15
     max_predictions_per_seq: int = 20
+    recipe: MaskingRecipe = MaskingRecipe()
 
 
 def _join(base: str | Path, name: str) -> str:
@@ -94,23 +97,17 @@ def list_row_groups(instances_dir: str | Path) -> list[RowGroup]:
     return groups
 
 
-def read_vocab(path: str | Path) -> dict[str, int]:
-    """vocab.txt (one token a line) -> token id; a local path or an s3:// URI."""
-    fs, inner = filesystem(path)
-    try:
-        with fs.open_input_stream(inner) as f:
-            text = f.read().decode("utf-8")
-    except FileNotFoundError as e:
-        raise InputError(path, "vocabulary not found (bert instances writes vocab.txt)") from e
-    return {token: i for i, token in enumerate(text.splitlines())}
-
-
-def masking_config_from_vocab(vocab: dict[str, int], **kw) -> MaskingConfig:
+def masking_config_from_vocab(
+    vocab: dict[str, int], recipe: MaskingRecipe | str = masking.DEFAULT_RECIPE, **kw
+) -> MaskingConfig:
+    """Dynamic masking for this vocabulary; `recipe` as `--masking-recipe` ("80/10/10")."""
     missing = [t for t in ("[MASK]", "[CLS]", "[SEP]", "[PAD]") if t not in vocab]
     if missing:
         raise InputError("vocab.txt", f"missing special tokens {missing}")
     specials = tuple(vocab[t] for t in ("[CLS]", "[SEP]", "[PAD]"))
-    return MaskingConfig(len(vocab), vocab["[MASK]"], specials, **kw)
+    return MaskingConfig(
+        len(vocab), vocab["[MASK]"], specials, recipe=MaskingRecipe.parse(recipe), **kw
+    )
 
 
 class InstanceStream:
@@ -194,17 +191,18 @@ def _row(col: tuple[np.ndarray, np.ndarray], r: int) -> np.ndarray:
 def dynamic_mask(
     ids: np.ndarray, cfg: MaskingConfig, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Mask one sequence as BERT does: choose ~masked_lm_prob of the non-special tokens, replace
-    80% by [MASK], 10% by a random token, keep 10%. Returns (input_ids, positions, labels)."""
-    candidates = np.flatnonzero(~np.isin(ids, cfg.special_ids))
-    n = min(cfg.max_predictions_per_seq, max(1, round(len(ids) * cfg.masked_lm_prob)))
+    """Mask one sequence as BERT does (`bert_core.masking`): choose ~masked_lm_prob of the
+    non-special tokens, show each as [MASK], a random token or itself by `cfg.recipe` (80/10/10).
+    Returns (input_ids, positions, labels)."""
+    candidates = np.flatnonzero(masking.candidates(ids, cfg.special_ids))
+    n = masking.num_to_predict(len(ids), cfg.masked_lm_prob, cfg.max_predictions_per_seq)
     positions = np.sort(rng.choice(candidates, size=min(n, len(candidates)), replace=False))
     labels = ids[positions].copy()
+    size = len(positions)
+    decisions = cfg.recipe.decide(rng.random(size), rng.random(size))
+    random_ids = rng.integers(0, cfg.vocab_size, size=size)
     ids = ids.copy()
-    u = rng.random(len(positions))
-    ids[positions[u < 0.8]] = cfg.mask_id
-    rand = positions[(u >= 0.8) & (u < 0.9)]
-    ids[rand] = rng.integers(0, cfg.vocab_size, size=len(rand))
+    ids[positions] = masking.replace(decisions, labels, cfg.mask_id, random_ids)
     return ids, positions, labels
 
 

@@ -12,6 +12,7 @@ so the result also loads in `BertTokenizerFast(vocab_file=...)` and the original
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 from collections.abc import Iterator
@@ -45,27 +46,41 @@ class VocabConfig:
 
 
 def read_vocab(vocab_file: str | Path, required: tuple[str, ...] = ("[UNK]",)) -> dict[str, int]:
-    """token -> id from a Google-format vocab.txt, with a clear error for a broken file."""
-    path = Path(vocab_file)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: vocabulary file not found")
+    """token -> id from a Google-format vocab.txt (a local path or an s3:// URI), with a clear
+    error, naming the file and the line, for a broken file.
+
+    The one vocabulary reader: `bert instances`, `bert pretrain` (whose workers read the
+    instances' vocab.txt from the object store) and the tokenizer all go through it. Lines end at
+    `\\n`, `\\r\\n` or `\\r` (as Python's text files); other Unicode line breaks belong to the
+    token, so ids stay line numbers.
+    """
+    import pyarrow.fs as pafs
+
+    from bert_core.storage import filesystem
+
+    fs, inner = filesystem(vocab_file)
+    if fs.get_file_info(inner).type != pafs.FileType.File:
+        raise FileNotFoundError(f"{vocab_file}: vocabulary file not found")
+    with fs.open_input_stream(inner) as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8", errors="strict")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise InputError(vocab_file, f"not UTF-8 ({e.reason})", line=line) from None
     vocab: dict[str, int] = {}
-    with open(path, encoding="utf-8", errors="strict") as f:
-        try:
-            for number, line in enumerate(f, start=1):
-                token = line.rstrip("\r\n")
-                if not token:
-                    raise InputError(path, "empty token in vocabulary", line=number)
-                if token in vocab:
-                    raise InputError(path, f"duplicate token {token!r}", line=number)
-                vocab[token] = number - 1
-        except UnicodeDecodeError as e:
-            raise InputError(path, f"not UTF-8 ({e.reason})") from None
+    for number, line in enumerate(io.StringIO(text, newline=None), start=1):
+        token = line.rstrip("\n")
+        if not token:
+            raise InputError(vocab_file, "empty token in vocabulary", line=number)
+        if token in vocab:
+            raise InputError(vocab_file, f"duplicate token {token!r}", line=number)
+        vocab[token] = number - 1
     if not vocab:
-        raise InputError(path, "empty vocabulary")
+        raise InputError(vocab_file, "empty vocabulary")
     missing = [t for t in required if t not in vocab]
     if missing:
-        raise InputError(path, f"vocabulary has no {' '.join(missing)} token")
+        raise InputError(vocab_file, f"vocabulary has no {' '.join(missing)} token")
     return vocab
 
 

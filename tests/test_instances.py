@@ -12,7 +12,7 @@ import pytest
 
 from bert_core import cli
 from bert_core.corpus import CleanConfig, clean_corpus
-from bert_core.instances import SCHEMA, InstanceConfig, create_instances, truncate_seq_pair
+from bert_core.instances import SCHEMA, InstanceConfig, create_instances, truncate_pair_randomly
 from bert_core.tokenizer import read_vocab
 
 BOOKS = [
@@ -161,7 +161,7 @@ def test_whole_word_mask(corpus, vocab_file, tmp_path):
     assert pieces > 100
 
 
-def test_truncate_seq_pair_matches_the_original_loop():
+def test_truncate_pair_randomly_matches_the_original_loop():
     def original(a, b, max_num_tokens, rng):
         while len(a) + len(b) > max_num_tokens:
             trunc = a if len(a) > len(b) else b
@@ -177,7 +177,7 @@ def test_truncate_seq_pair_matches_the_original_loop():
         la, lb, m = r.randint(1, 200), r.randint(1, 200), r.randint(5, 125)
         a, b = list(range(la)), list(range(1000, 1000 + lb))
         want = original(list(a), list(b), m, random.Random(1))
-        got = truncate_seq_pair(a, b, m, random.Random(r.random()))
+        got = truncate_pair_randomly(a, b, m, random.Random(r.random()))
         assert (len(got[0]), len(got[1])) == (len(want[0]), len(want[1]))
         # contiguous slices of the inputs
         assert got[0] == a[got[0][0] : got[0][0] + len(got[0])] if got[0] else True
@@ -219,6 +219,9 @@ def test_bad_inputs_fail_cleanly(corpus, vocab_file, tmp_path, capsys, tracked):
     # --max-seq-length below 8
     assert cli_instances(corpus, vocab_file, out, "--max-seq-length", "7") == 2
     assert "--max-seq-length must be >= 8" in capsys.readouterr().err
+    # a masking recipe that does not add up
+    assert cli_instances(corpus, vocab_file, out, "--masking-recipe", "80/10/20") == 2
+    assert "--masking-recipe must be MASK/RANDOM/KEEP" in capsys.readouterr().err
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no temp left
 
@@ -237,3 +240,28 @@ def test_cli_end_to_end(corpus, vocab_file, tmp_path, capsys, tracked):
         "stats.json",
         "vocab.txt",
     ]
+
+
+@pytest.mark.parametrize("recipe", ["100/0/0", "0/0/100"])
+def test_masking_recipe_reaches_the_shards_and_stats(corpus, vocab_file, tmp_path, recipe, tracked):
+    """`--masking-recipe` (the paper's Table 8 ablation): 100/0/0 shows every prediction as
+    [MASK], 0/0/100 leaves every token as it was; stats.json records the recipe."""
+    out = tmp_path / "inst"
+    shard = corpus / "shard-00003.txt"
+    args = ("--max-seq-length", "64", "--num-workers", "1", "--masking-recipe", recipe)
+    assert cli_instances(shard, vocab_file, out, *args) == 0
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["config"]["masking_recipe"] == recipe
+    mask_id = read_vocab(vocab_file)["[MASK]"]
+    data = load(out)
+    shown, labels = [], []
+    for ids, pos, lab in zip(
+        data["input_ids"], data["masked_lm_positions"], data["masked_lm_ids"], strict=True
+    ):
+        shown += [ids[p] for p in pos]
+        labels += lab
+    assert len(shown) > 1000
+    if recipe == "100/0/0":
+        assert set(shown) == {mask_id} and stats["mask_token_share"] == 1.0
+    else:
+        assert shown == labels and stats["unchanged_share"] == 1.0

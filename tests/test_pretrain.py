@@ -19,12 +19,11 @@ import torch
 
 from bert_core import pretrain as pt
 from bert_core.errors import BertError
-from bert_core.pretrain_data import (
-    InstanceStream,
-    list_row_groups,
-    masking_config_from_vocab,
-    read_vocab,
-)
+from bert_core.pretrain_config import PretrainConfig, build_parser, parse_args
+from bert_core.pretrain_data import InstanceStream, list_row_groups, masking_config_from_vocab
+from bert_core.pretrain_state import seed_all
+from bert_core.pretrain_worker import build_model, setup
+from bert_core.tokenizer import read_vocab
 from tests.pipeline_helpers import pretraining_instances
 
 
@@ -59,7 +58,7 @@ def mlflow_uri(tmp_path, monkeypatch) -> str:
     return uri
 
 
-def small_config(instances: Path, output: Path, **kw) -> pt.PretrainConfig:
+def small_config(instances: Path, output: Path, **kw) -> PretrainConfig:
     base = dict(
         instances=str(instances),
         output=str(output),
@@ -70,7 +69,7 @@ def small_config(instances: Path, output: Path, **kw) -> pt.PretrainConfig:
         log_every=10,
         seed=7,
     )
-    return pt.PretrainConfig(**{**base, **kw})
+    return PretrainConfig(**{**base, **kw})
 
 
 # ---------------------------------------------------------------- no Ray
@@ -120,23 +119,87 @@ def test_batches_are_padded_and_dynamic_masking_remasks(instances):
     assert not set(lab[lab != -100].tolist()) & specials
 
 
-def test_optimizer_excludes_layernorm_and_bias_from_weight_decay():
-    from bert_core.model import BertConfig, BertForPreTraining
-
-    model = BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100))
-    cfg = pt.PretrainConfig(instances="x", output="y")
-    decay, no_decay = pt.build_optimizer(model, cfg).param_groups
-    names = {id(p): n for n, p in model.named_parameters()}
+def test_optimizer_excludes_layernorm_and_bias_from_weight_decay(instances, tmp_path):
+    """The worker's set-up (also the bench's): the paper's AdamW and warm-up/decay schedule."""
+    cfg = PretrainConfig(instances=str(instances), output=str(tmp_path), steps=1000)
+    t = setup(cfg)
+    decay, no_decay = t.optimizer.param_groups
+    names = {id(p): n for n, p in t.core.named_parameters()}
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
     assert all(
         "LayerNorm" in names[id(p)] or names[id(p)].endswith("bias") for p in no_decay["params"]
     )
     assert any("LayerNorm" in names[id(p)] for p in no_decay["params"])
-    assert decay["lr"] == 1e-4 and decay["betas"] == (0.9, 0.999)
-    f = pt.warmup_linear_decay(10, 100)
-    assert (
-        f(0) == pytest.approx(0.1) and f(9) == 1.0 and f(55) == pytest.approx(0.5) and f(100) == 0
-    )
+    assert decay["initial_lr"] == 1e-4 and decay["betas"] == (0.9, 0.999)
+    assert decay["eps"] == 1e-6
+    # linear warm-up over 1% of the steps (step / warmup, transformers' rule), then linear decay
+    assert t.scheduler.get_last_lr() == [0.0, 0.0]  # the first step runs at lr 0
+    lrs = [t.scheduler.lr_lambdas[0](step) * 1e-4 for step in range(1000)]
+    assert lrs[0] == 0 and lrs[5] == pytest.approx(0.5e-4) and lrs[10] == pytest.approx(1e-4)
+    assert lrs[505] == pytest.approx(0.5e-4) and lrs[999] == pytest.approx(1e-4 / 990)
+    assert t.step == 0 and t.stream.masking is None and t.stream.batch_size == 256
+
+
+# the options of `bert pretrain` before the CLI was generated from PretrainConfig (DVC and KFP
+# call these): each keeps its name and its default
+OPTIONS = {
+    "--instances": None, "--output": None, "--preset": "tiny", "--steps": 1000,
+    "--batch-size": 256, "--num-workers": 1, "--use-gpu": False, "--cpus-per-worker": 1,
+    "--grad-accum": 1, "--learning-rate": 1e-4, "--warmup-steps": None, "--weight-decay": 0.01,
+    "--max-grad-norm": 1.0, "--dropout": None, "--dynamic-masking": False,
+    "--masked-lm-prob": 0.15, "--max-predictions-per-seq": 20, "--init-model": None,
+    "--compile": False, "--seed": 12345, "--log-every": 50, "--checkpoint-every": 500,
+    "--keep-checkpoints": 3, "--max-failures": 3, "--storage-path": None,
+    "--run-name": "pretrain", "--stop-after": None, "--peak-tflops": None,
+    "--inject-failure-at": None,
+}  # fmt: skip
+
+
+def test_cli_is_generated_from_the_config():
+    parser = build_parser()
+    actions = {a.option_strings[0]: a for a in parser._actions if a.dest != "help"}
+    defaults = PretrainConfig(instances="i", output="o")
+    for option, default in OPTIONS.items():
+        assert option in actions, option
+        assert actions[option].default == default, option
+    fields = vars(defaults)
+    assert {o.removeprefix("--").replace("-", "_") for o in actions} == set(fields)
+    assert actions["--instances"].required and actions["--output"].required
+    help_text = parser.format_help()
+    assert "--inject-failure-at" not in help_text and "1% of --steps" in help_text
+    assert "(default: 80/10/10)" in help_text and "--adam-betas B1 B2" in help_text
+
+    cfg = parse_args(["--instances", "i", "--output", "o"])
+    assert cfg == defaults
+    cfg = parse_args(
+        ["--instances", "i", "--output", "o", "--use-gpu", "--adam-betas", "0.9", "0.98",
+         "--steps", "7", "--learning-rate", "5e-3", "--warmup-steps", "3", "--dropout", "0",
+         "--masking-recipe", "100/0/0", "--inject-failure-at", "4"]
+    )  # fmt: skip
+    assert cfg.use_gpu and cfg.adam_betas == (0.9, 0.98) and cfg.steps == 7
+    assert cfg.learning_rate == 5e-3 and cfg.warmup == 3 and cfg.dropout == 0.0
+    assert cfg.masking_recipe == "100/0/0" and cfg.inject_failure_at == 4
+    assert PretrainConfig(instances="i", output="o", steps=250).warmup == 2  # 1% of the steps
+
+
+def test_masking_recipe_reaches_dynamic_masking(instances, tmp_path):
+    """`--dynamic-masking --masking-recipe 100/0/0`: the worker's stream shows every prediction
+    as [MASK]; 0/0/100 leaves every token as it was."""
+    vocab = read_vocab(instances / "vocab.txt")
+    for recipe in ("100/0/0", "0/0/100"):
+        args = ["--instances", str(instances), "--output", str(tmp_path), "--batch-size", "64",
+                "--dynamic-masking", "--masking-recipe", recipe]  # fmt: skip
+        batch = next(iter(setup(parse_args(args)).stream))
+        shown = batch["input_ids"].gather(1, batch["masked_lm_positions"])
+        labels = batch["masked_lm_labels"]
+        predicted = labels != -100
+        assert predicted.sum() > 100
+        if recipe == "100/0/0":
+            assert (shown[predicted] == vocab["[MASK]"]).all()
+        else:
+            assert torch.equal(shown[predicted], labels[predicted])
+    with pytest.raises(ValueError, match="--masking-recipe must be"):
+        pt.main(["--instances", str(instances), "--output", str(tmp_path), "--masking-recipe", "1"])
 
 
 def test_bad_instances_fail_clearly(tmp_path, instances):
@@ -239,8 +302,8 @@ def test_stop_and_resume_equals_one_go(ray_cluster, instances, tmp_path, mlflow_
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
-    pt.seed_all(7)
-    init = pt.build_model(
+    seed_all(7)
+    init = build_model(
         small_config(instances, tmp_path), len(read_vocab(instances / "vocab.txt"))
     )
     moved = [n for n, p in init.state_dict().items() if not torch.allclose(p, a[n])]

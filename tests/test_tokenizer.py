@@ -84,3 +84,35 @@ def test_broken_vocab_files(tmp_path):
         read_vocab(bad, required=("[UNK]", "[MASK]"))
     with pytest.raises(FileNotFoundError):
         read_vocab(tmp_path / "missing.txt")
+    bad.write_bytes(b"[PAD]\n[UNK]\nthe\n\xffoo\n")
+    with pytest.raises(InputError, match=r"vocab.txt:4: not UTF-8"):
+        read_vocab(bad)
+    bad.write_text("[PAD]\n[UNK]\n\nthe\n")
+    with pytest.raises(InputError, match=r"vocab.txt:3: empty token"):
+        read_vocab(bad)
+
+
+def test_read_vocab_goes_through_the_storage_filesystem(monkeypatch):
+    """s3:// vocabularies (the instances' vocab.txt on a cluster) are read through
+    `bert_core.storage.filesystem`, the one place that knows the endpoint."""
+    import pyarrow.fs as pafs
+
+    from bert_core import storage
+
+    mock = pafs._MockFileSystem()
+    mock.create_dir("bucket/instances")
+    with mock.open_output_stream("bucket/instances/vocab.txt") as f:
+        f.write(b"[PAD]\n[UNK]\nthe\n##s\n")
+    local = storage.filesystem
+    seen = []
+
+    def fake(path):
+        seen.append(str(path))
+        return (mock, "/".join(storage.split_s3(path))) if storage.is_s3(path) else local(path)
+
+    monkeypatch.setattr(storage, "filesystem", fake)
+    vocab = read_vocab("s3://bucket/instances/vocab.txt")
+    assert vocab == {"[PAD]": 0, "[UNK]": 1, "the": 2, "##s": 3}
+    assert seen == ["s3://bucket/instances/vocab.txt"]
+    with pytest.raises(FileNotFoundError, match="s3://bucket/instances/nope.txt"):
+        read_vocab("s3://bucket/instances/nope.txt")

@@ -1,0 +1,269 @@
+"""Pre-training's state and measurements: RNG states, checkpoints, metric sums, FLOPs.
+
+A checkpoint (`state.pt`) holds everything needed to continue bit for bit: model, optimizer,
+scheduler, every rank's RNG states, the step (which is the data position: each rank has consumed
+`step * grad_accum * micro_batch` samples) and the metric history; the last one also holds the
+final model in the Hugging Face layout (`model/`).
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bert_core.errors import atomic_file
+from bert_core.pretrain_config import PretrainConfig
+from bert_core.storage import filesystem, is_s3
+
+CSV_COLUMNS = (
+    "step",
+    "loss",
+    "mlm_loss",
+    "nsp_loss",
+    "mlm_accuracy",
+    "nsp_accuracy",
+    "learning_rate",
+    "grad_norm",
+    "tokens_per_s",
+    "sequences_per_s",
+    "data_wait_share",
+    "mfu",
+)
+# Dense bf16 peak FLOP/s for MFU; other GPUs: pass --peak-tflops.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 125.0}
+
+
+# ---------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` on every rank (one element when not distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(
+    directory: Path,
+    cfg: PretrainConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    step: int,
+    history: list[dict],
+    rngs: list[dict[str, Any]],
+    *,
+    final: bool,
+) -> None:
+    """`directory/state.pt` (everything to continue), and `directory/model/` when `final`."""
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "step": step,
+        "samples_per_rank": step * cfg.grad_accum * cfg.micro_batch,
+        "rng": rngs,
+        "history": history,
+        "config": asdict(cfg),
+    }
+    torch.save(state, directory / "state.pt")
+    if not final:
+        return
+    vocab_file: str | Path = cfg.vocab_file
+    if is_s3(vocab_file):  # save_pretrained copies a local file
+        fs, inner = filesystem(vocab_file)
+        with fs.open_input_stream(inner) as f:
+            (directory / "vocab.txt").write_bytes(f.read())
+        vocab_file = directory / "vocab.txt"
+    model.save_pretrained(directory / "model", vocab_file=vocab_file)
+    (directory / "vocab.txt").unlink(missing_ok=True)
+
+
+def load_state(directory: str | Path) -> dict[str, Any]:
+    return torch.load(Path(directory) / "state.pt", map_location="cpu", weights_only=False)
+
+
+def restore(
+    state: dict[str, Any], model, optimizer, scheduler, rank: int, world: int
+) -> tuple[int, list[dict]]:
+    """Load a checkpoint into freshly built objects; returns (step, metric history).
+
+    This rank's RNG states come back only when the world size is the one that saved them;
+    otherwise the per-rank seeds set at start-up stay.
+    """
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if len(state["rng"]) == world:
+        set_rng_state(state["rng"][rank])
+    return state["step"], state["history"]
+
+
+def write_metrics_csv(path: Path, history: list[dict]) -> None:
+    """The metric history as `pretrain_metrics.csv` (DVC plots), written atomically."""
+    with atomic_file(path) as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in history:
+            writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
+    """Training FLOPs per token: 6 x parameters plus attention (PaLM appendix B)."""
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len
+
+
+def peak_flops(cfg: PretrainConfig, device: torch.device) -> float | None:
+    if cfg.peak_tflops:
+        return cfg.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return tflops * 1e12 if tflops else None
+
+
+class Meter:
+    """Sums over a reporting interval; `values` all-reduces them into interval means."""
+
+    KEYS = (
+        "loss",
+        "mlm_loss",
+        "nsp_loss",
+        "micro",
+        "mlm_correct",
+        "mlm_count",
+        "nsp_correct",
+        "nsp_count",
+        "tokens",
+        "sequences",
+        "padded_tokens",
+        "data_wait",
+        "grad_norm",
+        "steps",
+    )
+
+    def __init__(self):
+        self.sums: dict[str, Any] = dict.fromkeys(self.KEYS, 0.0)
+        self.start = time.perf_counter()
+
+    def add(self, **kw: float | torch.Tensor) -> None:
+        """Tensors stay on the device (no GPU sync per step); they are read at report time."""
+        for k, v in kw.items():
+            self.sums[k] = self.sums[k] + (v.detach().double() if torch.is_tensor(v) else v)
+
+    def values(self, device: torch.device, world_size: int) -> dict[str, float]:
+        totals = all_reduce_sum([float(self.sums[k]) for k in self.KEYS], device)
+        s = dict(zip(self.KEYS, totals, strict=True))
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return {
+            "loss": s["loss"] / max(s["micro"], 1),
+            "mlm_loss": s["mlm_loss"] / max(s["micro"], 1),
+            "nsp_loss": s["nsp_loss"] / max(s["micro"], 1),
+            "mlm_accuracy": s["mlm_correct"] / max(s["mlm_count"], 1),
+            "nsp_accuracy": s["nsp_correct"] / max(s["nsp_count"], 1),
+            "grad_norm": s["grad_norm"] / max(s["steps"], 1),
+            "tokens_per_s": s["tokens"] / elapsed,
+            "sequences_per_s": s["sequences"] / elapsed,
+            "data_wait_share": s["data_wait"] / world_size / elapsed,
+            "_mean_seq_len": s["padded_tokens"] / max(s["sequences"], 1),
+        }
+
+
+class MetricSink:
+    """Rank 0's metrics to MLflow and to the driver's progress bar, from a background thread.
+
+    Why not `ray.train.report` for every log line: a report waits until the Ray Train controller
+    has collected the previous one (it polls every 2 s), which would stall fast steps. Reports
+    are kept for checkpoints; frequent metrics go out here without blocking training.
+    """
+
+    def __init__(self, loop_config: dict[str, Any]):
+        import queue
+
+        self.run_id = loop_config.get("mlflow_run_id")
+        self.uri = loop_config.get("mlflow_tracking_uri")
+        self.progress = loop_config.get("progress")
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="bert-metrics")
+        self.thread.start()
+
+    def put(self, metrics: dict[str, float]) -> None:
+        self.queue.put(dict(metrics))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout=60)
+
+    def _run(self) -> None:
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(self.uri) if self.run_id else None
+        while (metrics := self.queue.get()) is not None:
+            step, now = int(metrics["step"]), int(time.time() * 1000)
+            try:
+                if client is not None:
+                    batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+                    client.log_batch(self.run_id, metrics=batch)
+                if self.progress is not None:
+                    self.progress.put(metrics)
+            except Exception as e:  # tracking must never kill training
+                print(f"[pretrain] metric logging failed at step {step}: {e}", flush=True)

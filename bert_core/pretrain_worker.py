@@ -1,0 +1,291 @@
+"""One pre-training worker: set-up, the training step, and the Ray Train loop around them.
+
+`setup` builds what a rank trains with (model, the paper's optimiser from `bert_core.optim`:
+AdamW, lr 1e-4, betas 0.9/0.999, weight decay 0.01 except LayerNorm and biases, linear warm-up
+then linear decay; and its share of the instance shards, `bert_core.pretrain_data`), restored
+from a checkpoint when there is one. `train_step` is one optimizer step (gradient accumulation,
+clipping at 1.0). Both serve the Ray worker (`train_loop_per_worker`) and the bare loop of
+bench/pretrain.py, so the bench measures exactly what Ray Train adds.
+
+Every `checkpoint_every` steps rank 0 reports a Ray checkpoint (`bert_core.pretrain_state`) that
+holds every rank's RNG states, so a restart continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bert_core import optim
+from bert_core.pretrain_config import PretrainConfig
+from bert_core.pretrain_data import (
+    InstanceStream,
+    list_row_groups,
+    masking_config_from_vocab,
+    prefetch,
+)
+from bert_core.pretrain_state import (
+    CSV_COLUMNS,
+    Meter,
+    MetricSink,
+    flops_per_token,
+    gather_objects,
+    load_state,
+    peak_flops,
+    restore,
+    rng_state,
+    save_checkpoint,
+    seed_all,
+)
+from bert_core.tokenizer import read_vocab
+
+
+def build_model(cfg: PretrainConfig, vocab_size: int) -> torch.nn.Module:
+    from bert_core.model import BertConfig, BertForPreTraining
+
+    overrides: dict[str, Any] = {}
+    if cfg.dropout is not None:
+        overrides = {
+            "hidden_dropout_prob": cfg.dropout,
+            "attention_probs_dropout_prob": cfg.dropout,
+        }
+    if cfg.init_model:
+        return BertForPreTraining.from_pretrained(cfg.init_model, **overrides)
+    return BertForPreTraining(
+        BertConfig.from_preset(cfg.preset, vocab_size=vocab_size, **overrides)
+    )
+
+
+@dataclass
+class Training:
+    """What one rank trains with, and where it is."""
+
+    model: torch.nn.Module  # what runs forward: on the device (DDP under Ray), compiled or not
+    core: torch.nn.Module  # the BertForPreTraining inside: checkpoints and FLOPs
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stream: InstanceStream
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+def setup(
+    cfg: PretrainConfig,
+    rank: int = 0,
+    world: int = 1,
+    device: torch.device | None = None,
+    *,
+    state: dict[str, Any] | None = None,
+    prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    start_step: int = 0,
+) -> Training:
+    """Model, optimizer, schedule and data stream of one rank; restored from a checkpoint's
+    `state` (`pretrain_state.load_state`) when given.
+
+    `prepare` puts the model on `device` (the Ray worker passes `ray.train.torch.prepare_model`,
+    which also wraps it in DDP; default `.to(device)`). `start_step` is the data position of a
+    fresh run (the bench's second half); a checkpoint's step takes its place.
+    """
+    device = device or torch.device("cpu")
+    torch.set_num_threads(max(1, cfg.cpus_per_worker))
+    vocab = read_vocab(cfg.vocab_file)
+    seed_all(cfg.seed)  # same initial weights on every rank
+    core = build_model(cfg, len(vocab))
+    optimizer = optim.adamw(
+        core, cfg.learning_rate, cfg.weight_decay, eps=cfg.adam_eps, betas=cfg.adam_betas
+    )
+    scheduler = optim.linear_schedule(optimizer, cfg.warmup, cfg.steps)
+    seed_all(cfg.seed + 1000 * (rank + 1))  # distinct dropout per rank
+    step, history = start_step, []
+    if state is not None:
+        step, history = restore(state, core, optimizer, scheduler, rank, world)
+    model = prepare(core) if prepare else core.to(device)
+    _optimizer_state_to(optimizer, device)
+    masking = None
+    if cfg.dynamic_masking:
+        masking = masking_config_from_vocab(
+            vocab,
+            recipe=cfg.masking_recipe,
+            masked_lm_prob=cfg.masked_lm_prob,
+            max_predictions_per_seq=cfg.max_predictions_per_seq,
+        )
+    stream = InstanceStream(
+        list_row_groups(cfg.instances),
+        cfg.micro_batch,
+        rank=rank,
+        world_size=world,
+        seed=cfg.seed,
+        start_sample=step * cfg.grad_accum * cfg.micro_batch,
+        masking=masking,
+        pad_id=vocab.get("[PAD]", 0),
+    )
+    forward = torch.compile(model) if cfg.compile else model
+    return Training(forward, core, optimizer, scheduler, stream, step, history)
+
+
+def _optimizer_state_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """A restored optimizer state sits beside the CPU model it was loaded into; follow the model
+    to `device`. AdamW's `step` counters stay on the CPU unless the optimizer is fused, whose
+    kernel wants them beside the parameters (as `Optimizer.load_state_dict` places them)."""
+    if device.type == "cpu":
+        return
+    fused = any(group.get("fused") for group in optimizer.param_groups)
+    for s in optimizer.state.values():
+        for k, v in s.items():
+            if torch.is_tensor(v) and (k != "step" or fused):
+                s[k] = v.to(device)
+
+
+def train_step(
+    model: torch.nn.Module,
+    batches,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    cfg: PretrainConfig,
+    device: torch.device,
+    meter: Meter,
+    distributed: bool = False,
+) -> float:
+    """One optimizer step over `grad_accum` micro-batches; returns the learning rate used.
+
+    Shared by the Ray worker and the bare loop of bench/pretrain.py, so the bench measures
+    exactly what Ray Train adds.
+    """
+    for i in range(cfg.grad_accum):
+        t0 = time.perf_counter()
+        batch = next(batches)
+        wait = time.perf_counter() - t0
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        sync = not distributed or i == cfg.grad_accum - 1
+        # accumulation micro-steps skip DDP's gradient all-reduce; the last one syncs
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with optim.autocast(device):
+                out = model(**batch)
+            (out.loss / cfg.grad_accum).backward()
+        labels = batch["masked_lm_labels"]
+        predicted = labels != -100
+        meter.add(
+            loss=out.loss,
+            mlm_loss=out.mlm_loss,
+            nsp_loss=out.nsp_loss,
+            micro=1,
+            mlm_correct=((out.mlm_logits.argmax(-1) == labels) & predicted).sum(),
+            mlm_count=predicted.sum(),
+            nsp_correct=(out.nsp_logits.argmax(-1) == batch["next_sentence_label"]).sum(),
+            nsp_count=labels.shape[0],
+            tokens=batch["attention_mask"].sum(),
+            sequences=labels.shape[0],
+            padded_tokens=batch["input_ids"].numel(),
+            data_wait=wait,
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    meter.add(grad_norm=grad_norm, steps=1)
+    return lr
+
+
+# ---------------------------------------------------------------- the Ray Train worker
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """One Ray Train worker: restore, train to `steps` (or `stop_after`), report, checkpoint."""
+    import ray.train
+    import ray.train.torch
+
+    cfg = PretrainConfig(**loop_config["config"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    checkpoint, state = ray.train.get_checkpoint(), None
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            state = load_state(d)
+    training = setup(
+        cfg, rank, world, device, state=state, prepare=ray.train.torch.prepare_model
+    )
+    if state is not None and rank == 0:
+        print(f"[pretrain] resumed from step {training.step} ({checkpoint.path})", flush=True)
+    sink = MetricSink(loop_config) if rank == 0 else None
+    _train(cfg, training, device, rank, world, sink)
+    if sink is not None:
+        sink.close()
+
+
+def _train(
+    cfg: PretrainConfig,
+    t: Training,
+    device: torch.device,
+    rank: int,
+    world: int,
+    sink: MetricSink | None,
+) -> None:
+    """Steps until --steps (or --stop-after): metrics every --log-every steps and with every
+    checkpoint, a checkpoint every --checkpoint-every steps and at the end."""
+    batches = prefetch(t.stream)
+    end = min(cfg.steps, cfg.stop_after or cfg.steps)
+    peak = peak_flops(cfg, device)
+    meter = Meter()
+    t.model.train()
+    while t.step < end:
+        lr = train_step(t.model, batches, t.optimizer, t.scheduler, cfg, device, meter, world > 1)
+        t.step += 1
+        _maybe_inject_failure(cfg, t.step)
+
+        save = t.step % cfg.checkpoint_every == 0 or t.step == end
+        if t.step % cfg.log_every and not save:
+            continue
+        metrics = meter.values(device, world)
+        seq_len = metrics.pop("_mean_seq_len")
+        metrics.update(step=t.step, learning_rate=lr)
+        if peak:
+            flops = metrics["tokens_per_s"] * flops_per_token(t.core, seq_len)
+            metrics["mfu"] = flops / (peak * world)
+        meter = Meter()
+        if sink is not None:  # rank 0
+            t.history.append({k: metrics.get(k) for k in CSV_COLUMNS})
+            sink.put(metrics)
+        if save:
+            _report_checkpoint(cfg, t, metrics, rank, final=t.step == cfg.steps)
+
+
+def _maybe_inject_failure(cfg: PretrainConfig, step: int) -> None:
+    """Test hook: die once at `inject_failure_at` (a marker file makes it once per run dir)."""
+    if cfg.inject_failure_at != step:
+        return
+    marker = Path(cfg.output) / ".injected_failure"
+    if not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(step))
+        raise RuntimeError(f"injected failure at step {step}")
+
+
+def _report_checkpoint(
+    cfg: PretrainConfig, t: Training, metrics: dict[str, float], rank: int, *, final: bool
+) -> None:
+    """Every rank hands in its RNG state; rank 0 writes the checkpoint and reports it."""
+    import ray.train
+
+    rngs = gather_objects(rng_state())
+    if rank != 0:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory(prefix="bert-ckpt-") as tmp:
+        save_checkpoint(
+            Path(tmp), cfg, t.core, t.optimizer, t.scheduler, t.step, t.history, rngs, final=final
+        )
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(tmp),
+            checkpoint_dir_name=f"checkpoint_{t.step:08d}",
+        )

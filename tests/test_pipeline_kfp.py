@@ -174,7 +174,7 @@ def test_token_tasks_fan_out_into_evaluate():
 def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     from mlflow import MlflowClient
 
-    from bert_core import tracking
+    from bert_core import lineage
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = env_for(ROOT, uri)
@@ -209,7 +209,7 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     client = MlflowClient(uri)
     (parent,) = client.search_runs(
-        [client.get_experiment_by_name(tracking.PIPELINE_EXPERIMENT).experiment_id],
+        [client.get_experiment_by_name(lineage.PIPELINE_EXPERIMENT).experiment_id],
         filter_string="tags.`bert.step` = 'pipeline'",
     )
     kfp_run_id = parent.data.tags["kfp.run_id"]
@@ -220,7 +220,7 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     assert parent.data.params["model.preset"] == P["model_preset"]
     assert parent.data.params["finetune.tasks"] == "['SST-2', 'STS-B']"
     assert parent.data.params["pretrain.learning_rate"] == str(P["pretrain_learning_rate"])
-    steps = {r.data.tags["bert.step"]: r for r in tracking.child_runs(parent.info.run_id)}
+    steps = {r.data.tags["bert.step"]: r for r in lineage.child_runs(parent.info.run_id)}
     assert set(steps) == {
         "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B", "evaluate",
     }  # fmt: skip
@@ -228,5 +228,5 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
         assert run.data.tags["kfp.run_id"] == kfp_run_id
         assert run.info.status == "FINISHED"
     assert steps["evaluate"].data.metrics["glue_score"] == pytest.approx(scores["glue_score"])
-    (version,) = client.search_model_versions(f"name='{tracking.REGISTERED_MODEL}'")
+    (version,) = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
     assert version.run_id == steps["pretrain"].info.run_id

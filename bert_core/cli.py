@@ -8,14 +8,15 @@ and exit code 2; anything else is a bug and keeps its traceback.
 The top of the library: the Kubeflow components (`components/steps.py`) import this module and
 nothing else from `bert_core`. `kfp_step` runs one `bert` command as a KFP step, nested under the
 KFP run's MLflow parent run; the other `kfp_*` functions are the few things a component does around
-its command (open / close the parent run, register the pre-trained model). No module of the library
-imports this one (tests/test_tracking.py checks), so the imports go one way: cli -> step modules ->
-shared helpers (tracking, lineage, ...) -> errors.
+its command (open / close the parent run, register the pre-trained model, report metrics). No
+module of the library imports this one (tests/test_tracking.py checks), so the imports go one way:
+cli -> step modules -> shared helpers (tracking, lineage, ...) -> errors.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -97,6 +98,15 @@ def kfp_register_pretrained(output: str | os.PathLike) -> dict[str, float]:
     output = Path(output)
     lineage.register_pretrained(output / "model", os.environ.get("BERT_PARENT_RUN_ID"))
     return lineage.last_pretrain_metrics(output / "pretrain_metrics.csv")
+
+
+def kfp_metrics(result_file: str | os.PathLike) -> dict[str, float]:
+    """A step's KFP Metrics, named and scaled as its MLflow metrics (`evaluate.mlflow_metrics`:
+    fractions): from a `bert finetune` output's metrics.json or `bert evaluate`'s
+    glue_results.json."""
+    from bert_core.evaluate import mlflow_metrics
+
+    return mlflow_metrics(json.loads(Path(result_file).read_text()))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Each pipeline run (`make run`, `dvc repro` through it, or a Kubeflow run) is a parent MLflow run
 in the pipeline's experiment; its scores are the ones its `evaluate` step logged. The table is a
-pandas DataFrame, newest run first, so it also reads well in a notebook (`runs_table()`).
+pandas DataFrame, newest run first, so it also reads well in a notebook (`runs_table()`). MLflow
+holds the scores as fractions (`evaluate.mlflow_metrics`); the table shows them in percent, as
+the GLUE table does.
 """
 
 from __future__ import annotations
@@ -27,16 +29,18 @@ SETTINGS = (
 
 
 def _scores(run: Any) -> dict[str, float]:
-    """GLUE scores of a pipeline run: its own, else those of its newest evaluate step."""
+    """GLUE scores of a pipeline run in percent: its own, else those of its newest evaluate
+    step."""
     metrics = run.data.metrics
     if "glue_score" not in metrics:
         evaluated = child_runs(run.info.run_id, "evaluate")
         metrics = evaluated[0].data.metrics if evaluated else {}
-    return {k: v for k, v in metrics.items() if k == "glue_score" or k.endswith(".score")}
+    return {k: 100 * v for k, v in metrics.items() if k == "glue_score" or k.endswith(".score")}
 
 
 def runs_table(experiment: str = PIPELINE_EXPERIMENT, limit: int = 10):
-    """A DataFrame of the newest `limit` pipeline runs: when, how, settings and GLUE scores."""
+    """A DataFrame of the newest `limit` pipeline runs: when, how, settings and GLUE scores
+    (percent)."""
     import pandas as pd
     from mlflow import MlflowClient
 

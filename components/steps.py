@@ -4,8 +4,8 @@ Each component is one call of the step's `bert` command through `bert_core.cli.k
 (which also nests the step's MLflow run under the pipeline run, found by the KFP run id): all
 logic lives in `bert_core`, so the DAG run by KFP, by DVC and by hand is the same code. The
 components import `bert_core.cli` and nothing else of the library: what they do around their
-command (open / close the MLflow parent run, register the pre-trained model) is one
-`bert_core.cli.kfp_*` call each.
+command (open / close the MLflow parent run, register the pre-trained model, read the numbers
+for their KFP Metrics output) is one `bert_core.cli.kfp_*` call each.
 
 The KFP run id is not an input: an input that differs per run would be part of every step's
 cache key, so no step could ever be reused by a later run. The pipeline hands it to the pods
@@ -133,9 +133,7 @@ def finetune(
     (conll2003, squad) with glue_dir the folder holding it. The pipeline fans this out with
     dsl.ParallelFor, once over the GLUE tasks and once over the token-level ones; 0
     max_eval_examples means the whole dev set."""
-    import json
-
-    from bert_core.cli import kfp_step
+    from bert_core.cli import kfp_metrics, kfp_step
 
     kfp_step(
         ["finetune", "--task", task, "--data", f"{glue_dir}/{task}"]
@@ -145,9 +143,8 @@ def finetune(
         + ["--device", "cuda" if use_gpu else "cpu"]
         + (["--max-eval-examples", max_eval_examples] if max_eval_examples > 0 else [])
     )
-    result = json.loads(open(f"{finetuned.path}/metrics.json").read())
-    for name, value in result["metrics"].items():
-        metrics.log_metric(f"{task}.{name}", value)
+    for name, value in kfp_metrics(f"{finetuned.path}/metrics.json").items():
+        metrics.log_metric(name, value)
 
 
 @component
@@ -159,21 +156,15 @@ def evaluate(
     metrics: Output[Metrics],
 ):
     """bert evaluate: the GLUE table (rendered by the KFP UI as Markdown) and the GLUE score,
-    with NER / SQuAD rows when token-level tasks ran (token_results may be empty)."""
-    import json
+    with NER / SQuAD rows when token-level tasks ran (token_results may be empty). The metrics
+    are the evaluate step's MLflow metrics (fractions)."""
     import shutil
 
-    from bert_core.cli import kfp_step
+    from bert_core.cli import kfp_metrics, kfp_step
 
     # an empty loop's Collected outputs may arrive as None rather than []
     folders = [r.path for r in [*(results or []), *(token_results or [])]]
     kfp_step(["evaluate", "--results", *folders, "--output", glue.path])
     shutil.copyfile(f"{glue.path}/glue_table.md", table.path)
-    summary = json.loads(open(f"{glue.path}/glue_results.json").read())
-    if summary["glue_score"] is not None:
-        metrics.log_metric("glue_score", summary["glue_score"])
-    for name, task in summary["tasks"].items():
-        metrics.log_metric(f"{name}.score", task["score"])
-    for name, task in summary.get("token_tasks", {}).items():
-        for key, value in task["metrics"].items():
-            metrics.log_metric(f"{name}.{key}", value)
+    for name, value in kfp_metrics(f"{glue.path}/glue_results.json").items():
+        metrics.log_metric(name, value)

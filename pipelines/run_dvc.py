@@ -5,8 +5,9 @@ outs in dvc.lock), so a second `make run` re-runs nothing, and `dvc exp run -S m
 works the same way. This wrapper only adds what DVC does not: it opens the parent MLflow run
 first and exports its id (BERT_PARENT_RUN_ID), so each stage's `bert` command nests its run
 under it; afterwards it tags the runs with the DVC hashes of their inputs, registers the
-pre-trained model (when pretrain ran), logs the GLUE (and NER / SQuAD) scores on the parent run
-and prints the GLUE table and the command that opens the MLflow UI.
+pre-trained model (when pretrain ran), logs the GLUE (and NER / SQuAD) results on the parent run
+(the evaluate step's metrics, `bert_core.evaluate.mlflow_metrics`) and prints the GLUE table and
+the command that opens the MLflow UI.
 
     python pipelines/run_dvc.py                       # dvc repro
     python pipelines/run_dvc.py -S model.preset=mini  # dvc exp run -S ... (an experiment)
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bert_core import lineage  # noqa: E402
+from bert_core.evaluate import mlflow_metrics  # noqa: E402
 from bert_core.tracking import tracking_uri  # noqa: E402
 
 
@@ -86,15 +88,12 @@ def record_lineage(parent_id: str, output: Path) -> list[str]:
 
 
 def log_results(evaluate_dir: Path) -> dict:
-    """Log `bert evaluate`'s scores on the active (parent) run; returns glue_results.json's."""
+    """Log `bert evaluate`'s results on the active (parent) run, as its evaluate step logged
+    them: the same names and values (fractions). Returns glue_results.json's content."""
     import mlflow
 
     results = json.loads((evaluate_dir / "glue_results.json").read_text())
-    if results["glue_score"] is not None:  # None when only token-level tasks ran
-        mlflow.log_metric("glue_score", results["glue_score"])
-    mlflow.log_metrics({f"{t}.score": r["score"] for t, r in results["tasks"].items()})
-    for task, r in results.get("token_tasks", {}).items():  # NER F1, SQuAD EM/F1
-        mlflow.log_metrics({f"{task}.{k}": v for k, v in r["metrics"].items()})
+    mlflow.log_metrics(mlflow_metrics(results))
     mlflow.log_artifact(str(evaluate_dir / "glue_table.md"))
     return results
 

@@ -228,5 +228,8 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
         assert run.data.tags["kfp.run_id"] == kfp_run_id
         assert run.info.status == "FINISHED"
     assert steps["evaluate"].data.metrics["glue_score"] == pytest.approx(scores["glue_score"])
+    # the KFP UI's numbers are the evaluate step's MLflow metrics: same names, same scale
+    assert steps["evaluate"].data.metrics == pytest.approx(scores)
+    assert all(-1 <= v <= 1 for v in scores.values()), scores
     (version,) = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
     assert version.run_id == steps["pretrain"].info.run_id

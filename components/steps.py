@@ -117,7 +117,7 @@ def pretrain(
 @component
 def finetune(
     pretrained: Input[Model],
-    glue_dir: str,
+    data_dir: str,
     task: str,
     epochs: int,
     batch_size: int,
@@ -129,14 +129,14 @@ def finetune(
     metrics: Output[Metrics],
     max_eval_examples: int = 0,
 ):
-    """bert finetune on one task, `{glue_dir}/{task}`: a GLUE task, or a token-level one
-    (conll2003, squad) with glue_dir the folder holding it. The pipeline fans this out with
-    dsl.ParallelFor, once over the GLUE tasks and once over the token-level ones; 0
-    max_eval_examples means the whole dev set."""
+    """bert finetune on one task, `{data_dir}/{task}`: a GLUE task (data_dir: the GLUE folder)
+    or a token-level one (conll2003, squad; data_dir: the folder holding it). The pipeline fans
+    this out with dsl.ParallelFor, once over the GLUE tasks and once over the token-level ones;
+    0 max_eval_examples means the whole dev set."""
     from bert_core.cli import kfp_metrics, kfp_step
 
     kfp_step(
-        ["finetune", "--task", task, "--data", f"{glue_dir}/{task}"]
+        ["finetune", "--task", task, "--data", f"{data_dir}/{task}"]
         + ["--model", f"{pretrained.path}/model", "--output", finetuned.path]
         + ["--epochs", epochs, "--batch-size", batch_size, "--learning-rate", learning_rate]
         + ["--max-seq-length", max_seq_length, "--max-train-examples", max_train_examples]

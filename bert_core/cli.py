@@ -1,16 +1,28 @@
-"""The `bert` command: one sub-command per pipeline step.
+"""The `bert` command: one sub-command per pipeline step, and the Kubeflow steps that run them.
 
 Each step module owns its argument parser and exposes `main(argv) -> int`; this file only
 dispatches, importing the module lazily so `bert clean` never pays for importing Ray or MLflow.
 Errors meant for users (`BertError`, `ValueError`, `FileNotFoundError`) become one line on stderr
 and exit code 2; anything else is a bug and keeps its traceback.
+
+The top of the library: the Kubeflow components (`components/steps.py`) import this module and
+nothing else from `bert_core`. `kfp_step` runs one `bert` command as a KFP step, nested under the
+KFP run's MLflow parent run; the other `kfp_*` functions are the few things a component does around
+its command (open / close the parent run, register the pre-trained model, report metrics). No
+module of the library imports this one (tests/test_tracking.py checks), so the imports go one way:
+cli -> step modules -> shared helpers (tracking, lineage, ...) -> errors.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import sys
+from pathlib import Path
+from typing import Any
 
+from bert_core import lineage
 from bert_core.errors import BertError
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -46,6 +58,55 @@ def main(argv: list[str] | None = None) -> int:
     except (BertError, ValueError, FileNotFoundError) as e:
         print(f"bert {name}: error: {e}", file=sys.stderr)
         return 2
+
+
+# Kubeflow: what the components in components/steps.py call.
+
+
+def kfp_step(argv: list[Any], pipeline: str = lineage.PIPELINE_EXPERIMENT) -> None:
+    """Run one `bert` command as a Kubeflow step, its MLflow run nested under the pipeline's.
+
+    The components in `components/` are this one call: all logic stays in the `bert` commands.
+    The KFP run id comes from `KFP_RUN_ID` (the pod's `pipeline/runid` label under Kubeflow, set
+    by the local runner under kfp.local); without it the step logs a standalone run.
+    """
+    kfp_run_id = os.environ.get("KFP_RUN_ID", "")  # empty where the pod has no such label
+    if kfp_run_id:
+        os.environ["BERT_PARENT_RUN_ID"] = lineage.kfp_parent_run(kfp_run_id, pipeline)
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse reports bad options this way
+        code = e.code if isinstance(e.code, int) else 2
+    if code:
+        raise RuntimeError(f"bert {argv[0]} exited with code {code}")
+
+
+def kfp_pipeline_run(settings: dict[str, Any]) -> str | None:
+    """The first task: open this KFP run's MLflow parent run with its settings (`lineage`)."""
+    return lineage.kfp_pipeline_run(settings)
+
+
+def kfp_pipeline_end(state: str) -> str | None:
+    """The exit handler: close this KFP run's MLflow parent run with its final state."""
+    return lineage.kfp_pipeline_end(state)
+
+
+def kfp_register_pretrained(output: str | os.PathLike) -> dict[str, float]:
+    """After `bert pretrain --output OUTPUT` ran as a KFP step: log and register its model in
+    MLflow (on the step's run under the pipeline run) and return the last logged pre-training
+    metrics, for the step's KFP Metrics output."""
+    output = Path(output)
+    lineage.register_pretrained(output / "model", os.environ.get("BERT_PARENT_RUN_ID"))
+    return lineage.last_pretrain_metrics(output / "pretrain_metrics.csv")
+
+
+def kfp_metrics(result_file: str | os.PathLike) -> dict[str, float]:
+    """A step's KFP Metrics, named and scaled as its MLflow metrics (`evaluate.mlflow_metrics`:
+    fractions): from a `bert finetune` output's metrics.json or `bert evaluate`'s
+    glue_results.json."""
+    from bert_core.evaluate import mlflow_metrics
+
+    return mlflow_metrics(json.loads(Path(result_file).read_text()))
 
 
 if __name__ == "__main__":

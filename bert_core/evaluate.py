@@ -10,6 +10,10 @@ nine tasks are given, the score is the mean over those present and is marked par
 Token-level results (`bert finetune --task conll2003|squad|squad_v2`) get their own rows, laid
 out like the paper's Tables 2 and 3 (SQuAD v1.1 / v2.0: EM and F1) and its CoNLL-2003 table (F1);
 they are reported beside GLUE, never averaged into the GLUE score.
+
+Scales: metrics are fractions everywhere (metrics.json, glue_results.json, MLflow); the task and
+GLUE scores are percent in glue_results.json and the table (the paper's scale) and fractions in
+MLflow, where `mlflow_metrics` names and scales every number the same way for every caller.
 """
 
 from __future__ import annotations
@@ -91,6 +95,27 @@ def collect(folders: list[str | Path]) -> dict:
     if token:
         results["token_tasks"] = {t: token[t] for t in TOKEN_TASKS if t in token}
     return results
+
+
+def mlflow_metrics(results: dict) -> dict[str, float]:
+    """Results as MLflow metrics, at one scale: fractions, as metrics.json holds them.
+
+    `results` is `collect`'s (glue_results.json's content) or one `bert finetune` output's
+    metrics.json. Names: `{task}.{metric}` for every task's dev metrics, `{task}.score` for a
+    GLUE task's score and `glue_score`; the scores, in percent in glue_results.json (the table's
+    scale), are divided by 100. Every place results reach MLflow (`bert evaluate`'s run, the DVC
+    pipeline's parent run, the Kubeflow components' Metrics) logs this, so runs compare as-is.
+    """
+    if "task" in results:  # one metrics.json: the task's metrics (its `score` is not GLUE's)
+        return {f"{results['task']}.{k}": float(v) for k, v in results["metrics"].items()}
+    out = {}
+    if results["glue_score"] is not None:  # None when only token-level tasks ran
+        out["glue_score"] = results["glue_score"] / 100
+    for name, r in {**results["tasks"], **results.get("token_tasks", {})}.items():
+        out.update({f"{name}.{k}": float(v) for k, v in r["metrics"].items()})
+        if "score" in r:  # GLUE tasks; token-level ones report their metrics only
+            out[f"{name}.score"] = r["score"] / 100
+    return out
 
 
 def _pct(x: float) -> str:
@@ -208,13 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     with start_run("evaluate", {"results": args.results, "system": args.system}):
         import mlflow
 
-        if results["glue_score"] is not None:
-            mlflow.log_metric("glue_score", results["glue_score"])
-        for name, r in results["tasks"].items():
-            mlflow.log_metric(f"{name}.score", r["score"])
-            mlflow.log_metrics({f"{name}.{k}": 100 * v for k, v in r["metrics"].items()})
-        for name, r in results.get("token_tasks", {}).items():
-            mlflow.log_metrics({f"{name}.{k}": 100 * v for k, v in r["metrics"].items()})
+        mlflow.log_metrics(mlflow_metrics(results))
         mlflow.log_artifacts(str(args.output), artifact_path="glue")
     print(Path(args.output) / "glue_table.md")
     print(markdown_table(results, args.system).split("\n\n")[0])

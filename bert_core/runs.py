@@ -2,7 +2,9 @@
 
 Each pipeline run (`make run`, `dvc repro` through it, or a Kubeflow run) is a parent MLflow run
 in the pipeline's experiment; its scores are the ones its `evaluate` step logged. The table is a
-pandas DataFrame, newest run first, so it also reads well in a notebook (`runs_table()`).
+pandas DataFrame, newest run first, so it also reads well in a notebook (`runs_table()`). MLflow
+holds the scores as fractions (`evaluate.mlflow_metrics`); the table shows them in percent, as
+the GLUE table does.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bert_core import tracking
+from bert_core.lineage import PIPELINE_EXPERIMENT, child_runs
+from bert_core.tracking import tracking_uri
 
 # the settings that usually explain a difference in GLUE score
 SETTINGS = (
@@ -26,23 +29,25 @@ SETTINGS = (
 
 
 def _scores(run: Any) -> dict[str, float]:
-    """GLUE scores of a pipeline run: its own, else those of its newest evaluate step."""
+    """GLUE scores of a pipeline run in percent: its own, else those of its newest evaluate
+    step."""
     metrics = run.data.metrics
     if "glue_score" not in metrics:
-        evaluated = tracking.child_runs(run.info.run_id, "evaluate")
+        evaluated = child_runs(run.info.run_id, "evaluate")
         metrics = evaluated[0].data.metrics if evaluated else {}
-    return {k: v for k, v in metrics.items() if k == "glue_score" or k.endswith(".score")}
+    return {k: 100 * v for k, v in metrics.items() if k == "glue_score" or k.endswith(".score")}
 
 
-def runs_table(experiment: str = tracking.PIPELINE_EXPERIMENT, limit: int = 10):
-    """A DataFrame of the newest `limit` pipeline runs: when, how, settings and GLUE scores."""
+def runs_table(experiment: str = PIPELINE_EXPERIMENT, limit: int = 10):
+    """A DataFrame of the newest `limit` pipeline runs: when, how, settings and GLUE scores
+    (percent)."""
     import pandas as pd
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking.tracking_uri())
+    client = MlflowClient(tracking_uri())
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        raise ValueError(f"no MLflow experiment {experiment!r} at {tracking.tracking_uri()}")
+        raise ValueError(f"no MLflow experiment {experiment!r} at {tracking_uri()}")
     runs = client.search_runs(
         [exp.experiment_id],
         filter_string="tags.`bert.step` = 'pipeline'",
@@ -71,7 +76,7 @@ def runs_table(experiment: str = tracking.PIPELINE_EXPERIMENT, limit: int = 10):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert runs", description=__doc__.split("\n")[0])
-    p.add_argument("--experiment", default=tracking.PIPELINE_EXPERIMENT)
+    p.add_argument("--experiment", default=PIPELINE_EXPERIMENT)
     p.add_argument("--limit", type=int, default=10, help="newest N pipeline runs")
     return p
 

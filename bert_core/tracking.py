@@ -1,4 +1,4 @@
-"""MLflow tracking shared by every step.
+"""MLflow tracking of one step: every `bert` command logs its run the same way.
 
 Why one module: every step logs the same way, so experiments line up in the MLflow UI.
 The tracking URI is `MLFLOW_TRACKING_URI` when set (a shared `mlflow server`), otherwise a SQLite
@@ -9,17 +9,12 @@ or "bert". When an orchestrator opened a parent run for the whole pipeline it pa
 Only explicit settings are logged as parameters: never the environment, so credentials in it
 cannot leak into MLflow.
 
-Pipeline lineage (used by the orchestrators, `pipelines/`): `start_pipeline_run` opens the parent
-run of one pipeline run in the pipeline's experiment and exports its id, so every step started
-beneath it (DVC stages, subprocesses) nests under it; `kfp_step` does the same inside a Kubeflow
-component, finding or creating the parent run by the KFP run id; `tag_dvc_lineage` tags runs with
-the DVC hashes of their inputs (from dvc.lock); `register_pretrained` logs the pre-trained model
-and registers it in the model registry.
+The pipeline side (parent runs, DVC hashes, the model registry) is `bert_core.lineage`, which
+builds on this module; nothing here knows about pipelines.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from collections.abc import Iterator, Mapping
@@ -29,8 +24,6 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_EXPERIMENT = "bert"
-PIPELINE_EXPERIMENT = "bert-pipeline"
-REGISTERED_MODEL = "bert-pretrained"
 
 
 def tracking_uri() -> str:
@@ -100,225 +93,3 @@ def start_run(
         if params:
             mlflow.log_params(flatten(params))
         yield run
-
-
-@contextmanager
-def start_pipeline_run(
-    pipeline: str = PIPELINE_EXPERIMENT,
-    params: Mapping[str, Any] | Any = (),
-    tags: Mapping[str, str] | None = None,
-    run_name: str | None = None,
-) -> Iterator[Any]:
-    """Open the parent run of one pipeline run; steps started inside nest under it.
-
-    One experiment per pipeline (named after it). The run id is exported as BERT_PARENT_RUN_ID
-    (and the experiment as MLFLOW_EXPERIMENT_NAME) for the duration, so step processes started
-    from here, e.g. by `dvc repro`, pick it up through `start_run`.
-    """
-    import mlflow
-
-    mlflow.set_tracking_uri(tracking_uri())
-    mlflow.set_experiment(pipeline)
-    all_tags = {**default_tags(), "bert.pipeline": pipeline, "bert.step": "pipeline"}
-    all_tags.update(tags or {})
-    saved = {k: os.environ.get(k) for k in ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME")}
-    with mlflow.start_run(run_name=run_name, tags=all_tags) as run:
-        if params:
-            mlflow.log_params(flatten(params))
-        os.environ["BERT_PARENT_RUN_ID"] = run.info.run_id
-        os.environ["MLFLOW_EXPERIMENT_NAME"] = pipeline
-        try:
-            yield run
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-
-
-def kfp_parent_run(kfp_run_id: str, pipeline: str = PIPELINE_EXPERIMENT) -> str:
-    """The MLflow parent run of a Kubeflow run: found by its `kfp.run_id` tag, else created.
-
-    Kubeflow starts each step in its own pod, so there is no process to hold the parent open;
-    the first step creates it and the others find it (the DAG runs `clean` alone first).
-    """
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri())
-    experiment = client.get_experiment_by_name(pipeline)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(pipeline)
-    found = client.search_runs(
-        [experiment_id],
-        filter_string=f"tags.`kfp.run_id` = '{kfp_run_id}' and tags.`bert.step` = 'pipeline'",
-        max_results=1,
-    )
-    if found:
-        return found[0].info.run_id
-    tags = {**default_tags(), "kfp.run_id": kfp_run_id, "bert.pipeline": pipeline}
-    tags["bert.step"] = "pipeline"
-    run = client.create_run(experiment_id, tags=tags, run_name=f"kfp-{kfp_run_id[:8]}")
-    return run.info.run_id
-
-
-def kfp_pipeline_run(settings: dict[str, Any], pipeline: str = PIPELINE_EXPERIMENT) -> str | None:
-    """Open the MLflow parent run of this Kubeflow run and log the run's settings on it.
-
-    The pipeline's first task, never cached: the parent exists before any step looks for it (no
-    two fan-out steps can race to create it) and carries the settings `bert runs` compares.
-    KFP hands parameters over as strings ('5', or '5.0' under kfp.local): they are parsed back.
-    """
-    import yaml
-    from mlflow import MlflowClient
-    from mlflow.entities import Param
-
-    kfp_run_id = os.environ.get("KFP_RUN_ID", "")
-    if not kfp_run_id:
-        return None
-    parsed = {}
-    for key, value in settings.items():
-        value = yaml.safe_load(value) if isinstance(value, str) and value else value
-        parsed[key] = int(value) if isinstance(value, float) and value.is_integer() else value
-    parent = kfp_parent_run(kfp_run_id, pipeline)
-    params = [Param(k, v) for k, v in sorted(flatten(parsed).items())]
-    MlflowClient(tracking_uri()).log_batch(parent, params=params)
-    return parent
-
-
-def kfp_pipeline_end(state: str, pipeline: str = PIPELINE_EXPERIMENT) -> str | None:
-    """Close the MLflow parent run of this Kubeflow run with the run's final state.
-
-    The pipeline's exit handler: no process holds a Kubeflow parent run open, so without it
-    the run would show as running forever in the MLflow UI, whatever happened to the pipeline.
-    """
-    from mlflow import MlflowClient
-
-    kfp_run_id = os.environ.get("KFP_RUN_ID", "")
-    if not kfp_run_id:
-        return None
-    status = {"SUCCEEDED": "FINISHED", "CANCELED": "KILLED", "CANCELLED": "KILLED"}
-    status = status.get(state.upper(), "FAILED")
-    MlflowClient(tracking_uri()).set_terminated(kfp_parent_run(kfp_run_id, pipeline), status)
-    return status
-
-
-def kfp_step(argv: list[str], pipeline: str = PIPELINE_EXPERIMENT) -> None:
-    """Run one `bert` command as a Kubeflow step, its MLflow run nested under the pipeline's.
-
-    The components in `components/` are this one call: all logic stays in the `bert` commands.
-    The KFP run id comes from `KFP_RUN_ID` (the pod's `pipeline/runid` label under Kubeflow, set
-    by the local runner under kfp.local); without it the step logs a standalone run.
-    """
-    from bert_core.cli import main
-
-    kfp_run_id = os.environ.get("KFP_RUN_ID", "")  # empty where the pod has no such label
-    if kfp_run_id:
-        os.environ["BERT_PARENT_RUN_ID"] = kfp_parent_run(kfp_run_id, pipeline)
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:  # argparse reports bad options this way
-        code = e.code if isinstance(e.code, int) else 2
-    if code:
-        raise RuntimeError(f"bert {argv[0]} exited with code {code}")
-
-
-def _yaml(path: str | os.PathLike) -> dict:
-    import yaml
-
-    return yaml.safe_load(Path(path).read_text()) or {}
-
-
-def last_pretrain_metrics(csv_file: str | os.PathLike) -> dict[str, float]:
-    """The last logged row of pretrain_metrics.csv (the numbers a pipeline UI shows)."""
-    import csv
-
-    with open(csv_file, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        return {}
-    return {k: float(v) for k, v in rows[-1].items() if k and v not in ("", None)}
-
-
-def dvc_lock_hashes(lock_file: str | os.PathLike) -> dict[str, dict[str, str]]:
-    """{stage: {dep path: md5}} from a dvc.lock: the content hashes DVC decided to re-run on."""
-    stages = _yaml(lock_file).get("stages") or {}
-    return {
-        stage: {d["path"]: d.get("md5") or d.get("hash", "") for d in entry.get("deps", [])}
-        for stage, entry in stages.items()
-    }
-
-
-def _tag_key(prefix: str, path: str) -> str:
-    return prefix + "".join(c if c.isalnum() or c in "._-/ " else "_" for c in path)[:240]
-
-
-def tag_dvc_lineage(parent_run_id: str, lock_file: str | os.PathLike) -> dict[str, str]:
-    """Tag the parent run with the hashes of the pipeline's inputs, each step run with its own.
-
-    Inputs are the deps no stage produces (corpus, GLUE folders); a step run is matched to its
-    stage by the `dvc.stage` tag `start_run` set from DVC's DVC_STAGE. Returns the inputs' hashes.
-    """
-    from mlflow import MlflowClient
-
-    hashes = dvc_lock_hashes(lock_file)
-    stages = (_yaml(lock_file).get("stages") or {}).values()
-    produced = [o["path"].rstrip("/") for e in stages for o in e.get("outs", [])]
-    inputs = {
-        path: md5
-        for deps in hashes.values()
-        for path, md5 in deps.items()
-        # a dep inside, or holding, a stage's output is the pipeline's own data, not an input
-        if not any(
-            path == p or path.startswith(p + "/") or p.startswith(path + "/") for p in produced
-        )
-    }
-    client = MlflowClient(tracking_uri())
-    for path, md5 in inputs.items():
-        client.set_tag(parent_run_id, _tag_key("dvc.input.", path), md5)
-    for child in child_runs(parent_run_id):
-        for path, md5 in hashes.get(child.data.tags.get("dvc.stage", ""), {}).items():
-            client.set_tag(child.info.run_id, _tag_key("dvc.dep.", path), md5)
-    return inputs
-
-
-def child_runs(parent_run_id: str, step: str | None = None) -> list[Any]:
-    """The step runs nested under a pipeline run (newest first), optionally of one step."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri())
-    experiment_id = client.get_run(parent_run_id).info.experiment_id
-    query = f"tags.mlflow.parentRunId = '{parent_run_id}'"
-    if step:
-        query += f" and tags.`bert.step` = '{step}'"
-    return client.search_runs(
-        [experiment_id], filter_string=query, order_by=["attributes.start_time DESC"]
-    )
-
-
-def register_pretrained(
-    model_dir: str | os.PathLike, parent_run_id: str | None = None, name: str = REGISTERED_MODEL
-) -> Any:
-    """Log the pre-trained model (HF layout) on its pretrain run and register a new version.
-
-    The pretrain run is the latest `bert.step = pretrain` child of the pipeline run; without one
-    (a step run alone) a `register` run holds the files. Returns the MLflow ModelVersion.
-    """
-    import mlflow
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri())
-    runs = child_runs(parent_run_id, "pretrain") if parent_run_id else []
-    if runs:
-        run_id = runs[0].info.run_id
-    else:
-        with start_run("register", {"model_dir": str(model_dir)}) as run:
-            run_id = run.info.run_id
-    client.log_artifacts(run_id, str(model_dir), artifact_path="model")
-    try:
-        client.create_registered_model(name, description="BERT pre-trained by this pipeline")
-    except mlflow.exceptions.MlflowException:  # already registered: add a version
-        pass
-    source = f"{client.get_run(run_id).info.artifact_uri}/model"
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    tags = {f"bert.{k}": str(config.get(k)) for k in ("hidden_size", "num_hidden_layers")}
-    return client.create_model_version(name, source=source, run_id=run_id, tags=tags)

@@ -1,8 +1,11 @@
 """One Kubeflow Pipelines v2 lightweight component per pipeline step.
 
-Each component is one call of the step's `bert` command through `bert_core.tracking.kfp_step`
+Each component is one call of the step's `bert` command through `bert_core.cli.kfp_step`
 (which also nests the step's MLflow run under the pipeline run, found by the KFP run id): all
-logic lives in `bert_core`, so the DAG run by KFP, by DVC and by hand is the same code.
+logic lives in `bert_core`, so the DAG run by KFP, by DVC and by hand is the same code. The
+components import `bert_core.cli` and nothing else of the library: what they do around their
+command (open / close the MLflow parent run, register the pre-trained model, read the numbers
+for their KFP Metrics output) is one `bert_core.cli.kfp_*` call each.
 
 The KFP run id is not an input: an input that differs per run would be part of every step's
 cache key, so no step could ever be reused by a later run. The pipeline hands it to the pods
@@ -32,7 +35,7 @@ def pipeline_run(settings: dict, tasks: list, token_tasks: list):
     """The MLflow parent run of this KFP run, with the run's settings as its parameters; first
     in the DAG and never cached, so it exists before any step looks for it. The two list
     settings come as inputs of their own: inside a dict, KFP pastes a list in as broken text."""
-    from bert_core.tracking import kfp_pipeline_run
+    from bert_core.cli import kfp_pipeline_run
 
     lists = {"finetune.tasks": tasks, "finetune.token_tasks": token_tasks}
     print("MLflow parent run:", kfp_pipeline_run({**settings, **lists}))
@@ -41,7 +44,7 @@ def pipeline_run(settings: dict, tasks: list, token_tasks: list):
 @component
 def pipeline_end(status: dsl.PipelineTaskFinalStatus):
     """The exit handler: closes the MLflow parent run as FINISHED, FAILED or KILLED."""
-    from bert_core.tracking import kfp_pipeline_end
+    from bert_core.cli import kfp_pipeline_end
 
     print("MLflow parent run:", kfp_pipeline_end(status.state))
 
@@ -49,7 +52,7 @@ def pipeline_end(status: dsl.PipelineTaskFinalStatus):
 @component
 def clean(corpus: str, cleaned: Output[Dataset]):
     """bert clean: raw text -> sharded documents in BERT's input format."""
-    from bert_core.tracking import kfp_step
+    from bert_core.cli import kfp_step
 
     kfp_step(["clean", "--input", corpus, "--output", cleaned.path])
 
@@ -57,7 +60,7 @@ def clean(corpus: str, cleaned: Output[Dataset]):
 @component
 def vocab(cleaned: Input[Dataset], vocab_size: int, wordpiece: Output[Dataset]):
     """bert vocab: WordPiece vocab.txt + tokenizer.json."""
-    from bert_core.tracking import kfp_step
+    from bert_core.cli import kfp_step
 
     argv = ["vocab", "--input", cleaned.path, "--output", wordpiece.path]
     kfp_step([*argv, "--vocab-size", vocab_size])
@@ -75,7 +78,7 @@ def instances(
     shards: Output[Dataset],
 ):
     """bert instances: MLM/NSP pre-training instances as Parquet shards."""
-    from bert_core.tracking import kfp_step
+    from bert_core.cli import kfp_step
 
     kfp_step(
         ["instances", "--input", cleaned.path, "--vocab", f"{wordpiece.path}/vocab.txt"]
@@ -99,9 +102,7 @@ def pretrain(
     metrics: Output[Metrics],
 ):
     """bert pretrain (Ray Train); the model is logged and registered in MLflow."""
-    import os
-
-    from bert_core.tracking import kfp_step, last_pretrain_metrics, register_pretrained
+    from bert_core.cli import kfp_register_pretrained, kfp_step
 
     kfp_step(
         ["pretrain", "--instances", shards.path, "--output", pretrained.path, "--preset", preset]
@@ -109,15 +110,14 @@ def pretrain(
         + ["--learning-rate", learning_rate]
         + (["--use-gpu"] if use_gpu else [])
     )
-    register_pretrained(f"{pretrained.path}/model", os.environ.get("BERT_PARENT_RUN_ID"))
-    for name, value in last_pretrain_metrics(f"{pretrained.path}/pretrain_metrics.csv").items():
+    for name, value in kfp_register_pretrained(pretrained.path).items():
         metrics.log_metric(name, value)
 
 
 @component
 def finetune(
     pretrained: Input[Model],
-    glue_dir: str,
+    data_dir: str,
     task: str,
     epochs: int,
     batch_size: int,
@@ -129,25 +129,22 @@ def finetune(
     metrics: Output[Metrics],
     max_eval_examples: int = 0,
 ):
-    """bert finetune on one task, `{glue_dir}/{task}`: a GLUE task, or a token-level one
-    (conll2003, squad) with glue_dir the folder holding it. The pipeline fans this out with
-    dsl.ParallelFor, once over the GLUE tasks and once over the token-level ones; 0
-    max_eval_examples means the whole dev set."""
-    import json
-
-    from bert_core.tracking import kfp_step
+    """bert finetune on one task, `{data_dir}/{task}`: a GLUE task (data_dir: the GLUE folder)
+    or a token-level one (conll2003, squad; data_dir: the folder holding it). The pipeline fans
+    this out with dsl.ParallelFor, once over the GLUE tasks and once over the token-level ones;
+    0 max_eval_examples means the whole dev set."""
+    from bert_core.cli import kfp_metrics, kfp_step
 
     kfp_step(
-        ["finetune", "--task", task, "--data", f"{glue_dir}/{task}"]
+        ["finetune", "--task", task, "--data", f"{data_dir}/{task}"]
         + ["--model", f"{pretrained.path}/model", "--output", finetuned.path]
         + ["--epochs", epochs, "--batch-size", batch_size, "--learning-rate", learning_rate]
         + ["--max-seq-length", max_seq_length, "--max-train-examples", max_train_examples]
         + ["--device", "cuda" if use_gpu else "cpu"]
         + (["--max-eval-examples", max_eval_examples] if max_eval_examples > 0 else [])
     )
-    result = json.loads(open(f"{finetuned.path}/metrics.json").read())
-    for name, value in result["metrics"].items():
-        metrics.log_metric(f"{task}.{name}", value)
+    for name, value in kfp_metrics(f"{finetuned.path}/metrics.json").items():
+        metrics.log_metric(name, value)
 
 
 @component
@@ -159,21 +156,15 @@ def evaluate(
     metrics: Output[Metrics],
 ):
     """bert evaluate: the GLUE table (rendered by the KFP UI as Markdown) and the GLUE score,
-    with NER / SQuAD rows when token-level tasks ran (token_results may be empty)."""
-    import json
+    with NER / SQuAD rows when token-level tasks ran (token_results may be empty). The metrics
+    are the evaluate step's MLflow metrics (fractions)."""
     import shutil
 
-    from bert_core.tracking import kfp_step
+    from bert_core.cli import kfp_metrics, kfp_step
 
     # an empty loop's Collected outputs may arrive as None rather than []
     folders = [r.path for r in [*(results or []), *(token_results or [])]]
     kfp_step(["evaluate", "--results", *folders, "--output", glue.path])
     shutil.copyfile(f"{glue.path}/glue_table.md", table.path)
-    summary = json.loads(open(f"{glue.path}/glue_results.json").read())
-    if summary["glue_score"] is not None:
-        metrics.log_metric("glue_score", summary["glue_score"])
-    for name, task in summary["tasks"].items():
-        metrics.log_metric(f"{name}.score", task["score"])
-    for name, task in summary.get("token_tasks", {}).items():
-        for key, value in task["metrics"].items():
-            metrics.log_metric(f"{name}.{key}", value)
+    for name, value in kfp_metrics(f"{glue.path}/glue_results.json").items():
+        metrics.log_metric(name, value)

@@ -6,11 +6,13 @@
 The token-level tasks (`finetune_token_tasks`: conll2003, squad) reuse the finetune component;
 the list is empty by default, so that loop runs nothing unless asked for. Before `clean`, one
 uncached task (`pipeline-run`) opens the run's MLflow parent run with its settings, and an exit
-handler (`pipeline-end`) closes it with the run's final state; the steps
-read the KFP run id from the environment, so it never enters their cache keys (see `step`).
+handler (`pipeline-end`) closes it with the run's final state; the steps read the KFP run id
+from the environment, so it never enters their cache keys (see `step`).
 
 Every pipeline parameter's default comes from params.yaml (the file `dvc repro` reads too), so
-the KFP UI, DVC and `make run` start from the same settings.
+the KFP UI, DVC and `make run` start from the same settings. A parameter is `section_key`; its
+step's component takes it as `key`, so each params.yaml section is the keyword arguments of its
+step (`section`), and the training sub-pipeline takes the parameters under their own names.
 
     python -m pipelines.bert_pipeline compile [--image IMAGE]     # writes bert_pipeline.yaml
     python -m pipelines.bert_pipeline local [--set KEY=VALUE ...]  # whole DAG via kfp.local
@@ -22,9 +24,12 @@ and a `dsl.If`/`dsl.Else` on `use_gpu` picks one at run time.
 """
 
 import argparse
+import inspect
 import json
 import os
 import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = Path(__file__).with_name("bert_pipeline.yaml")
 NAME = "bert-pipeline"
+DESCRIPTION = "BERT: corpus -> WordPiece -> MLM/NSP -> pre-train -> GLUE (+ NER, SQuAD)"
 
 
 def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:
@@ -49,6 +55,50 @@ def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:
 
 
 P = load_params()
+
+# The pipeline parameters the training half takes (a sub-pipeline declares its own inputs; they
+# keep the pipeline's names): the fine-tuning data folders and the model, pretrain and finetune
+# sections. Not `pretrain_use_gpu`: it picks the branch.
+TRAINING = tuple(
+    k
+    for k in P
+    if k in ("data_glue", "data_token")
+    or (k.startswith(("model_", "pretrain_", "finetune_")) and k != "pretrain_use_gpu")
+)
+
+
+def section(settings: Mapping[str, Any], name: str, leave_out: Iterable[str] = ()) -> dict:
+    """One params.yaml section of the pipeline parameters as its step's component inputs: the
+    parameter `section_key` is the component's `key` (params.yaml mirrors the `bert` options)."""
+    prefix = f"{name}_"
+    keys = {k: k.removeprefix(prefix) for k in settings if k.startswith(prefix)}
+    return {key: settings[k] for k, key in keys.items() if key not in set(leave_out)}
+
+
+@dataclass(frozen=True)
+class FineTuning:
+    """One fine-tuning fan-out: the tasks it loops over, the folder holding their data (one
+    sub-folder per task), the finetune component's other inputs, and its names in the KFP UI."""
+
+    tasks: Any
+    data_dir: Any
+    inputs: dict[str, Any]
+    loop: str
+    display: str
+
+
+def fine_tunings(s: Mapping[str, Any]) -> list[FineTuning]:
+    """GLUE (`finetune.*`) and the token-level tasks (`finetune.token_*`; batch size and learning
+    rate are the GLUE ones), in this order: evaluate's `results`, then its `token_results`."""
+    finetune = section(s, "finetune", leave_out=["tasks"])
+    glue = {k: v for k, v in finetune.items() if not k.startswith("token_")}
+    token = {**glue, **section(s, "finetune_token", leave_out=["tasks"])}
+    return [
+        FineTuning(s["finetune_tasks"], s["data_glue"], glue, "glue-tasks", "finetune"),
+        FineTuning(
+            s["finetune_token_tasks"], s["data_token"], token, "token-tasks", "finetune-token"
+        ),
+    ]
 
 
 def _kfp():
@@ -78,85 +128,14 @@ def step(task, name: str, cpu: str, memory: str, gpu: bool = False):
 
 
 def build_pipeline():
-    """The pipeline function: the DAG of the module docstring, its defaults from params.yaml."""
+    """The pipeline function: the DAG of the module docstring, its defaults from params.yaml.
+
+    Its parameters are what a user sets for a run (KFP UI, `--set`): one per params.yaml key,
+    `section_key`. The body is `dag`; the two training sub-pipelines are compiled before the
+    pipeline itself (KFP compiles a pipeline when it is decorated, and none inside another)."""
     dsl, steps = _kfp()
-    from kfp.dsl import Dataset, Input, Markdown
+    branches: dict[bool, Any] = {}  # use_gpu -> the training half; filled before compiling
 
-    def train_and_evaluate(gpu: bool):
-        @dsl.pipeline(name=f"train-and-evaluate-{'gpu' if gpu else 'cpu'}")
-        def graph(
-            shards: Input[Dataset],
-            glue_dir: str,
-            tasks: list,
-            preset: str,
-            steps_: int,
-            batch_size: int,
-            num_workers: int,
-            learning_rate: float,
-            ft_epochs: int,
-            ft_batch_size: int,
-            ft_learning_rate: float,
-            ft_max_seq_length: int,
-            ft_max_train_examples: int,
-            token_dir: str,
-            token_tasks: list,
-            tok_epochs: int,
-            tok_max_seq_length: int,
-            tok_max_train_examples: int,
-            tok_max_eval_examples: int,
-        ) -> Markdown:
-            pre = steps.pretrain(
-                shards=shards,
-                preset=preset,
-                steps=steps_,
-                batch_size=batch_size,
-                num_workers=num_workers,
-                learning_rate=learning_rate,
-                use_gpu=gpu,
-            )
-            step(pre, "pretrain", cpu="4", memory="16G", gpu=gpu)
-            with dsl.ParallelFor(tasks, name="glue-tasks") as task:
-                ft = steps.finetune(
-                    pretrained=pre.outputs["pretrained"],
-                    glue_dir=glue_dir,
-                    task=task,
-                    epochs=ft_epochs,
-                    batch_size=ft_batch_size,
-                    learning_rate=ft_learning_rate,
-                    max_seq_length=ft_max_seq_length,
-                    max_train_examples=ft_max_train_examples,
-                    use_gpu=gpu,
-                )
-                step(ft, "finetune", cpu="2", memory="8G", gpu=gpu)
-            with dsl.ParallelFor(token_tasks, name="token-tasks") as token_task:
-                tok = steps.finetune(
-                    pretrained=pre.outputs["pretrained"],
-                    glue_dir=token_dir,
-                    task=token_task,
-                    epochs=tok_epochs,
-                    batch_size=ft_batch_size,
-                    learning_rate=ft_learning_rate,
-                    max_seq_length=tok_max_seq_length,
-                    max_train_examples=tok_max_train_examples,
-                    max_eval_examples=tok_max_eval_examples,
-                    use_gpu=gpu,
-                )
-                step(tok, "finetune-token", cpu="2", memory="8G", gpu=gpu)
-            ev = steps.evaluate(
-                results=dsl.Collected(ft.outputs["finetuned"]),
-                token_results=dsl.Collected(tok.outputs["finetuned"]),
-            )
-            step(ev, "evaluate", cpu="1", memory="2G")
-            return ev.outputs["table"]
-
-        return graph
-
-    on_gpu, on_cpu = train_and_evaluate(True), train_and_evaluate(False)
-
-    @dsl.pipeline(
-        name=NAME,
-        description="BERT: corpus -> WordPiece -> MLM/NSP -> pre-train -> GLUE (+ NER, SQuAD)",
-    )
     def bert_pipeline(
         data_corpus: str = P["data_corpus"],
         data_glue: str = P["data_glue"],
@@ -185,64 +164,81 @@ def build_pipeline():
         finetune_token_max_train_examples: int = P["finetune_token_max_train_examples"],
         finetune_token_max_eval_examples: int = P["finetune_token_max_eval_examples"],
     ):
-        # every pipeline parameter, `section_key` -> `section.key` as DVC's parent run logs them
-        settings = {k.replace("_", ".", 1): v for k, v in locals().items() if k in P}
-        del (
-            settings["finetune.tasks"],
-            settings["finetune.token_tasks"],
-        )  # lists: inputs of their own
-        # the exit handler closes the MLflow parent run, whatever becomes of the steps
-        end = step(steps.pipeline_end(), "pipeline-end", cpu="1", memory="1G")
-        with dsl.ExitHandler(end.set_caching_options(False), name="bert"):
-            start = step(
-                steps.pipeline_run(
-                    settings=settings, tasks=finetune_tasks, token_tasks=finetune_token_tasks
-                ),
-                "pipeline-run",
-                cpu="1",
-                memory="1G",
-            )
-            start.set_caching_options(False)
-            cl = step(steps.clean(corpus=data_corpus), "clean", cpu="2", memory="4G").after(start)
-            vo = steps.vocab(cleaned=cl.outputs["cleaned"], vocab_size=vocab_vocab_size)
-            step(vo, "vocab", cpu="2", memory="4G")
-            ins = steps.instances(
-                cleaned=cl.outputs["cleaned"],
-                wordpiece=vo.outputs["wordpiece"],
-                max_seq_length=instances_max_seq_length,
-                max_predictions_per_seq=instances_max_predictions_per_seq,
-                masked_lm_prob=instances_masked_lm_prob,
-                dupe_factor=instances_dupe_factor,
-                random_seed=instances_random_seed,
-            )
-            step(ins, "instances", cpu="2", memory="8G")
-            train_args = dict(
-                shards=ins.outputs["shards"],
-                glue_dir=data_glue,
-                tasks=finetune_tasks,
-                preset=model_preset,
-                steps_=pretrain_steps,
-                batch_size=pretrain_batch_size,
-                num_workers=pretrain_num_workers,
-                learning_rate=pretrain_learning_rate,
-                ft_epochs=finetune_epochs,
-                ft_batch_size=finetune_batch_size,
-                ft_learning_rate=finetune_learning_rate,
-                ft_max_seq_length=finetune_max_seq_length,
-                ft_max_train_examples=finetune_max_train_examples,
-                token_dir=data_token,
-                token_tasks=finetune_token_tasks,
-                tok_epochs=finetune_token_epochs,
-                tok_max_seq_length=finetune_token_max_seq_length,
-                tok_max_train_examples=finetune_token_max_train_examples,
-                tok_max_eval_examples=finetune_token_max_eval_examples,
-            )
-            with dsl.If(pretrain_use_gpu == True, name="use-gpu"):  # noqa: E712 - a KFP condition
-                on_gpu(**train_args).set_display_name("train-and-evaluate (GPU)")
-            with dsl.Else(name="cpu-only"):
-                on_cpu(**train_args).set_display_name("train-and-evaluate (CPU)")
+        settings = {k: v for k, v in locals().items() if k in P}  # the parameters, by name
+        dag(dsl, steps, branches, settings)
 
-    return bert_pipeline
+    for gpu in (True, False):
+        branches[gpu] = train_and_evaluate(dsl, steps, gpu, inspect.signature(bert_pipeline))
+    return dsl.pipeline(name=NAME, description=DESCRIPTION)(bert_pipeline)
+
+
+def dag(dsl, steps, branches: dict[bool, Any], s: dict[str, Any]) -> None:
+    """The pipeline's body: the MLflow bracket around clean -> vocab -> instances and the
+    training half on the branch `pretrain_use_gpu` picks. `s`: the pipeline parameters."""
+    # the exit handler closes the MLflow parent run, whatever becomes of the steps
+    end = step(steps.pipeline_end(), "pipeline-end", cpu="1", memory="1G")
+    with dsl.ExitHandler(end.set_caching_options(False), name="bert"):
+        start = step(steps.pipeline_run(**parent_run(s)), "pipeline-run", cpu="1", memory="1G")
+        start.set_caching_options(False)
+        cl = step(steps.clean(corpus=s["data_corpus"]), "clean", cpu="2", memory="4G").after(start)
+        vo = steps.vocab(cleaned=cl.outputs["cleaned"], **section(s, "vocab"))
+        step(vo, "vocab", cpu="2", memory="4G")
+        ins = steps.instances(
+            cleaned=cl.outputs["cleaned"],
+            wordpiece=vo.outputs["wordpiece"],
+            **section(s, "instances"),
+        )
+        step(ins, "instances", cpu="2", memory="8G")
+        training = {"shards": ins.outputs["shards"], **{k: s[k] for k in TRAINING}}
+        with dsl.If(s["pretrain_use_gpu"] == True, name="use-gpu"):  # noqa: E712 - a KFP condition
+            branches[True](**training).set_display_name("train-and-evaluate (GPU)")
+        with dsl.Else(name="cpu-only"):
+            branches[False](**training).set_display_name("train-and-evaluate (CPU)")
+
+
+def parent_run(s: Mapping[str, Any]) -> dict[str, Any]:
+    """pipeline-run's inputs: every parameter, `section_key` -> `section.key` as DVC's parent run
+    logs them; the two lists as inputs of their own (inside a dict KFP breaks them)."""
+    lists = {"tasks": s["finetune_tasks"], "token_tasks": s["finetune_token_tasks"]}
+    settings = {k.replace("_", ".", 1): v for k, v in s.items()}
+    del settings["finetune.tasks"], settings["finetune.token_tasks"]
+    return {"settings": settings, **lists}
+
+
+def train_and_evaluate(dsl, steps, gpu: bool, pipeline: inspect.Signature):
+    """The training half as a sub-pipeline: pretrain, each fine-tuning fan-out, evaluate. One
+    per value of `use_gpu` (KFP fixes a task's resources at compile time). It takes the instance
+    shards and the pipeline parameters in TRAINING, named and typed as `pipeline` has them."""
+    from kfp.dsl import Dataset, Input, Markdown
+
+    def graph(shards, *values) -> Markdown:
+        s = dict(zip(TRAINING, values, strict=True))
+        pretrain = {"preset": s["model_preset"], **section(s, "pretrain")}
+        pre = steps.pretrain(shards=shards, use_gpu=gpu, **pretrain)
+        step(pre, "pretrain", cpu="4", memory="16G", gpu=gpu)
+        results, token_results = [
+            finetune_loop(dsl, steps, pre.outputs["pretrained"], f, gpu) for f in fine_tunings(s)
+        ]
+        ev = steps.evaluate(results=results, token_results=token_results)
+        step(ev, "evaluate", cpu="1", memory="2G")
+        return ev.outputs["table"]
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    inputs = [inspect.Parameter("shards", kind, annotation=Input[Dataset])]
+    inputs += [pipeline.parameters[k].replace(default=inspect.Parameter.empty) for k in TRAINING]
+    graph.__signature__ = inspect.Signature(inputs, return_annotation=Markdown)
+    return dsl.pipeline(name=f"train-and-evaluate-{'gpu' if gpu else 'cpu'}")(graph)
+
+
+def finetune_loop(dsl, steps, pretrained, fine_tuning: FineTuning, gpu: bool):
+    """One `dsl.ParallelFor` of the finetune component; returns its collected models."""
+    f = fine_tuning
+    with dsl.ParallelFor(f.tasks, name=f.loop) as task:
+        ft = steps.finetune(
+            pretrained=pretrained, data_dir=f.data_dir, task=task, use_gpu=gpu, **f.inputs
+        )
+        step(ft, f.display, cpu="2", memory="8G", gpu=gpu)
+    return dsl.Collected(ft.outputs["finetuned"])
 
 
 def compile_spec(path: Path = SPEC) -> Path:

@@ -5,8 +5,9 @@ outs in dvc.lock), so a second `make run` re-runs nothing, and `dvc exp run -S m
 works the same way. This wrapper only adds what DVC does not: it opens the parent MLflow run
 first and exports its id (BERT_PARENT_RUN_ID), so each stage's `bert` command nests its run
 under it; afterwards it tags the runs with the DVC hashes of their inputs, registers the
-pre-trained model (when pretrain ran), logs the GLUE (and NER / SQuAD) scores on the parent run
-and prints the GLUE table and the command that opens the MLflow UI.
+pre-trained model (when pretrain ran), logs the GLUE (and NER / SQuAD) results on the parent run
+(the evaluate step's metrics, `bert_core.evaluate.mlflow_metrics`) and prints the GLUE table and
+the command that opens the MLflow UI.
 
     python pipelines/run_dvc.py                       # dvc repro
     python pipelines/run_dvc.py -S model.preset=mini  # dvc exp run -S ... (an experiment)
@@ -20,10 +21,18 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bert_core import tracking  # noqa: E402
+from bert_core import lineage  # noqa: E402
+from bert_core.evaluate import mlflow_metrics  # noqa: E402
+from bert_core.tracking import tracking_uri  # noqa: E402
+
+
+def load_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
 def dvc_command(overrides: list[str], force: bool) -> list[str]:
@@ -35,46 +44,64 @@ def dvc_command(overrides: list[str], force: bool) -> list[str]:
 
 def run(overrides: list[str], force: bool = False) -> dict:
     """Run the DAG; returns {"parent_run_id", "glue_results", "stages_run"}."""
-    params = tracking._yaml(ROOT / "params.yaml")
+    import mlflow
+
+    params = load_params()
     output = ROOT / params["data"]["output"]
+    tags = {"bert.runner": "dvc", "bert.dvc.overrides": " ".join(overrides)}
+    with lineage.start_pipeline_run(params=params, tags=tags) as parent:
+        parent_id = parent.info.run_id
+        start = time.time()
+        repro(overrides, force)
+        mlflow.log_metric("pipeline_seconds", time.time() - start)
+        stages = record_lineage(parent_id, output)
+        results = log_results(output / "evaluate")
+    return {"parent_run_id": parent_id, "glue_results": results, "stages_run": stages}
+
+
+def repro(overrides: list[str], force: bool) -> None:
+    """`dvc repro` (or `dvc exp run`) with the lineage environment, so each stage nests."""
     env = {
         **os.environ,
         # the `bert` console script of this environment, whatever the caller's PATH
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
     }
-    tags = {"bert.runner": "dvc", "bert.dvc.overrides": " ".join(overrides)}
-    with tracking.start_pipeline_run(params=params, tags=tags) as parent:
-        parent_id = parent.info.run_id
-        start = time.time()
-        cmd = dvc_command(overrides, force)
-        print("$", " ".join(cmd[2:] if cmd[1] == "-m" else cmd), flush=True)
-        code = subprocess.run(cmd, cwd=ROOT, env={**env, **_lineage_env()}).returncode
-        if code:
-            raise SystemExit(f"dvc failed with exit code {code}")
-        import mlflow
+    cmd = dvc_command(overrides, force)
+    print("$", " ".join(cmd[2:] if cmd[1] == "-m" else cmd), flush=True)
+    code = subprocess.run(cmd, cwd=ROOT, env={**env, **_lineage_env()}).returncode
+    if code:
+        raise SystemExit(f"dvc failed with exit code {code}")
 
-        mlflow.log_metric("pipeline_seconds", time.time() - start)
-        tracking.tag_dvc_lineage(parent_id, ROOT / "dvc.lock")
-        stages = sorted({r.data.tags.get("dvc.stage", "") for r in tracking.child_runs(parent_id)})
-        mlflow.set_tag("bert.stages_run", ",".join(s for s in stages if s) or "none (cached)")
-        if tracking.child_runs(parent_id, "pretrain"):
-            version = tracking.register_pretrained(output / "pretrain" / "model", parent_id)
-            mlflow.set_tag("bert.registered_model", f"{version.name}/{version.version}")
-        results = json.loads((output / "evaluate" / "glue_results.json").read_text())
-        if results["glue_score"] is not None:  # None when only token-level tasks ran
-            mlflow.log_metric("glue_score", results["glue_score"])
-        mlflow.log_metrics({f"{t}.score": r["score"] for t, r in results["tasks"].items()})
-        for task, r in results.get("token_tasks", {}).items():  # NER F1, SQuAD EM/F1
-            mlflow.log_metrics({f"{task}.{k}": v for k, v in r["metrics"].items()})
-        mlflow.log_artifact(str(output / "evaluate" / "glue_table.md"))
-    return {"parent_run_id": parent_id, "glue_results": results, "stages_run": stages}
+
+def record_lineage(parent_id: str, output: Path) -> list[str]:
+    """DVC hashes on the runs, which stages ran, the model registered when pretrain ran."""
+    import mlflow
+
+    lineage.tag_dvc_lineage(parent_id, ROOT / "dvc.lock")
+    stages = sorted({r.data.tags.get("dvc.stage", "") for r in lineage.child_runs(parent_id)})
+    mlflow.set_tag("bert.stages_run", ",".join(s for s in stages if s) or "none (cached)")
+    if lineage.child_runs(parent_id, "pretrain"):
+        version = lineage.register_pretrained(output / "pretrain" / "model", parent_id)
+        mlflow.set_tag("bert.registered_model", f"{version.name}/{version.version}")
+    return stages
+
+
+def log_results(evaluate_dir: Path) -> dict:
+    """Log `bert evaluate`'s results on the active (parent) run, as its evaluate step logged
+    them: the same names and values (fractions). Returns glue_results.json's content."""
+    import mlflow
+
+    results = json.loads((evaluate_dir / "glue_results.json").read_text())
+    mlflow.log_metrics(mlflow_metrics(results))
+    mlflow.log_artifact(str(evaluate_dir / "glue_table.md"))
+    return results
 
 
 def _lineage_env() -> dict[str, str]:
     keys = ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_TRACKING_URI")
     env = {k: os.environ[k] for k in keys if os.environ.get(k)}
-    env.setdefault("MLFLOW_TRACKING_URI", tracking.tracking_uri())
+    env.setdefault("MLFLOW_TRACKING_URI", tracking_uri())
     return env
 
 
@@ -85,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.chdir(ROOT)  # mlflow.db and relative paths live in the project folder
     result = run(args.set_param, args.force)
-    params = tracking._yaml(ROOT / "params.yaml")
-    table = ROOT / params["data"]["output"] / "evaluate" / "glue_table.md"
+    table = ROOT / load_params()["data"]["output"] / "evaluate" / "glue_table.md"
     print()
     print(table.read_text())
     print(
@@ -94,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(result['stages_run']) or 'none, all cached'})"
     )
     print("Compare runs:  bert runs")
-    print(f"Open the UI:   mlflow ui --backend-store-uri {tracking.tracking_uri()}")
+    print(f"Open the UI:   mlflow ui --backend-store-uri {tracking_uri()}")
     return 0
 
 

@@ -68,8 +68,10 @@ def test_full_glue_table_plot_and_mlflow(tmp_path, mlflow_env):
 
     runs = mlflow.search_runs(experiment_names=["bert"], output_format="list")
     (run,) = [r for r in runs if r.data.tags.get("bert.step") == "evaluate"]
-    assert run.data.metrics["glue_score"] == pytest.approx(results["glue_score"])
-    assert run.data.metrics["CoLA.mcc"] == pytest.approx(60.5)
+    # MLflow holds fractions, as metrics.json does (the table shows percent)
+    assert run.data.metrics["glue_score"] == pytest.approx(results["glue_score"] / 100)
+    assert run.data.metrics["CoLA.mcc"] == pytest.approx(0.605)
+    assert run.data.metrics["MRPC.score"] == pytest.approx(0.8735)
     arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "glue")}
     assert arts == {"glue/glue_results.json", "glue/glue_table.md", "glue/glue_scores.png"}
 
@@ -141,8 +143,8 @@ def test_token_tasks_get_their_own_rows_outside_the_glue_score(tmp_path, mlflow_
         for r in mlflow.search_runs(experiment_names=["bert"], output_format="list")
         if r.data.tags.get("bert.step") == "evaluate"
     ]
-    assert run.data.metrics["squad.f1"] == pytest.approx(90.9)
-    assert run.data.metrics["glue_score"] == pytest.approx(82.5)
+    assert run.data.metrics["squad.f1"] == pytest.approx(0.909)
+    assert run.data.metrics["glue_score"] == pytest.approx(0.825)
     # token-level results alone: their tables, no GLUE score
     only = evaluate(dirs[2:], tmp_path / "only")
     assert only["glue_score"] is None and only["tasks"] == {}
@@ -152,3 +154,32 @@ def test_token_tasks_get_their_own_rows_outside_the_glue_score(tmp_path, mlflow_
         ValueError, match="squad: missing or non-finite metrics \\['exact_match'\\]"
     ):
         collect(_results(tmp_path / "bad", {"squad": {"f1": 0.5}}))
+
+
+def test_every_caller_logs_the_same_metrics_at_one_scale(tmp_path, mlflow_env, monkeypatch):
+    """`bert evaluate`'s run, the DVC pipeline's parent run (pipelines/run_dvc.py) and the KFP
+    components' Metrics carry the same names and values: fractions, as metrics.json holds them."""
+    from mlflow import MlflowClient
+
+    from bert_core import lineage
+    from pipelines import run_dvc
+
+    for key in ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "KFP_RUN_ID", "DVC_STAGE"):
+        monkeypatch.delenv(key, raising=False)
+    token = {"conll2003": {"f1": 0.964, "precision": 0.96, "recall": 0.968, "accuracy": 0.99}}
+    dirs = _results(tmp_path, BERT_LARGE | token)
+    out = tmp_path / "evaluate"
+    with lineage.start_pipeline_run() as parent:
+        assert cli.main(["evaluate", "--results", *dirs, "--output", str(out)]) == 0
+        run_dvc.log_results(out)  # what `make run` logs on its parent run
+    (step,) = lineage.child_runs(parent.info.run_id, "evaluate")
+    logged = MlflowClient().get_run(parent.info.run_id).data.metrics
+    assert logged == step.data.metrics
+    assert cli.kfp_metrics(out / "glue_results.json") == logged  # the KFP evaluate component's
+    assert cli.kfp_metrics(f"{dirs[0]}/metrics.json") == {"CoLA.mcc": 0.605}  # a finetune's
+    expected = {f"{t}.{k}" for t, m in (BERT_LARGE | token).items() for k in m}
+    assert set(logged) == expected | {f"{t}.score" for t in BERT_LARGE} | {"glue_score"}
+    assert logged["glue_score"] == pytest.approx(0.805, abs=5e-4)
+    assert logged["STS-B.score"] == pytest.approx((0.876 + 0.865) / 2)
+    for name, value in logged.items():  # accuracy, F1, MCC, correlations: all within [-1, 1]
+        assert -1 <= value <= 1, name

@@ -100,12 +100,12 @@ def test_params_are_wired_to_their_stages(dvc_run):
 def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch):
     from mlflow import MlflowClient
 
-    from bert_core import tracking
+    from bert_core import lineage
 
     repo, env, _ = dvc_run
     monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    experiment = client.get_experiment_by_name(tracking.PIPELINE_EXPERIMENT)
+    experiment = client.get_experiment_by_name(lineage.PIPELINE_EXPERIMENT)
     parents = client.search_runs(
         [experiment.experiment_id],
         filter_string="tags.`bert.step` = 'pipeline'",
@@ -125,7 +125,7 @@ def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch)
     assert first.data.params["model.preset"] == "tiny"
     assert first.data.metrics["glue_score"] == pytest.approx(second.data.metrics["glue_score"])
 
-    children = {r.data.tags["dvc.stage"]: r for r in tracking.child_runs(first.info.run_id)}
+    children = {r.data.tags["dvc.stage"]: r for r in lineage.child_runs(first.info.run_id)}
     assert set(children) == set(lock)  # one nested run per stage, all in this experiment
     for stage, run in children.items():
         assert run.info.experiment_id == experiment.experiment_id
@@ -135,9 +135,14 @@ def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch)
     assert children["pretrain"].data.metrics["loss"] > 0
     assert 0 <= children["finetune@SST-2"].data.metrics["best_dev_accuracy"] <= 1
     assert children["evaluate"].data.metrics["glue_score"] == first.data.metrics["glue_score"]
-    assert tracking.child_runs(second.info.run_id) == []  # cached: nothing re-ran
+    # the parent run holds the evaluate step's metrics, at its scale (fractions)
+    results = {k: v for k, v in first.data.metrics.items() if k != "pipeline_seconds"}
+    assert results == children["evaluate"].data.metrics
+    assert {"glue_score", "SST-2.score", "SST-2.accuracy", "STS-B.pearson"} <= set(results)
+    assert all(-1 <= v <= 1 for v in results.values()), results
+    assert lineage.child_runs(second.info.run_id) == []  # cached: nothing re-ran
 
-    (version,) = client.search_model_versions(f"name='{tracking.REGISTERED_MODEL}'")
+    (version,) = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
     assert version.run_id == children["pretrain"].info.run_id
     files = {Path(f.path).name for f in client.list_artifacts(version.run_id, "model")}
     assert {"config.json", "model.safetensors", "vocab.txt"} <= files
@@ -152,7 +157,8 @@ def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch)
     ).stdout
     assert first.info.run_id[:8] in table and second.info.run_id[:8] in table
     shown = [float(x) for x in re.findall(r"-?\d+\.\d+", table)]  # 40.20 may print as 40.2
-    assert any(abs(x - first.data.metrics["glue_score"]) < 0.006 for x in shown), table
+    percent = 100 * first.data.metrics["glue_score"]  # `bert runs` shows scores in percent
+    assert any(abs(x - percent) < 0.006 for x in shown), table
 
 
 def test_token_tasks_are_a_foreach_stage_feeding_evaluate(tmp_path, shared_data):

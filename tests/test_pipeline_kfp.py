@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.bert_pipeline import P
+from pipelines.bert_pipeline import TRAINING, P, fine_tunings, section
 from tests.pipeline_helpers import ROOT, SMALL, env_for
 
 SPEC = ROOT / "pipelines" / "bert_pipeline.yaml"
@@ -53,6 +53,27 @@ def test_parameters_and_defaults_come_from_params_yaml():
     assert set(inputs) == set(expected)
     for name, value in expected.items():
         assert inputs[name]["defaultValue"] == value, name
+
+
+def test_settings_reach_each_step_grouped_by_params_yaml_section():
+    """A params.yaml section is its step's inputs (`section_key` -> `key`); the token-level
+    fine-tuning takes the GLUE batch size and learning rate, and its own slice sizes."""
+    assert section(P, "instances") == {
+        "max_seq_length": P["instances_max_seq_length"],
+        "max_predictions_per_seq": P["instances_max_predictions_per_seq"],
+        "masked_lm_prob": P["instances_masked_lm_prob"],
+        "dupe_factor": P["instances_dupe_factor"],
+        "random_seed": P["instances_random_seed"],
+    }
+    glue, token = fine_tunings(P)
+    assert (glue.tasks, glue.data_dir) == (P["finetune_tasks"], P["data_glue"])
+    assert (token.tasks, token.data_dir) == (P["finetune_token_tasks"], P["data_token"])
+    own = ["epochs", "max_seq_length", "max_train_examples"]
+    shared = {k: P[f"finetune_{k}"] for k in ("batch_size", "learning_rate")}
+    assert glue.inputs == {**shared, **{k: P[f"finetune_{k}"] for k in own}}
+    own.append("max_eval_examples")
+    assert token.inputs == {**shared, **{k: P[f"finetune_token_{k}"] for k in own}}
+    assert "pretrain_use_gpu" not in TRAINING and "data_corpus" not in TRAINING
 
 
 def test_gpu_requests_follow_use_gpu_and_image_is_configurable(tmp_path):
@@ -138,7 +159,7 @@ def test_token_tasks_fan_out_into_evaluate():
             name
             for name, task in graph.items()
             if task.get("parameterIterator", {}).get("items", {}).get("inputParameter")
-            == "pipelinechannel--token_tasks"
+            == "pipelinechannel--finetune_token_tasks"
         ]
         assert graph[loop_name]["taskInfo"]["name"] == "token-tasks"
         loop = components[graph[loop_name]["componentRef"]["name"]]["dag"]["tasks"]
@@ -147,10 +168,13 @@ def test_token_tasks_fan_out_into_evaluate():
             "exec-finetune"
         )
         inputs = finetune["inputs"]["parameters"]
-        assert inputs["glue_dir"]["componentInputParameter"] == "pipelinechannel--token_dir"
-        assert inputs["task"]["componentInputParameter"] == "pipelinechannel--token_tasks-loop-item"
+        # the sub-pipeline's inputs keep the pipeline parameters' names
+        assert inputs["data_dir"]["componentInputParameter"] == "pipelinechannel--data_token"
+        assert inputs["task"]["componentInputParameter"] == (
+            "pipelinechannel--finetune_token_tasks-loop-item"
+        )
         assert inputs["max_eval_examples"]["componentInputParameter"] == (
-            "pipelinechannel--tok_max_eval_examples"
+            "pipelinechannel--finetune_token_max_eval_examples"
         )
         evaluate = graph["evaluate"]["inputs"]["artifacts"]
         assert evaluate["token_results"]["taskOutputArtifact"]["producerTask"] == loop_name
@@ -164,17 +188,17 @@ def test_token_tasks_fan_out_into_evaluate():
     assert len(branches) == 2
     for task in branches:
         wired = task["inputs"]["parameters"]
-        assert wired["token_tasks"]["componentInputParameter"] == (
+        assert wired["finetune_token_tasks"]["componentInputParameter"] == (
             "pipelinechannel--finetune_token_tasks"
         )
-        assert wired["token_dir"]["componentInputParameter"] == "pipelinechannel--data_token"
+        assert wired["data_token"]["componentInputParameter"] == "pipelinechannel--data_token"
 
 
 @pytest.mark.slow
 def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     from mlflow import MlflowClient
 
-    from bert_core import tracking
+    from bert_core import lineage
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = env_for(ROOT, uri)
@@ -209,7 +233,7 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     client = MlflowClient(uri)
     (parent,) = client.search_runs(
-        [client.get_experiment_by_name(tracking.PIPELINE_EXPERIMENT).experiment_id],
+        [client.get_experiment_by_name(lineage.PIPELINE_EXPERIMENT).experiment_id],
         filter_string="tags.`bert.step` = 'pipeline'",
     )
     kfp_run_id = parent.data.tags["kfp.run_id"]
@@ -220,7 +244,7 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     assert parent.data.params["model.preset"] == P["model_preset"]
     assert parent.data.params["finetune.tasks"] == "['SST-2', 'STS-B']"
     assert parent.data.params["pretrain.learning_rate"] == str(P["pretrain_learning_rate"])
-    steps = {r.data.tags["bert.step"]: r for r in tracking.child_runs(parent.info.run_id)}
+    steps = {r.data.tags["bert.step"]: r for r in lineage.child_runs(parent.info.run_id)}
     assert set(steps) == {
         "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B", "evaluate",
     }  # fmt: skip
@@ -228,5 +252,8 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
         assert run.data.tags["kfp.run_id"] == kfp_run_id
         assert run.info.status == "FINISHED"
     assert steps["evaluate"].data.metrics["glue_score"] == pytest.approx(scores["glue_score"])
-    (version,) = client.search_model_versions(f"name='{tracking.REGISTERED_MODEL}'")
+    # the KFP UI's numbers are the evaluate step's MLflow metrics: same names, same scale
+    assert steps["evaluate"].data.metrics == pytest.approx(scores)
+    assert all(-1 <= v <= 1 for v in scores.values()), scores
+    (version,) = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
     assert version.run_id == steps["pretrain"].info.run_id

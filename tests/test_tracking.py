@@ -1,16 +1,19 @@
-"""MLflow lineage: pipeline parent runs, nested step runs (also from other processes, as DVC and
-Kubeflow start them), the KFP parent found by run id, model registration and `bert runs`."""
+"""MLflow tracking and lineage: pipeline parent runs, nested step runs (also from other
+processes, as DVC and Kubeflow start them), the KFP parent found by run id, model registration,
+`bert runs`, and the import structure (the library never imports the CLI)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from bert_core import tracking
+from bert_core import cli, lineage, tracking
 from bert_core.cli import main as bert
 
 CHILD = """
@@ -34,7 +37,7 @@ def uri(tmp_path, monkeypatch):
 
 def test_step_processes_nest_under_the_pipeline_run(uri):
     params = {"model": {"preset": "tiny"}, "pretrain": {"steps": 20}}
-    with tracking.start_pipeline_run(params=params, tags={"bert.runner": "test"}) as parent:
+    with lineage.start_pipeline_run(params=params, tags={"bert.runner": "test"}) as parent:
         assert os.environ["BERT_PARENT_RUN_ID"] == parent.info.run_id
         env = {**os.environ, "DVC_STAGE": "instances"}
         child_id = subprocess.run(
@@ -47,8 +50,8 @@ def test_step_processes_nest_under_the_pipeline_run(uri):
     assert parent.data.params == {"model.preset": "tiny", "pretrain.steps": "20"}
     assert parent.data.tags["bert.runner"] == "test"
     experiment = client.get_experiment(parent.info.experiment_id)
-    assert experiment.name == tracking.PIPELINE_EXPERIMENT
-    (child,) = tracking.child_runs(parent.info.run_id)
+    assert experiment.name == lineage.PIPELINE_EXPERIMENT
+    (child,) = lineage.child_runs(parent.info.run_id)
     assert child.info.run_id == child_id
     assert child.info.experiment_id == parent.info.experiment_id
     assert child.data.tags["dvc.stage"] == "instances"
@@ -59,18 +62,18 @@ def test_step_processes_nest_under_the_pipeline_run(uri):
 def test_kfp_steps_share_one_parent_per_kfp_run(uri, monkeypatch, capsys):
     monkeypatch.setenv("BERT_PARENT_RUN_ID", "")  # kfp_step sets these: restore after the test
     monkeypatch.setenv("KFP_RUN_ID", "")
-    first = tracking.kfp_parent_run("4f1c-run-a")
-    assert tracking.kfp_parent_run("4f1c-run-a") == first
-    assert tracking.kfp_parent_run("77aa-run-b") != first
+    first = lineage.kfp_parent_run("4f1c-run-a")
+    assert lineage.kfp_parent_run("4f1c-run-a") == first
+    assert lineage.kfp_parent_run("77aa-run-b") != first
 
     monkeypatch.setenv("KFP_RUN_ID", "4f1c-run-a")  # as the pod's `pipeline/runid` label sets it
-    tracking.kfp_step(["runs"])  # a real `bert` command, as a component runs it
+    cli.kfp_step(["runs"])  # a real `bert` command, as a component runs it
     assert os.environ["BERT_PARENT_RUN_ID"] == first
     assert "kfp" in capsys.readouterr().out  # `bert runs` lists the two KFP pipeline runs
     monkeypatch.setenv("BERT_PARENT_RUN_ID", "")
     monkeypatch.setenv("KFP_RUN_ID", "")  # a backend without the label: a standalone run
     with pytest.raises(RuntimeError, match="bert runs exited with code 2"):
-        tracking.kfp_step(["runs", "--limit", "x"])
+        cli.kfp_step(["runs", "--limit", "x"])
     assert os.environ["BERT_PARENT_RUN_ID"] == ""
 
 
@@ -78,7 +81,7 @@ def test_kfp_pipeline_run_opens_the_parent_with_the_settings(uri, monkeypatch):
     """The pipeline's first task: KFP hands it every parameter as a string ('5.0' for an int
     under kfp.local); the parent run gets them typed back, named as DVC's parent names them."""
     monkeypatch.setenv("KFP_RUN_ID", "")
-    assert tracking.kfp_pipeline_run({"model.preset": "tiny"}) is None  # no run id: no lineage
+    assert lineage.kfp_pipeline_run({"model.preset": "tiny"}) is None  # no run id: no lineage
     monkeypatch.setenv("KFP_RUN_ID", "5b2e-run-c")
     settings = {
         "model.preset": "mini",
@@ -87,8 +90,8 @@ def test_kfp_pipeline_run_opens_the_parent_with_the_settings(uri, monkeypatch):
         "finetune.tasks": '["SST-2", "MRPC"]',
         "finetune.token_tasks": "[]",
     }
-    parent = tracking.kfp_pipeline_run(settings)
-    assert tracking.kfp_parent_run("5b2e-run-c") == parent  # the steps find it
+    parent = lineage.kfp_pipeline_run(settings)
+    assert lineage.kfp_parent_run("5b2e-run-c") == parent  # the steps find it
     run = MlflowClient(uri).get_run(parent)
     assert run.data.params == {
         "model.preset": "mini",
@@ -100,11 +103,11 @@ def test_kfp_pipeline_run_opens_the_parent_with_the_settings(uri, monkeypatch):
     assert run.data.tags["kfp.run_id"] == "5b2e-run-c"
     assert run.data.tags["bert.step"] == "pipeline"
     assert run.info.status == "RUNNING"  # no process holds it open: the exit handler closes it
-    assert tracking.kfp_pipeline_end("SUCCEEDED") == "FINISHED"
+    assert lineage.kfp_pipeline_end("SUCCEEDED") == "FINISHED"
     assert MlflowClient(uri).get_run(parent).info.status == "FINISHED"
     monkeypatch.setenv("KFP_RUN_ID", "0c9a-run-d")
-    failed = tracking.kfp_pipeline_run({})
-    assert tracking.kfp_pipeline_end("FAILED") == "FAILED"
+    failed = lineage.kfp_pipeline_run({})
+    assert lineage.kfp_pipeline_end("FAILED") == "FAILED"
     assert MlflowClient(uri).get_run(failed).info.status == "FAILED"
 
 
@@ -117,18 +120,18 @@ def test_register_pretrained_logs_and_versions_the_model(uri, tmp_path):
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefgh"]))
     model = BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=13))
     model.save_pretrained(tmp_path / "model", vocab_file=vocab)
-    with tracking.start_pipeline_run() as parent:
+    with lineage.start_pipeline_run() as parent:
         with tracking.start_run("pretrain", {"steps": 1}):
             pass
-        first = tracking.register_pretrained(tmp_path / "model", parent.info.run_id)
-        second = tracking.register_pretrained(tmp_path / "model", parent.info.run_id)
-    (pretrain,) = tracking.child_runs(parent.info.run_id, "pretrain")
+        first = lineage.register_pretrained(tmp_path / "model", parent.info.run_id)
+        second = lineage.register_pretrained(tmp_path / "model", parent.info.run_id)
+    (pretrain,) = lineage.child_runs(parent.info.run_id, "pretrain")
     assert (int(first.version), int(second.version)) == (1, 2)
     assert first.run_id == pretrain.info.run_id
     assert first.tags == {"bert.hidden_size": "128", "bert.num_hidden_layers": "2"}
     import mlflow
 
-    local = mlflow.artifacts.download_artifacts(f"models:/{tracking.REGISTERED_MODEL}/1")
+    local = mlflow.artifacts.download_artifacts(f"models:/{lineage.REGISTERED_MODEL}/1")
     loaded = BertForPreTraining.from_pretrained(local)
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -137,16 +140,61 @@ def test_register_pretrained_logs_and_versions_the_model(uri, tmp_path):
 def test_bert_runs_compares_pipeline_runs(uri, capsys):
     assert bert(["runs"]) == 2  # no experiment yet: a clear error
     assert "no MLflow experiment 'bert-pipeline'" in capsys.readouterr().err
-    for preset, score in (("tiny", 41.5), ("mini", 63.25)):
-        with tracking.start_pipeline_run(params={"model": {"preset": preset}}):
+    for preset, score in (("tiny", 0.415), ("mini", 0.6325)):  # MLflow holds fractions
+        with lineage.start_pipeline_run(params={"model": {"preset": preset}}):
             with tracking.start_run("evaluate"):
                 import mlflow
 
-                mlflow.log_metrics({"glue_score": score, "SST-2.score": score + 1})
+                mlflow.log_metrics({"glue_score": score, "SST-2.score": score + 0.01})
     assert bert(["runs"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header, newest, oldest = lines
     assert header.split()[-2:] == ["glue_score", "SST-2.score"]
     assert "model.preset" in header
-    assert newest.split()[-3:] == ["mini", "63.25", "64.25"]
+    assert newest.split()[-3:] == ["mini", "63.25", "64.25"]  # shown in percent
     assert oldest.split()[-3:] == ["tiny", "41.50", "42.50"]
+
+
+BERT_CORE = Path(cli.__file__).parent
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules a file imports (`from bert_core import cli` counts as bert_core.cli), and any
+    string naming one in a call (`importlib.import_module("bert_core.cli")`)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call):
+            args = [*node.args, *(k.value for k in node.keywords)]
+            names.update(a.value for a in args if isinstance(a, ast.Constant) and a.value)
+    return {n for n in names if isinstance(n, str)}
+
+
+def test_the_library_never_imports_the_cli():
+    """The CLI is the top: it dispatches to the step modules and runs them as KFP steps. No
+    module below it imports it, statically or by name, so there is no import loop."""
+    below = [p for p in BERT_CORE.glob("*.py") if p.name not in ("cli.py", "__main__.py")]
+    assert {p.name for p in below} >= {"tracking.py", "lineage.py", "evaluate.py", "runs.py"}
+    for path in below:
+        assert "bert_core.cli" not in _imports(path), path.name
+    for module in ("tracking", "lineage"):  # the shared helpers: no step module either
+        steps = {m for m, _ in cli.COMMANDS.values()}
+        assert not steps & _imports(BERT_CORE / f"{module}.py"), module
+    # the Kubeflow components use the library through the CLI only
+    components = BERT_CORE.parent / "components" / "steps.py"
+    library = {n for n in _imports(components) if n.startswith("bert_core")}
+    assert "bert_core.cli.kfp_step" in library
+    assert all(n == "bert_core.cli" or n.startswith("bert_core.cli.") for n in library), library
+
+
+def test_step_tracking_imports_no_lineage_and_no_cli():
+    code = (
+        "import sys, bert_core.tracking; "
+        "print(sorted(m for m in sys.modules if m.startswith('bert_core')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["['bert_core',", "'bert_core.tracking']"]

@@ -29,17 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_core import ner, squad
-from bert_core.finetune import (
-    FinetuneConfig,
-    _autocast,
-    build_optimizer,
-    fit,
-    load_tokenizer,
-    resolve_device,
-    sample,
-    train_batches,
-)
+from bert_core import ner, optim, squad
+from bert_core.finetune import FinetuneConfig, fit, load_tokenizer, sample, train_batches
+from bert_core.optim import autocast, resolve_device
 
 
 def default_model() -> Path:
@@ -57,14 +49,15 @@ def sync(device: torch.device) -> None:
 def train_reference(model, batches, num_train: int, cfg, device) -> float:
     """The plain transformers loop: same optimizer/schedule/clipping/batch order as ours."""
     total = math.ceil(num_train / cfg.batch_size) * cfg.epochs
-    optimizer, scheduler = build_optimizer(model, cfg, total)
+    optimizer = optim.adamw(model, cfg.learning_rate, cfg.weight_decay, cfg.adam_epsilon)
+    scheduler = optim.linear_schedule(optimizer, int(cfg.warmup_proportion * total), total)
     sync(device)
     start = time.perf_counter()
     for epoch in range(1, cfg.epochs + 1):
         model.train()
         for index in train_batches(num_train, cfg.batch_size, epoch, cfg.seed):
             batch = {k: v.to(device) for k, v in batches(index).items()}
-            with _autocast(device):
+            with autocast(device):
                 loss = model(**batch).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -173,7 +166,7 @@ def bench_ner(args, cfg: FinetuneConfig, device) -> dict:
             rows = hf_dev[b : b + cfg.eval_batch_size]
             batch = pad(rows, hf_tok)
             batch.pop("labels")
-            with _autocast(device):
+            with autocast(device):
                 logits = ref(**{k: v.to(device) for k, v in batch.items()}).logits
             best_ids = logits.argmax(-1).cpu().numpy()
             for r, row in enumerate(rows):
@@ -284,7 +277,7 @@ def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
     with torch.inference_mode():
         for b in range(0, len(hf_dev), cfg.eval_batch_size):
             rows = [{k: r[k] for k in keys[:3]} for r in hf_dev[b : b + cfg.eval_batch_size]]
-            with _autocast(device):
+            with autocast(device):
                 out = ref(**{k: v.to(device) for k, v in pad(rows, hf_tok).items()})
             s, e = out.start_logits.float().cpu().numpy(), out.end_logits.float().cpu().numpy()
             logits += [(s[r, : len(x["input_ids"])], e[r, : len(x["input_ids"])])

@@ -1,64 +1,165 @@
-"""`bert finetune`: fine-tune a BERT on one GLUE task, as in section 4.1 of the paper.
+"""`bert finetune`: fine-tune a BERT on one task (GLUE, CoNLL-2003 NER, SQuAD), one engine.
 
-The recipe is the paper's (and `run_classifier.py`'s): a linear classifier on the pooled [CLS]
-vector, inputs packed `[CLS] A [SEP] B [SEP]` with the longer sentence truncated first, AdamW
-(no weight decay on biases and LayerNorm), linear warm-up over the first 10 % of steps then
-linear decay to zero, gradient clipping at 1.0; lr 2e-5, batch 32, 3 epochs, max length 128.
-Batches are padded only to their longest sequence (dynamic padding): GLUE sentences are short,
-so this is most of the speed on a CPU. The dev set is scored after every epoch and the best
-epoch (by the task's GLUE score) is the one kept, written and reported.
+The recipe is the paper's (section 4, appendix A.3) and the same for every task: a task head on
+the pre-trained encoder, AdamW (no weight decay on biases and LayerNorm, `bert_core.optim`),
+linear warm-up over the first 10 % of steps then linear decay to zero, gradient clipping at 1.0,
+dynamic padding (a batch is padded only to its longest sequence: most of the speed on a CPU),
+bf16 autocast on GPUs. The dev set is scored after every epoch and the best epoch (by the task's
+score) is the one kept, written and reported.
 
-Output (atomic: all or nothing): `model/` (HF layout, with the vocab), `metrics.json` (task name
-and best-epoch dev metrics: all `bert evaluate` needs), `dev_predictions.tsv`, and when the task
-folder has GLUE test files, `submission/<Task>.tsv` in the GLUE server's `index<TAB>prediction`
-format.
+This module is the engine: the configuration and the parser generated from it, the tokenizer
+(`bert_core.tokenizer`'s), the training loop (`fit`), the length-sorted prediction loop
+(`predict_batches`), the model loader (label names into config.json) and the run itself, from
+reading the input to metrics.json and MLflow (`finetune`). A task holds only what is its own:
+reading its data, featurisation, collate, decoding, metrics and output files: a `FinetuneTask`
+subclass in `bert_core.finetune_glue`, `bert_core.ner` or `bert_core.squad`, found by name in
+`TASKS` and imported only when run.
+
+Output (atomic: all or nothing): `model/` (HF layout, label names in config.json, the vocab),
+`metrics.json` (`task, metrics, score, best_epoch, epochs, config` and the task's counts: all
+`bert evaluate` needs) and the task's prediction files.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
 import time
+import types
+import typing
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from bert_core import glue, optim
 from bert_core.errors import InputError, atomic_dir
-from bert_core.glue import (
-    Example,
-    GlueTask,
-    compute_metrics,
-    get_task,
-    label_ids,
-    prediction_names,
-    read_task,
-    task_metrics,
-    task_score,
-)
+
+# Every task `bert finetune` runs: exact name -> "module:class" of its `FinetuneTask`, imported
+# only when that task runs (the task modules import this one, never the other way round).
+# GLUE names are also found forgiving case and dashes (`sst2`, `mnli`), as `glue.get_task`.
+TASKS: dict[str, str] = {
+    **dict.fromkeys(glue.TASKS, "bert_core.finetune_glue:GlueFinetune"),
+    "conll2003": "bert_core.ner:NerFinetune",
+    "squad": "bert_core.squad:SquadFinetune",
+    "squad_v2": "bert_core.squad:SquadFinetune",
+}
+MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")  # a batch's non-target keys
+
+
+def option(default, help: str, *aliases: str):
+    """A config field that is also a command-line option (`--field-name`, plus `aliases`)."""
+    return field(default=default, metadata={"help": help, "aliases": aliases})
 
 
 @dataclass
 class FinetuneConfig:
-    """Fine-tuning hyper-parameters; the defaults are the paper's (section 4.1, appendix A.3)."""
+    """Fine-tuning hyper-parameters; the defaults are the paper's (section 4.1, appendix A.3).
 
-    learning_rate: float = 2e-5
-    batch_size: int = 32
-    epochs: int = 3
-    warmup_proportion: float = 0.1
-    max_seq_length: int = 128
-    weight_decay: float = 0.01
-    adam_epsilon: float = 1e-6  # BERT's optimizer; transformers' default is 1e-8
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    max_train_examples: int | None = None  # a seeded random sample (CI, quick runs)
-    max_eval_examples: int | None = None
-    eval_batch_size: int = 128
-    device: str = "auto"
+    Every field is a `bert finetune` option (`--max-seq-length` for `max_seq_length`): a task's
+    subclass adds its own fields and may change defaults (SQuAD: lr 5e-5, length 384)."""
+
+    learning_rate: float = option(2e-5, "peak learning rate", "--lr")
+    batch_size: int = option(32, "training batch size")
+    epochs: int = option(3, "training epochs; the best one (dev score) is kept")
+    warmup_proportion: float = option(0.1, "share of the steps spent warming up")
+    max_seq_length: int = option(128, "tokens per input, [CLS] and [SEP] included")
+    weight_decay: float = option(0.01, "AdamW weight decay (not on biases and LayerNorm)")
+    adam_epsilon: float = option(1e-6, "AdamW epsilon (BERT's; transformers' default is 1e-8)")
+    max_grad_norm: float = option(1.0, "gradient clipping norm")
+    seed: int = option(42, "seed of the sample, the batch order, the head and dropout")
+    max_train_examples: int | None = option(None, "a seeded random sample (CI, quick runs)")
+    max_eval_examples: int | None = option(None, "a seeded random sample of the dev set")
+    eval_batch_size: int = option(128, "prediction batch size")
+    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, ...")
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.max_seq_length < 8:
+            raise ValueError("--epochs and --batch-size must be >= 1, --max-seq-length >= 8")
+
+
+def config_options(parser: argparse.ArgumentParser, config_class: type[FinetuneConfig]) -> None:
+    """One option per field of `config_class`: type from the annotation, the default and help
+    from the field (a subclass that only changes a default keeps its parent's help)."""
+    hints, defaults = typing.get_type_hints(config_class), config_class()
+    for f in fields(config_class):
+        kind = hints[f.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None`: an int
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        meta = next(
+            k.__dataclass_fields__[f.name].metadata
+            for k in config_class.__mro__
+            if f.name in getattr(k, "__dataclass_fields__", {})
+            and k.__dataclass_fields__[f.name].metadata
+        )
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}", *meta["aliases"], dest=f.name, type=kind,
+            default=getattr(defaults, f.name), help=f"{meta['help']} (default: %(default)s)",
+        )  # fmt: skip
+
+
+def config_from_args(args: argparse.Namespace, config_class: type[FinetuneConfig]):
+    return config_class(**{f.name: getattr(args, f.name) for f in fields(config_class)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks
+
+
+class FinetuneTask:
+    """One task as the engine sees it; a subclass holds only what is the task's own.
+
+    The engine calls, in order: `prepare` (read, sample and featurise train and dev: every input
+    error surfaces here, before any training), `train_batch` per step, `evaluate` per epoch,
+    then `write_outputs` and `summary` for the best epoch.
+    """
+
+    config_class: type[FinetuneConfig] = FinetuneConfig
+    model_class = "BertForSequenceClassification"  # a head class of `bert_core.model`
+    replace_mismatched_head = False  # a checkpoint head of another shape: replaced, not an error
+    download_help: str | None = None  # set: `--download` fetches the data when missing
+
+    def __init__(self, name: str):
+        self.name = name  # as in metrics.json, MLflow and `bert evaluate`
+        self.labels: Sequence[str] | None = None  # label names (config.json); None: no names
+        self.num_labels = 2
+        self.num_train = 0  # training rows (windows) the batches are drawn from
+        self.num_train_examples = 0  # examples (sentences, questions) they come from
+
+    def download(self, data_dir: Path) -> None:
+        """Fetch the task's data into `data_dir` when it is not there (`--download`)."""
+        raise NotImplementedError
+
+    def prepare(self, data_dir: Path, tokenizer, cfg) -> dict:
+        """Read, sample and featurise; returns the counts logged as run parameters."""
+        raise NotImplementedError
+
+    def train_batch(self, index: np.ndarray) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def evaluate(self, model, device: torch.device, cfg) -> tuple[dict, float, object]:
+        """(dev metrics, score the best epoch is chosen by, predictions)."""
+        raise NotImplementedError
+
+    def write_outputs(self, out: Path, model, predictions, device: torch.device, cfg) -> None:
+        """The task's prediction files for the best epoch (the model is saved by the engine)."""
+
+    def summary(self, best: dict) -> dict:
+        """The task's own metrics.json fields (counts, files, detailed metrics)."""
+        return {}
+
+
+def load_task(name: str) -> FinetuneTask:
+    """The task object for `--task`: exact names first, then GLUE's forgiving lookup."""
+    if name not in TASKS:
+        name = glue.get_task(name).name  # unknown: "unknown GLUE task ..." with the known ones
+    module, cls = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,99 +167,26 @@ class FinetuneConfig:
 
 
 def load_tokenizer(model_dir: str | Path):
-    """BERT's WordPiece tokenizer from the model folder's vocab.txt (casing from its config)."""
-    from tokenizers import BertWordPieceTokenizer
+    """The model folder's tokenizer: `bert_core.tokenizer`'s, on its vocab.txt (casing from
+    tokenizer_config.json's `do_lower_case`; lowercase when absent, as uncased BERT)."""
+    from bert_core.tokenizer import load_tokenizer as wordpiece
 
     model_dir = Path(model_dir)
     vocab = model_dir / "vocab.txt"
     if not vocab.is_file():
         raise InputError(model_dir, "no vocab.txt: the model folder must carry its vocabulary")
-    lowercase = True  # uncased BERT, unless the folder says otherwise
+    lowercase = True
     config = model_dir / "tokenizer_config.json"
     if config.is_file():
         lowercase = bool(json.loads(config.read_text()).get("do_lower_case", True))
-    tokens = set(vocab.read_text(encoding="utf-8").splitlines())
-    missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[UNK]") if t not in tokens]
+    tokenizer = wordpiece(vocab, lowercase)
+    missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[UNK]") if tokenizer.token_to_id(t) is None]
     if missing:
         raise InputError(vocab, f"special tokens {missing} not in the vocabulary")
-    return BertWordPieceTokenizer(str(vocab), lowercase=lowercase)
+    return tokenizer
 
 
-def truncate_seq_pair(tokens_a: list, tokens_b: list, max_length: int) -> None:
-    """Drop tokens from the end of the longer sequence, one at a time (`run_classifier.py`).
-
-    Why not keep a fixed share of each: a short sentence keeps all of its tokens, which carry
-    more information each than the tail of a long one.
-    """
-    while len(tokens_a) + len(tokens_b) > max_length:
-        (tokens_a if len(tokens_a) > len(tokens_b) else tokens_b).pop()
-
-
-@dataclass
-class Features:
-    """Tokenised examples (unpadded) and their targets."""
-
-    input_ids: list[np.ndarray]
-    token_type_ids: list[np.ndarray]
-    labels: np.ndarray | None
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
-def featurize(
-    task: GlueTask, examples: Sequence[Example], tokenizer, max_seq_length: int
-) -> Features:
-    """`[CLS] A [SEP]` or `[CLS] A [SEP] B [SEP]` ids (segment 0 up to the first [SEP], then 1),
-    at most `max_seq_length` long, the longer sentence truncated first."""
-    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-    a_enc = tokenizer.encode_batch([e.text_a for e in examples], add_special_tokens=False)
-    pairs = [e.text_b for e in examples if e.text_b is not None]
-    b_enc = iter(tokenizer.encode_batch(pairs, add_special_tokens=False))
-    input_ids, token_type_ids = [], []
-    for ex, a in zip(examples, a_enc, strict=True):
-        a_ids = list(a.ids)
-        if ex.text_b is None:
-            del a_ids[max_seq_length - 2 :]
-            ids, types = [cls, *a_ids, sep], [0] * (len(a_ids) + 2)
-        else:
-            b_ids = list(next(b_enc).ids)
-            truncate_seq_pair(a_ids, b_ids, max_seq_length - 3)
-            ids = [cls, *a_ids, sep, *b_ids, sep]
-            types = [0] * (len(a_ids) + 2) + [1] * (len(b_ids) + 1)
-        input_ids.append(np.asarray(ids, dtype=np.int64))
-        token_type_ids.append(np.asarray(types, dtype=np.int64))
-    labelled = bool(examples) and examples[0].label is not None
-    return Features(input_ids, token_type_ids, label_ids(task, examples) if labelled else None)
-
-
-def pad(rows: Sequence[np.ndarray], index: Sequence[int], fill: int = 0) -> torch.Tensor:
-    """rows[i] for i in index as one int64 batch, right-padded with `fill` to the longest."""
-    out = np.full((len(index), max(len(rows[i]) for i in index)), fill, dtype=np.int64)
-    for row, i in enumerate(index):
-        out[row, : len(rows[i])] = rows[i]
-    return torch.from_numpy(out)
-
-
-def padding_mask(rows: Sequence[np.ndarray], index: Sequence[int]) -> torch.Tensor:
-    """The attention_mask of `pad(rows, index)`: 1 = token, 0 = padding."""
-    lengths = torch.tensor([len(rows[i]) for i in index])
-    return (torch.arange(int(lengths.max()))[None] < lengths[:, None]).long()
-
-
-def collate(features: Features, index: Sequence[int], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """One batch padded to its longest sequence; attention_mask 1 = token, 0 = padding."""
-    batch = {
-        "input_ids": pad(features.input_ids, index, pad_id),
-        "token_type_ids": pad(features.token_type_ids, index),
-        "attention_mask": padding_mask(features.input_ids, index),
-    }
-    if features.labels is not None:
-        batch["labels"] = torch.from_numpy(features.labels[list(index)])
-    return batch
-
-
-def sample(examples: list[Example], n: int | None, seed: int) -> list[Example]:
+def sample(examples: list, n: int | None, seed: int) -> list:
     """A seeded random subset of `n` examples in file order (all of them when n is None)."""
     if n is None or n >= len(examples):
         return examples
@@ -175,105 +203,78 @@ def train_batches(n: int, batch_size: int, epoch: int, seed: int) -> Iterator[np
         yield order[start : start + batch_size]
 
 
+def pad(rows: Sequence[np.ndarray], index: Sequence[int], fill: int = 0) -> torch.Tensor:
+    """rows[i] for i in index as one int64 batch, right-padded with `fill` to the longest."""
+    out = np.full((len(index), max(len(rows[i]) for i in index)), fill, dtype=np.int64)
+    for row, i in enumerate(index):
+        out[row, : len(rows[i])] = rows[i]
+    return torch.from_numpy(out)
+
+
+def padding_mask(rows: Sequence[np.ndarray], index: Sequence[int]) -> torch.Tensor:
+    """The attention_mask of `pad(rows, index)`: 1 = token, 0 = padding."""
+    lengths = torch.tensor([len(rows[i]) for i in index])
+    return (torch.arange(int(lengths.max()))[None] < lengths[:, None]).long()
+
+
 # ---------------------------------------------------------------------------------------------
-# Optimisation
+# Model, optimisation, the loops
 
 
-def build_optimizer(model: torch.nn.Module, cfg: FinetuneConfig, total_steps: int):
-    """AdamW with no decay on biases and LayerNorm weights (the 1-D parameters), linear warm-up
-    then linear decay to zero (transformers' `get_linear_schedule_with_warmup`)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    # The fused kernel updates all parameters in one pass: ~8x faster than the default on a
-    # CPU, where a 30k-token embedding makes the optimizer step a large part of a small model's.
-    fused = params[0].device.type in {"cpu", "cuda", "mps"}
-    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, eps=cfg.adam_epsilon, fused=fused)
-    warmup = int(cfg.warmup_proportion * total_steps)
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return step / max(1, warmup)
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-def load_model(model_dir: str | Path, num_labels: int):
-    """The encoder of any HF-layout BERT folder under a classifier of `num_labels` outputs.
-
-    A classifier already in the checkpoint is kept when its shape fits (continuing a run) and
-    replaced by a fresh one when it does not (e.g. an MNLI model fine-tuned on STS-B), as
-    transformers' `ignore_mismatched_sizes` does for the head only.
-    """
-    from bert_core.model import (
-        CONFIG_NAME,
-        BertConfig,
-        BertForSequenceClassification,
-        load_state_dict,
-    )
+def load_model(task: FinetuneTask, model_dir: str | Path):
+    """The encoder of any HF-layout BERT folder under the task's head, with the task's label
+    names in its config. A head already in the checkpoint is kept when it fits (continuing a
+    run); with `task.replace_mismatched_head` one of another shape is replaced by a fresh one
+    (e.g. an MNLI model fine-tuned on STS-B), as transformers' `ignore_mismatched_sizes`."""
+    from bert_core import model as bert
 
     model_dir = Path(model_dir)
-    if not (model_dir / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{model_dir}: no {CONFIG_NAME} (not a BERT model folder)")
-    config = BertConfig.from_json_file(model_dir / CONFIG_NAME, num_labels=num_labels)
-    model = BertForSequenceClassification(config)
-    own = model.state_dict()
-    state = {
-        k: v
-        for k, v in load_state_dict(model_dir).items()
-        if not k.startswith("classifier.") or (k in own and own[k].shape == v.shape)
-    }
+    if not (model_dir / bert.CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{model_dir}: no {bert.CONFIG_NAME} (not a BERT model folder)")
+    config = bert.BertConfig.from_json_file(
+        model_dir / bert.CONFIG_NAME, num_labels=task.num_labels, finetuning_task=task.name,
+        id2label=dict(enumerate(task.labels)) if task.labels else None,
+    )  # fmt: skip
+    model = getattr(bert, task.model_class)(config)
+    state = bert.load_state_dict(model_dir)
+    if task.replace_mismatched_head:
+        own = model.state_dict()
+        state = {
+            k: v
+            for k, v in state.items()
+            if not (k.startswith(bert.HEAD_PREFIXES) and k in own and own[k].shape != v.shape)
+        }
     model.load_checkpoint_state(state, source=str(model_dir))
     model.vocab_file = model_dir / "vocab.txt"
     return model
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _autocast(device: torch.device):
-    """bf16 on GPUs that have it (no loss scaling needed), full precision elsewhere."""
-    enabled = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+def build_optimizer(model: torch.nn.Module, cfg: FinetuneConfig, total_steps: int):
+    """(AdamW, linear warm-up/decay schedule) over `total_steps`, as `bert_core.optim` builds
+    them for pre-training too."""
+    optimizer = optim.adamw(model, cfg.learning_rate, cfg.weight_decay, cfg.adam_epsilon)
+    warmup = int(cfg.warmup_proportion * total_steps)
+    return optimizer, optim.linear_schedule(optimizer, warmup, total_steps)
 
 
 @torch.inference_mode()
-def predict(model, features: Features, device: torch.device, batch_size: int) -> np.ndarray:
-    """Logits for every example, computed in length-sorted batches (less padding)."""
+def predict_batches(
+    model, lengths: Sequence[int], make_batch: Callable[[np.ndarray], dict],
+    device: torch.device, batch_size: int,
+) -> Iterator[tuple[np.ndarray, typing.Any]]:  # fmt: skip
+    """The prediction loop of every task: examples in length-sorted batches (least padding),
+    yielding (index, model outputs) where `index` holds the batch rows' positions in the input.
+
+    `make_batch(index)` may include targets; only `MODEL_INPUTS` reach the model.
+    """
     model.eval()
-    order = np.argsort([len(x) for x in features.input_ids], kind="stable")
-    out = np.zeros((len(features), model.config.num_labels), dtype=np.float32)
+    order = np.argsort(lengths, kind="stable")
     for start in range(0, len(order), batch_size):
         index = order[start : start + batch_size]
-        batch = collate(features, index)
-        batch.pop("labels", None)
-        with _autocast(device):
-            logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
-        out[index] = logits.float().cpu().numpy()
-    return out
-
-
-def to_predictions(task: GlueTask, logits: np.ndarray) -> np.ndarray:
-    return logits[:, 0] if task.is_regression else logits.argmax(-1)
-
-
-def evaluate_dev(task, model, dev: dict[str, Features], device, batch_size):
-    """(task metrics, per-split predictions) on every dev split."""
-    preds = {s: to_predictions(task, predict(model, f, device, batch_size)) for s, f in dev.items()}
-    per_split = {s: compute_metrics(task, preds[s], dev[s].labels) for s in dev}
-    return task_metrics(task, per_split), preds
-
-
-# ---------------------------------------------------------------------------------------------
-# The step
+        batch = {k: v.to(device) for k, v in make_batch(index).items() if k in MODEL_INPUTS}
+        with optim.autocast(device):
+            outputs = model(**batch)
+        yield index, outputs
 
 
 def fit(
@@ -286,14 +287,15 @@ def fit(
     desc: str,
     log_metrics: Callable[..., None] | None = None,
 ) -> tuple[dict, list[dict], float]:
-    """The fine-tuning loop of every task (GLUE, NER, SQuAD): `cfg.epochs` epochs with the
-    paper's optimizer, schedule and clipping, dev scored after each epoch, and the best epoch's
-    weights loaded back into `model`.
+    """The fine-tuning loop of every task: `cfg.epochs` epochs with the paper's optimizer,
+    schedule and clipping, dev scored after each epoch, and the best epoch's weights loaded
+    back into `model`.
 
     `evaluate(model) -> (metrics, score, predictions)`. Returns (best epoch's record with its
-    predictions, all epochs' records, training seconds). Per-epoch metrics go to `log_metrics`
-    (`mlflow.log_metrics` in the CLI; None in the benchmarks, which run without MLflow). Works
-    for any model whose forward takes the batch and returns `.loss` (transformers' too).
+    predictions under "preds", all epochs' records, training seconds). Per-epoch metrics go to
+    `log_metrics` (`mlflow.log_metrics` in the CLI; None in the benchmarks, which run without
+    MLflow). Works for any model whose forward takes the batch and returns `.loss`.
+    (Over 60 lines: one loop, read top to bottom, is clearer than pieces.)
     """
     from tqdm import tqdm
 
@@ -301,7 +303,7 @@ def fit(
     optimizer, scheduler = build_optimizer(model, cfg, total_steps)
     history: list[dict] = []
     best: dict | None = None
-    interactive = sys.stderr.isatty()  # in a log: a line every 30 s, as finetune's bar
+    interactive = sys.stderr.isatty()  # in a log: a line every 30 s
     bar = tqdm(total=total_steps, desc=desc, unit="step", ascii=not interactive,
                mininterval=0.1 if interactive else 30.0)  # fmt: skip
     train_seconds = 0.0  # evaluation is not training time
@@ -311,7 +313,7 @@ def fit(
         losses = []
         for index in train_batches(num_train, cfg.batch_size, epoch, cfg.seed):
             batch = {k: v.to(device) for k, v in make_batch(index).items()}
-            with _autocast(device):
+            with optim.autocast(device):
                 loss = model(**batch).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -331,7 +333,7 @@ def fit(
             "train_seconds": train_seconds,
         }
         history.append(record)
-        flat = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        flat = numeric(metrics)
         if log_metrics is not None:
             log_metrics(
                 {"train_loss": record["train_loss"], "dev_score": score}
@@ -347,49 +349,27 @@ def fit(
     return best, history, train_seconds
 
 
-def train(
-    task: GlueTask,
-    model: torch.nn.Module,
-    train_set: Features,
-    dev: dict[str, Features],
-    cfg: FinetuneConfig,
-    device: torch.device,
-    log_metrics: Callable[..., None] | None = None,
-) -> tuple[dict, list[dict], float]:
-    """`fit` on a GLUE task: (best epoch with its dev predictions, history, training seconds)."""
+def numeric(metrics: dict) -> dict:
+    """The plain numbers of a metrics dict (NER's nested per-type table left out)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, int | float)}
 
-    def evaluate(m: torch.nn.Module) -> tuple[dict, float, dict[str, np.ndarray]]:
-        metrics, preds = evaluate_dev(task, m, dev, device, cfg.eval_batch_size)
-        return metrics, task_score(task, metrics), preds
 
-    return fit(
-        model, len(train_set), lambda index: collate(train_set, index), evaluate, cfg, device,
-        f"finetune {task.name}", log_metrics,
-    )  # fmt: skip
+# ---------------------------------------------------------------------------------------------
+# The run
 
 
 def finetune(
-    task_name: str, data_dir: str | Path, model_dir: str | Path, output: str | Path,
-    cfg: FinetuneConfig,
+    task: FinetuneTask, data_dir: str | Path, model_dir: str | Path, output: str | Path, cfg,
 ) -> dict:  # fmt: skip
     """Fine-tune, keep the best epoch, write the output folder; returns metrics.json's content."""
     from bert_core.tracking import start_run
 
-    task = get_task(task_name)
     # Everything that can be wrong with the input fails here, before any training.
     tokenizer = load_tokenizer(model_dir)
-    train_ex = sample(read_task(task, data_dir, "train")["train"], cfg.max_train_examples, cfg.seed)
-    dev_ex = {
-        s: sample(ex, cfg.max_eval_examples, cfg.seed)
-        for s, ex in read_task(task, data_dir, "dev").items()
-    }
-    test_ex = read_task(task, data_dir, "test")
-    train_set = featurize(task, train_ex, tokenizer, cfg.max_seq_length)
-    dev = {s: featurize(task, ex, tokenizer, cfg.max_seq_length) for s, ex in dev_ex.items()}
-
-    device = resolve_device(cfg.device)
+    counts = task.prepare(Path(data_dir), tokenizer, cfg)
+    device = optim.resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    model = load_model(model_dir, task.num_labels)
+    model = load_model(task, model_dir)
     if cfg.max_seq_length > model.config.max_position_embeddings:
         raise ValueError(
             f"max_seq_length {cfg.max_seq_length} exceeds the model's max_position_embeddings "
@@ -398,127 +378,72 @@ def finetune(
     model.to(device)
 
     params = {"task": task.name, "data": str(data_dir), "model": str(model_dir), **asdict(cfg)}
-    params |= {"num_train_examples": len(train_set), "device": str(device)}
+    params |= counts | {"device": str(device)}
     with start_run(f"finetune-{task.name}", params), atomic_dir(output) as tmp:
         import mlflow
 
-        best, history, train_seconds = train(
-            task, model, train_set, dev, cfg, device, mlflow.log_metrics
-        )
+        best, history, train_seconds = fit(
+            model, task.num_train, task.train_batch, lambda m: task.evaluate(m, device, cfg),
+            cfg, device, f"finetune {task.name}", mlflow.log_metrics,
+        )  # fmt: skip
         result = {
             "task": task.name,
-            "metrics": best["metrics"],
+            "metrics": numeric(best["metrics"]),
             "score": best["score"],
             "best_epoch": best["epoch"],
             "epochs": history,
-            "num_train_examples": len(train_set),
-            "num_dev_examples": {s: len(f) for s, f in dev.items()},
-            "train_seconds": train_seconds,
-            "train_examples_per_second": len(train_set) * cfg.epochs / train_seconds,
             "config": asdict(cfg),
+            **task.summary(best),
+            "train_seconds": train_seconds,
+            "train_examples_per_second": task.num_train_examples * cfg.epochs / train_seconds,
             "model": str(model_dir),
             "data": str(data_dir),
             "device": str(device),
         }
-        _write_outputs(tmp, task, model, dev_ex, best["preds"], test_ex, tokenizer, cfg, device)
-        (tmp / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-        mlflow.log_metrics({"best_epoch": best["epoch"], "best_dev_score": best["score"]})
-        mlflow.log_metrics({f"best_dev_{k}": v for k, v in best["metrics"].items()})
-        mlflow.log_artifact(str(tmp / "metrics.json"))
+        model.save_pretrained(tmp / "model")  # label names and task in config.json
+        task.write_outputs(tmp, model, best["preds"], device, cfg)
+        finish(tmp, result)
     return result
 
 
-def _write_outputs(tmp: Path, task, model, dev_ex, dev_preds, test_ex, tokenizer, cfg, device):
-    """model/, dev_predictions.tsv and, with test files, the GLUE submission files."""
-    model.save_pretrained(tmp / "model")
-    config_path = tmp / "model" / "config.json"
-    config = json.loads(config_path.read_text())
-    if not task.is_regression:  # label names, so the saved classifier reads on its own
-        config["id2label"] = dict(enumerate(task.labels))
-        config["label2id"] = {name: i for i, name in enumerate(task.labels)}
-    config["finetuning_task"] = task.name
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+def finish(out: Path, result: dict) -> None:
+    """The end of every run: metrics.json, and the best epoch's metrics and that file in the
+    open MLflow run."""
+    import mlflow
 
-    with open(tmp / "dev_predictions.tsv", "w", encoding="utf-8") as f:
-        f.write("split\tguid\tlabel\tprediction\n")
-        for split, examples in dev_ex.items():
-            names = prediction_names(task, dev_preds[split])
-            for ex, pred in zip(examples, names, strict=True):
-                f.write(f"{split}\t{ex.guid}\t{ex.label}\t{pred}\n")
-
-    for split in task.test:
-        if split.name not in test_ex:
-            continue
-        examples = test_ex[split.name]
-        feats = featurize(task, examples, tokenizer, cfg.max_seq_length)
-        logits = predict(model, feats, device, cfg.eval_batch_size)
-        names = prediction_names(task, to_predictions(task, logits))
-        (tmp / "submission").mkdir(exist_ok=True)
-        with open(tmp / "submission" / split.submission, "w", encoding="utf-8") as f:
-            f.write("index\tprediction\n")
-            f.writelines(f"{ex.index}\t{p}\n" for ex, p in zip(examples, names, strict=True))
+    (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+    mlflow.log_metrics({"best_epoch": result["best_epoch"], "best_dev_score": result["score"]})
+    mlflow.log_metrics({f"best_dev_{k}": v for k, v in result["metrics"].items()})
+    mlflow.log_artifact(str(out / "metrics.json"))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:
+    """`bert finetune`'s options: the run's, the task's config fields, `--download` when the
+    task can fetch its data. Without a task: the GLUE (base) options."""
     p = argparse.ArgumentParser(prog="bert finetune", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--task", required=True,
-        help="GLUE task (CoLA, SST-2, MRPC, STS-B, QQP, ...), or conll2003, squad, squad_v2",
-    )  # fmt: skip
+    tasks = ", ".join(TASKS)
+    p.add_argument("--task", required=True, help=f"one of {tasks} (GLUE: any case)")
     p.add_argument("--data", required=True, type=Path, help="the task's data folder")
     p.add_argument("--model", required=True, type=Path, help="HF-layout BERT folder with vocab")
     p.add_argument("--output", required=True, type=Path)
-    d = FinetuneConfig()
-    p.add_argument("--learning-rate", "--lr", type=float, default=d.learning_rate)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--warmup-proportion", type=float, default=d.warmup_proportion)
-    p.add_argument("--max-seq-length", type=int, default=d.max_seq_length)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--max-train-examples", type=int, default=None)
-    p.add_argument("--max-eval-examples", type=int, default=None)
-    p.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
-    p.add_argument("--device", default=d.device, help="auto (cuda > mps > cpu), cpu, cuda, ...")
+    config_options(p, task.config_class if task is not None else FinetuneConfig)
+    if task is not None and task.download_help:
+        where = f"first fetch the data into --data when missing ({task.download_help})"
+        p.add_argument("--download", action="store_true", help=where)
     return p
 
 
-# Token-level tasks: one `bert finetune` for all fine-tuning (same options, outputs, MLflow
-# runs), their data, model head and metrics in their own modules.
-TOKEN_TASKS = {
-    "conll2003": "bert_core.ner",
-    "squad": "bert_core.squad",
-    "squad_v2": "bert_core.squad",
-}
-
-
 def main(argv: list[str] | None = None) -> int:
-    import importlib
-
+    argv = sys.argv[1:] if argv is None else argv
     peek = argparse.ArgumentParser(add_help=False)
     peek.add_argument("--task")
-    known, _ = peek.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if known.task in TOKEN_TASKS:  # exact names, as in metrics.json and `bert evaluate`
-        return importlib.import_module(TOKEN_TASKS[known.task]).main(argv)
-    args = build_parser().parse_args(argv)
-    cfg = FinetuneConfig(
-        learning_rate=args.learning_rate,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        warmup_proportion=args.warmup_proportion,
-        max_seq_length=args.max_seq_length,
-        weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm,
-        seed=args.seed,
-        max_train_examples=args.max_train_examples,
-        max_eval_examples=args.max_eval_examples,
-        eval_batch_size=args.eval_batch_size,
-        device=args.device,
-    )
-    if cfg.epochs < 1 or cfg.batch_size < 1 or cfg.max_seq_length < 8:
-        raise ValueError("--epochs and --batch-size must be >= 1, --max-seq-length >= 8")
-    result = finetune(args.task, args.data, args.model, args.output, cfg)
+    name = peek.parse_known_args(argv)[0].task
+    task = load_task(name) if name is not None else None
+    args = build_parser(task).parse_args(argv)
+    cfg = config_from_args(args, task.config_class)
+    if getattr(args, "download", False):
+        task.download(args.data)
+    result = finetune(task, args.data, args.model, args.output, cfg)
     print(json.dumps({"task": result["task"], "metrics": result["metrics"],
                       "best_epoch": result["best_epoch"], "output": str(args.output)}))  # fmt: skip
     return 0

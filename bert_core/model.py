@@ -65,6 +65,12 @@ class BertConfig:
     pad_token_id: int = 0
     num_labels: int = 2
     classifier_dropout: float | None = None
+    # A fine-tuned head's label names, as transformers keeps them: id -> name (int keys in
+    # memory, string keys in config.json) and name -> id. None: no names (a regression head, a
+    # span head, a pre-trained model); config.json then says LABEL_0, LABEL_1, ...
+    id2label: dict[int, str] | None = None
+    label2id: dict[str, int] | None = None
+    finetuning_task: str | None = None  # the task a fine-tuned model was trained on
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads != 0:
@@ -76,6 +82,19 @@ class BertConfig:
             raise ValueError(f"hidden_act {self.hidden_act!r} not in {sorted(ACTIVATIONS)}")
         if self.num_labels < 1:
             raise ValueError(f"num_labels must be >= 1, got {self.num_labels}")
+        if self.id2label is not None:
+            self.id2label = {int(i): str(name) for i, name in self.id2label.items()}
+            if sorted(self.id2label) != list(range(self.num_labels)):
+                raise ValueError(
+                    f"id2label has ids {sorted(self.id2label)}, expected 0..{self.num_labels - 1} "
+                    f"(num_labels {self.num_labels})"
+                )
+            if self.id2label == _generic_labels(self.num_labels):
+                self.id2label = None  # transformers' placeholder names are no names
+        if self.id2label is None:
+            self.label2id = None
+        elif self.label2id is None:
+            self.label2id = {name: i for i, name in self.id2label.items()}
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> BertConfig:
@@ -92,7 +111,7 @@ class BertConfig:
 
     @classmethod
     def from_dict(cls, d: dict, **overrides) -> BertConfig:
-        """Read a transformers/Google config, ignoring keys that do not change the model."""
+        """Read a transformers/Google config (model and label names), ignoring other keys."""
         if d.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(
                 f"position_embedding_type {d['position_embedding_type']!r} unsupported"
@@ -100,6 +119,10 @@ class BertConfig:
         d = dict(d)
         if "num_labels" not in d and isinstance(d.get("id2label"), dict):
             d["num_labels"] = len(d["id2label"])
+        if "num_labels" in overrides and "id2label" not in overrides:
+            if overrides["num_labels"] != d.get("num_labels"):  # a new head: its names go
+                d.pop("id2label", None)
+                d.pop("label2id", None)
         names = {f.name for f in fields(cls)}
         return cls(**{**{k: v for k, v in d.items() if k in names}, **overrides})
 
@@ -111,11 +134,20 @@ class BertConfig:
     def to_dict(self) -> dict:
         """The transformers-compatible config.json content."""
         d = asdict(self)
-        d.pop("num_labels")
-        d["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
-        d["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
+        d.pop("num_labels")  # transformers counts id2label
+        id2label = self.id2label or _generic_labels(self.num_labels)
+        d["id2label"] = {str(i): name for i, name in id2label.items()}
+        d["label2id"] = self.label2id or {name: i for i, name in id2label.items()}
+        task = d.pop("finetuning_task")
         d.update(model_type="bert", position_embedding_type="absolute")
+        if task is not None:
+            d["finetuning_task"] = task
         return d
+
+
+def _generic_labels(num_labels: int) -> dict[int, str]:
+    """transformers' names for a head without label names: LABEL_0, LABEL_1, ..."""
+    return {i: f"LABEL_{i}" for i in range(num_labels)}
 
 
 ACTIVATIONS = {

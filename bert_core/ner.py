@@ -20,18 +20,16 @@ Output (atomic: all or nothing): `model/` (HF layout, label names in config.json
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bert_core.errors import InputError, atomic_dir
-from bert_core.finetune import pad, padding_mask
+from bert_core.errors import InputError
+from bert_core.finetune import FinetuneTask, pad, padding_mask, predict_batches, sample
 
 TASK = "conll2003"
 ENTITY_TYPES = ("PER", "ORG", "LOC", "MISC")
@@ -220,23 +218,15 @@ def collate(windows: Windows, index: Sequence[int], pad_id: int = 0) -> dict[str
     }
 
 
-@torch.inference_mode()
 def predict(
     model, windows: Windows, sentences: Sequence[Sentence], device, batch_size: int
 ) -> list[list[str]]:
     """The predicted IOB2 tag of every word (argmax at its first sub-token)."""
-    from bert_core.finetune import _autocast
-
-    model.eval()
     pred = [["O"] * len(s.words) for s in sentences]
-    order = np.argsort([len(x) for x in windows.input_ids], kind="stable")
-    for start in range(0, len(order), batch_size):
-        index = order[start : start + batch_size]
-        batch = collate(windows, index)
-        batch.pop("labels")
-        with _autocast(device):
-            logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
-        best = logits.argmax(-1).cpu().numpy()
+    lengths = [len(x) for x in windows.input_ids]
+    batches = predict_batches(model, lengths, lambda i: collate(windows, i), device, batch_size)
+    for index, outputs in batches:
+        best = outputs.logits.argmax(-1).cpu().numpy()
         for row, i in enumerate(index):
             for pos, (si, wi) in zip(windows.first[i], windows.words[i], strict=True):
                 pred[si][wi] = LABELS[best[row, pos]]
@@ -285,119 +275,50 @@ def write_conll(path: Path, sentences: Sequence[Sentence], pred: Sequence[Sequen
             f.write("\n")
 
 
-def save_model(model, model_dir: Path, task: str, labels: Sequence[str] | None) -> None:
-    """save_pretrained, then label names and the task in config.json (read by transformers)."""
-    model.save_pretrained(model_dir)
-    path = model_dir / "config.json"
-    config = json.loads(path.read_text())
-    if labels is not None:
-        config["id2label"] = dict(enumerate(labels))
-        config["label2id"] = {name: i for i, name in enumerate(labels)}
-    config["finetuning_task"] = task
-    path.write_text(json.dumps(config, indent=2) + "\n")
-
-
-def config_from_args(args: argparse.Namespace, cls):
-    """The config dataclass from finetune's parser: option names are the field names."""
-    cfg = cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-    if cfg.epochs < 1 or cfg.batch_size < 1 or cfg.max_seq_length < 8:
-        raise ValueError("--epochs and --batch-size must be >= 1, --max-seq-length >= 8")
-    return cfg
-
-
-def result_record(task: str, best: dict, history: list[dict], cfg, **extra) -> dict:
-    """metrics.json's content, in the same shape as GLUE fine-tuning's."""
-    return {
-        "task": task,
-        "metrics": {k: v for k, v in best["metrics"].items() if isinstance(v, int | float)},
-        "score": best["score"],
-        "best_epoch": best["epoch"],
-        "epochs": history,
-        "config": asdict(cfg),
-        **extra,
-    }
-
-
 # ---------------------------------------------------------------------------------------------
-# The step
+# The task
 
 
-def finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path, cfg) -> dict:
-    """Fine-tune on CoNLL-2003, keep the best epoch by dev F1, write the output folder."""
-    from bert_core.finetune import fit, load_tokenizer, resolve_device, sample
-    from bert_core.model import BertForTokenClassification
-    from bert_core.tracking import start_run
+class NerFinetune(FinetuneTask):
+    """CoNLL-2003 for the engine: windows of sentences, a tag per word, seqeval's entity F1."""
 
-    # everything that can be wrong with the input fails here, before any training
-    train_path, dev_path = find_split(data_dir, "train"), find_split(data_dir, "dev")
-    train_sents = sample(read_conll(train_path), cfg.max_train_examples, cfg.seed)
-    dev_sents = sample(read_conll(dev_path), cfg.max_eval_examples, cfg.seed)
-    tokenizer = load_tokenizer(model_dir)
-    tokenizer.no_truncation()  # windows, not truncation
-    train = featurize(train_sents, tokenizer, cfg.max_seq_length)
-    dev = featurize(dev_sents, tokenizer, cfg.max_seq_length)
+    model_class = "BertForTokenClassification"
+    download_help = CONLL_URL
 
-    device = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    model = BertForTokenClassification.from_pretrained(model_dir, num_labels=len(LABELS))
-    if cfg.max_seq_length > model.config.max_position_embeddings:
-        raise ValueError(
-            f"max_seq_length {cfg.max_seq_length} exceeds the model's max_position_embeddings "
-            f"{model.config.max_position_embeddings}"
-        )
-    model.to(device)
+    def __init__(self, name: str = TASK):
+        super().__init__(name)
+        self.labels, self.num_labels = LABELS, len(LABELS)
 
-    def evaluate(m):
-        pred = predict(m, dev, dev_sents, device, cfg.eval_batch_size)
-        metrics = entity_metrics([s.tags for s in dev_sents], pred)
+    def download(self, data_dir: Path) -> None:
+        if not (Path(data_dir) / "train.txt").is_file():
+            download(data_dir)
+
+    def prepare(self, data_dir: Path, tokenizer, cfg) -> dict:
+        self.files = {"train": find_split(data_dir, "train"), "dev": find_split(data_dir, "dev")}
+        train = sample(read_conll(self.files["train"]), cfg.max_train_examples, cfg.seed)
+        self.dev_sentences = sample(read_conll(self.files["dev"]), cfg.max_eval_examples, cfg.seed)
+        tokenizer.no_truncation()  # windows, not truncation
+        self.train = featurize(train, tokenizer, cfg.max_seq_length)
+        self.dev = featurize(self.dev_sentences, tokenizer, cfg.max_seq_length)
+        self.num_train, self.num_train_examples = len(self.train), len(train)
+        return {"num_train_sentences": len(train), "num_train_windows": len(self.train)}
+
+    def train_batch(self, index):
+        return collate(self.train, index)
+
+    def evaluate(self, model, device, cfg):
+        pred = predict(model, self.dev, self.dev_sentences, device, cfg.eval_batch_size)
+        metrics = entity_metrics([s.tags for s in self.dev_sentences], pred)
         return metrics, metrics["f1"], pred
 
-    params = {"task": TASK, "data": str(data_dir), "model": str(model_dir), **asdict(cfg)}
-    params |= {"num_train_sentences": len(train_sents), "num_train_windows": len(train)}
-    with start_run(f"finetune-{TASK}", params | {"device": str(device)}), atomic_dir(output) as tmp:
-        import mlflow
+    def summary(self, best: dict) -> dict:
+        return {
+            "per_type": best["metrics"]["per_type"],
+            "num_train_sentences": self.num_train_examples,
+            "num_dev_sentences": len(self.dev_sentences),
+            "num_train_windows": self.num_train,
+            "files": {k: str(v) for k, v in self.files.items()},
+        }
 
-        best, history, train_seconds = fit(
-            model, len(train), lambda i: collate(train, i), evaluate, cfg, device,
-            f"finetune {TASK}", mlflow.log_metrics,
-        )  # fmt: skip
-        result = result_record(
-            TASK, best, history, cfg,
-            per_type=best["metrics"]["per_type"],
-            num_train_sentences=len(train_sents),
-            num_dev_sentences=len(dev_sents),
-            num_train_windows=len(train),
-            train_seconds=train_seconds,
-            train_examples_per_second=len(train_sents) * cfg.epochs / train_seconds,
-            files={"train": str(train_path), "dev": str(dev_path)},
-            model=str(model_dir),
-            device=str(device),
-        )  # fmt: skip
-        save_model(model, tmp / "model", TASK, LABELS)
-        write_conll(tmp / "dev_predictions.txt", dev_sents, best["preds"])
-        (tmp / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-        mlflow.log_metrics({"best_epoch": best["epoch"], "best_dev_score": best["score"]})
-        mlflow.log_metrics({f"best_dev_{k}": v for k, v in result["metrics"].items()})
-        mlflow.log_artifact(str(tmp / "metrics.json"))
-    return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`bert finetune --task conll2003 ...`: finetune's options (defaults: the paper's)."""
-    from bert_core.finetune import FinetuneConfig, build_parser
-
-    parser = build_parser()
-    parser.add_argument(
-        "--download", action="store_true",
-        help=f"first fetch train.txt/valid.txt into --data when missing ({CONLL_URL})",
-    )  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.task.lower() != TASK:
-        raise ValueError(f"bert_core.ner handles --task {TASK}, not {args.task!r}")
-    cfg = config_from_args(args, FinetuneConfig)
-    if args.download and not (Path(args.data) / "train.txt").is_file():
-        download(args.data)
-    result = finetune(args.data, args.model, args.output, cfg)
-    print(json.dumps({"task": TASK, "metrics": result["metrics"],
-                      "best_epoch": result["best_epoch"], "output": str(args.output)}))  # fmt: skip
-    return 0
+    def write_outputs(self, out: Path, model, predictions, device, cfg) -> None:
+        write_conll(out / "dev_predictions.txt", self.dev_sentences, predictions)

@@ -24,21 +24,28 @@ format: question id -> answer text) and, for SQuAD 2.0, `null_odds.json`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import string
 import urllib.request
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bert_core.errors import InputError, atomic_dir
-from bert_core.finetune import FinetuneConfig, pad, padding_mask
+from bert_core.errors import InputError
+from bert_core.finetune import (
+    FinetuneConfig,
+    FinetuneTask,
+    option,
+    pad,
+    padding_mask,
+    predict_batches,
+    sample,
+)
 
 VERSIONS = {"squad": "1.1", "squad_v2": "2.0"}
 OFFICIAL_URL = "https://rajpurkar.github.io/SQuAD-explorer/dataset/"
@@ -51,12 +58,17 @@ class SquadConfig(FinetuneConfig):
 
     learning_rate: float = 5e-5
     max_seq_length: int = 384
-    doc_stride: int = 128
-    max_query_length: int = 64
-    n_best_size: int = 20
-    max_answer_length: int = 30
-    null_score_diff_threshold: float = 0.0
+    doc_stride: int = option(128, "tokens the window start advances by in a long context")
+    max_query_length: int = option(64, "question tokens at most (longer: an error)")
+    n_best_size: int = option(20, "best starts and ends of each window considered")
+    max_answer_length: int = option(30, "answer tokens at most")
+    null_score_diff_threshold: float = option(0.0, "SQuAD 2.0: null answer margin")
     eval_batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.doc_stride < 1 or self.max_query_length < 1 or self.max_answer_length < 1:
+            raise ValueError("--doc-stride, --max-query-length, --max-answer-length must be >= 1")
 
 
 @dataclass
@@ -246,11 +258,8 @@ def featurize(
         owner = max_context_window(len(doc_ids), spans)
         first_window = len(f.max_context)
         for s, n in spans:
-            f.input_ids.append(
-                np.concatenate([[cls_id], q.ids, [sep_id], doc_ids[s : s + n], [sep_id]]).astype(
-                    np.int64
-                )
-            )  # noqa: E501
+            window = [cls_id, *q.ids, sep_id, *doc_ids[s : s + n], sep_id]
+            f.input_ids.append(np.asarray(window, dtype=np.int64))
             f.token_type_ids.append(np.r_[np.zeros(prefix, np.int64), np.ones(n + 1, np.int64)])
             offsets = np.full((prefix + n + 1, 2), -1, dtype=np.int64)
             offsets[prefix : prefix + n] = doc_offsets[s : s + n]
@@ -282,20 +291,11 @@ def collate(f: Features, index: Sequence[int], pad_id: int = 0) -> dict[str, tor
     }
 
 
-@torch.inference_mode()
 def predict_logits(model, f: Features, device, batch_size: int) -> list[tuple[np.ndarray, ...]]:
-    """(start_logits, end_logits) of every window, unpadded."""
-    from bert_core.finetune import _autocast
-
-    model.eval()
+    """(start_logits, end_logits) of every window, unpadded, in input order."""
     out: list = [None] * len(f)
-    order = np.argsort([len(x) for x in f.input_ids], kind="stable")
-    for b in range(0, len(order), batch_size):
-        index = order[b : b + batch_size]
-        batch = collate(f, index)
-        del batch["start_positions"], batch["end_positions"]
-        with _autocast(device):
-            o = model(**{k: v.to(device) for k, v in batch.items()})
+    lengths = [len(x) for x in f.input_ids]
+    for index, o in predict_batches(model, lengths, lambda i: collate(f, i), device, batch_size):
         s, e = o.start_logits.float().cpu().numpy(), o.end_logits.float().cpu().numpy()
         for row, i in enumerate(index):
             n = len(f.input_ids[i])
@@ -398,116 +398,64 @@ def squad_metrics(
 
 
 # ---------------------------------------------------------------------------------------------
-# The step
+# The task
 
 
-def finetune(
-    task: str, data_dir: str | Path, model_dir: str | Path, output: str | Path, cfg: SquadConfig
-) -> dict:
-    from bert_core.finetune import fit, load_tokenizer, resolve_device, sample
-    from bert_core.model import BertForQuestionAnswering
-    from bert_core.ner import result_record, save_model
-    from bert_core.tracking import start_run
+class SquadFinetune(FinetuneTask):
+    """SQuAD 1.1 / 2.0 for the engine: windows over the context, span decoding, official EM/F1."""
 
-    version = VERSIONS[task]
-    train_path, dev_path = find_files(data_dir, version)
-    if dev_path is None:
-        train_ex = read_squad(train_path, version, split="train")
-        dev_ex = read_squad(train_path, version, split="dev")
-        dev_source = f"{train_path} (articles with index % {DEV_EVERY} == {DEV_EVERY - 1})"
-    else:
-        train_ex, dev_ex = read_squad(train_path, version), read_squad(dev_path, version)
-        dev_source = str(dev_path)
-    train_ex = sample(train_ex, cfg.max_train_examples, cfg.seed)
-    dev_ex = sample(dev_ex, cfg.max_eval_examples, cfg.seed)
-    tokenizer = load_tokenizer(model_dir)
-    tokenizer.no_truncation()  # windows, not truncation
-    train = featurize(train_ex, tokenizer, cfg, train_path, train=True)
-    dev = featurize(dev_ex, tokenizer, cfg, dev_path or train_path)
+    config_class = SquadConfig
+    model_class = "BertForQuestionAnswering"  # start and end logits: no label names
+    download_help = OFFICIAL_URL
 
-    device = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    model = BertForQuestionAnswering.from_pretrained(model_dir, num_labels=2)
-    if cfg.max_seq_length > model.config.max_position_embeddings:
-        raise ValueError(
-            f"max_seq_length {cfg.max_seq_length} exceeds the model's max_position_embeddings "
-            f"{model.config.max_position_embeddings}"
-        )
-    model.to(device)
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.version = VERSIONS[name]
 
-    def evaluate(m):
-        logits = predict_logits(m, dev, device, cfg.eval_batch_size)
-        preds, null_odds = decode(dev_ex, dev, logits, cfg, version == "2.0")
-        metrics = squad_metrics(dev_ex, preds, version)
+    def download(self, data_dir: Path) -> None:
+        if not (Path(data_dir) / f"train-v{self.version}.json").is_file():
+            download(data_dir, self.version)
+
+    def prepare(self, data_dir: Path, tokenizer, cfg: SquadConfig) -> dict:
+        version = self.version
+        train_path, dev_path = find_files(data_dir, version)
+        if dev_path is None:
+            train_ex = read_squad(train_path, version, split="train")
+            dev_ex = read_squad(train_path, version, split="dev")
+            dev_source = f"{train_path} (articles with index % {DEV_EVERY} == {DEV_EVERY - 1})"
+        else:
+            train_ex, dev_ex = read_squad(train_path, version), read_squad(dev_path, version)
+            dev_source = str(dev_path)
+        self.files = {"train": str(train_path), "dev": dev_source}
+        train_ex = sample(train_ex, cfg.max_train_examples, cfg.seed)
+        self.dev_examples = sample(dev_ex, cfg.max_eval_examples, cfg.seed)
+        tokenizer.no_truncation()  # windows, not truncation
+        self.train = featurize(train_ex, tokenizer, cfg, train_path, train=True)
+        self.dev = featurize(self.dev_examples, tokenizer, cfg, dev_path or train_path)
+        self.num_train, self.num_train_examples = len(self.train), len(train_ex)
+        return {"num_train_examples": len(train_ex), "num_train_windows": len(self.train)}
+
+    def train_batch(self, index):
+        return collate(self.train, index)
+
+    def evaluate(self, model, device, cfg: SquadConfig):
+        logits = predict_logits(model, self.dev, device, cfg.eval_batch_size)
+        preds, null_odds = decode(self.dev_examples, self.dev, logits, cfg, self.version == "2.0")
+        metrics = squad_metrics(self.dev_examples, preds, self.version)
         return metrics, metrics["f1"], (preds, null_odds)
 
-    params = {"task": task, "data": str(data_dir), "model": str(model_dir), **asdict(cfg)}
-    params |= {"num_train_examples": len(train_ex), "num_train_windows": len(train)}
-    with start_run(f"finetune-{task}", params | {"device": str(device)}), atomic_dir(output) as tmp:
-        import mlflow
+    def summary(self, best: dict) -> dict:
+        return {
+            "squad_version": self.version,
+            "num_train_examples": self.num_train_examples,
+            "num_dev_examples": len(self.dev_examples),
+            "num_train_windows": self.num_train,
+            "files": self.files,
+        }
 
-        best, history, train_seconds = fit(
-            model, len(train), lambda i: collate(train, i), evaluate, cfg, device,
-            f"finetune {task}", mlflow.log_metrics,
-        )  # fmt: skip
-        preds, null_odds = best["preds"]
-        result = result_record(
-            task, best, history, cfg,
-            squad_version=version,
-            num_train_examples=len(train_ex),
-            num_dev_examples=len(dev_ex),
-            num_train_windows=len(train),
-            train_seconds=train_seconds,
-            train_examples_per_second=len(train_ex) * cfg.epochs / train_seconds,
-            files={"train": str(train_path), "dev": dev_source},
-            model=str(model_dir),
-            device=str(device),
-        )  # fmt: skip
-        save_model(model, tmp / "model", task, None)
-        (tmp / "predictions.json").write_text(json.dumps(preds, indent=2) + "\n")
-        if version == "2.0":
-            (tmp / "null_odds.json").write_text(json.dumps(null_odds, indent=2) + "\n")
-        (tmp / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-        mlflow.log_metrics({"best_epoch": best["epoch"], "best_dev_score": best["score"]})
-        mlflow.log_metrics({f"best_dev_{k}": v for k, v in result["metrics"].items()})
-        mlflow.log_artifact(str(tmp / "metrics.json"))
-    return result
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """finetune's options with the paper's SQuAD defaults, plus windowing and decoding."""
-    from bert_core.finetune import build_parser as finetune_parser
-
-    p = finetune_parser()
-    d = SquadConfig()
-    p.set_defaults(learning_rate=d.learning_rate, max_seq_length=d.max_seq_length,
-                   eval_batch_size=d.eval_batch_size)  # fmt: skip
-    p.add_argument("--doc-stride", type=int, default=d.doc_stride)
-    p.add_argument("--max-query-length", type=int, default=d.max_query_length)
-    p.add_argument("--n-best-size", type=int, default=d.n_best_size)
-    p.add_argument("--max-answer-length", type=int, default=d.max_answer_length)
-    p.add_argument("--null-score-diff-threshold", type=float, default=d.null_score_diff_threshold)
-    p.add_argument(
-        "--download", action="store_true",
-        help=f"first fetch the official files into --data when missing ({OFFICIAL_URL})",
-    )  # fmt: skip
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`bert finetune --task squad|squad_v2 ...`."""
-    from bert_core.ner import config_from_args
-
-    args = build_parser().parse_args(argv)
-    task = args.task.lower()
-    if task not in VERSIONS:
-        raise ValueError(f"bert_core.squad handles --task {'|'.join(VERSIONS)}, not {args.task!r}")
-    cfg = config_from_args(args, SquadConfig)
-    if cfg.doc_stride < 1 or cfg.max_query_length < 1 or cfg.max_answer_length < 1:
-        raise ValueError("--doc-stride, --max-query-length, --max-answer-length must be >= 1")
-    if args.download and not (Path(args.data) / f"train-v{VERSIONS[task]}.json").is_file():
-        download(args.data, VERSIONS[task])
-    result = finetune(task, args.data, args.model, args.output, cfg)
-    print(json.dumps({"task": task, "metrics": result["metrics"],
-                      "best_epoch": result["best_epoch"], "output": str(args.output)}))  # fmt: skip
-    return 0
+    def write_outputs(self, out: Path, model, predictions, device, cfg) -> None:
+        """predictions.json (official format: id -> answer) and, for 2.0, null_odds.json."""
+        preds, null_odds = predictions
+        (out / "predictions.json").write_text(json.dumps(preds, indent=2) + "\n")
+        if self.version == "2.0":
+            (out / "null_odds.json").write_text(json.dumps(null_odds, indent=2) + "\n")

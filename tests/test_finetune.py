@@ -5,21 +5,34 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import subprocess
+import sys
+from dataclasses import fields
 
 import mlflow
 import numpy as np
 import pytest
 import torch
 
-from bert_core import cli
+from bert_core import cli, glue
 from bert_core.finetune import (
+    TASKS,
     FinetuneConfig,
+    FinetuneTask,
     build_optimizer,
+    build_parser,
+    config_from_args,
+    load_task,
+    load_tokenizer,
+    predict_batches,
+)
+from bert_core.finetune_glue import (
+    Features,
     collate,
     featurize,
-    load_tokenizer,
     predict,
     to_predictions,
+    truncate_pair_from_end,
 )
 from bert_core.glue import Example, compute_metrics, get_task, read_task
 from bert_core.model import BertConfig, BertForSequenceClassification
@@ -255,3 +268,68 @@ def test_bad_input_fails_without_output(tmp_path, tiny_dir, capsys, mlflow_env):
     (data / "dev.tsv").write_text("index\tsentence1\tsentence2\tlabel\n")
     err = _finetune_fails(capsys, out, "--task", "RTE", *ok)
     assert "dev.tsv: RTE: no examples in dev file" in err
+
+
+def test_truncate_pair_from_end_pops_the_longer_tail() -> None:
+    a, b = list("abcdef"), list("xyz")
+    truncate_pair_from_end(a, b, 6)
+    assert a == list("abc") and b == list("xyz")  # A longer: its tail goes; then ties pop B
+    a, b = list("ab"), list("vwxyz")
+    truncate_pair_from_end(a, b, 3)
+    assert a == list("ab") and b == list("v")
+
+
+def test_task_table_covers_every_task() -> None:
+    assert set(TASKS) == set(glue.TASKS) | {"conll2003", "squad", "squad_v2"}
+    for name in TASKS:
+        task = load_task(name)
+        assert isinstance(task, FinetuneTask) and task.name == name
+    assert load_task("sst2").name == "SST-2" and load_task("mnli").labels == glue.MNLI_LABELS
+    assert load_task("STS-B").labels is None and load_task("STS-B").num_labels == 1
+    assert load_task("conll2003").labels[:2] == ("O", "B-PER")
+    assert load_task("squad_v2").config_class.__name__ == "SquadConfig"
+    with pytest.raises(ValueError, match="unknown GLUE task 'SQuAD'"):
+        load_task("SQuAD")  # token task names are exact, as in metrics.json
+    # the engine imports no task module: they import it, and are found through the table
+    modules = "{'bert_core.finetune_glue', 'bert_core.ner', 'bert_core.squad'}"
+    code = f"import sys, bert_core.finetune; print(sorted({modules} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_options_come_from_the_config_fields(tmp_path) -> None:
+    run = ["--data", str(tmp_path), "--model", str(tmp_path), "--output", str(tmp_path)]
+    squad = load_task("squad")
+    parser = build_parser(squad)
+    options = {a.dest for a in parser._actions}
+    assert {f.name for f in fields(squad.config_class)} <= options and "download" in options
+    args = parser.parse_args(["--task", "squad", *run, "--lr", "1e-4", "--doc-stride", "32",
+                              "--max-train-examples", "5"])  # fmt: skip
+    cfg = config_from_args(args, squad.config_class)
+    assert cfg == squad.config_class(learning_rate=1e-4, doc_stride=32, max_train_examples=5)
+    assert cfg.max_seq_length == 384 and cfg.eval_batch_size == 64  # SQuAD's defaults
+    args = build_parser(load_task("MRPC")).parse_args(["--task", "MRPC", *run])
+    assert config_from_args(args, FinetuneConfig) == FinetuneConfig()
+    assert not hasattr(args, "download") and not hasattr(args, "doc_stride")
+    with pytest.raises(ValueError, match="--epochs and --batch-size must be >= 1"):
+        FinetuneConfig(epochs=0)
+
+
+def test_prediction_loop_returns_outputs_in_input_order(tiny_dir) -> None:
+    """Length-sorted batches (least padding), every output back at its input's position."""
+    model = BertForSequenceClassification.from_pretrained(tiny_dir).eval()
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in rng.integers(3, 20, size=11)]
+    rows = [rng.integers(1000, 2000, size=n) for n in lengths]
+    feats = Features(rows, [np.zeros(n, np.int64) for n in lengths], None)
+    cpu = torch.device("cpu")
+    seen, longest = {}, []
+    for index, out in predict_batches(model, lengths, lambda i: collate(feats, i), cpu, 4):
+        longest.append(max(lengths[i] for i in index))
+        seen |= {int(i): out.logits[row] for row, i in enumerate(index)}
+    assert sorted(seen) == list(range(len(rows))) and longest == sorted(longest)
+    with torch.no_grad():
+        alone = [model(torch.from_numpy(r)[None]).logits[0] for r in rows]
+    for i, logits in enumerate(alone):
+        assert torch.allclose(seen[i], logits, atol=1e-5), i
+    assert np.allclose(predict(model, feats, cpu, 4), torch.stack(alone).numpy(), atol=1e-5)

@@ -212,3 +212,38 @@ def test_regression_head_uses_mse() -> None:
     out = model(ids, labels=y)
     assert out.logits.shape == (4, 1)
     assert torch.allclose(out.loss, ((out.logits.squeeze(-1) - y) ** 2).mean())
+
+
+def test_label_names_round_trip_through_config_json_and_transformers(tmp_path: Path) -> None:
+    """id2label / label2id / finetuning_task are config fields: written to config.json as
+    transformers writes them (string ids), read back by transformers and by us (int ids)."""
+    labels = ("O", "B-PER", "I-PER")
+    config = BertConfig.from_preset(
+        "tiny", vocab_size=100, num_labels=3, id2label=dict(enumerate(labels)),
+        finetuning_task="conll2003",
+    )  # fmt: skip
+    assert config.label2id == {"O": 0, "B-PER": 1, "I-PER": 2}
+    BertForSequenceClassification(config).save_pretrained(tmp_path / "ours")
+    raw = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert raw["id2label"] == {"0": "O", "1": "B-PER", "2": "I-PER"}
+    assert raw["label2id"] == {"O": 0, "B-PER": 1, "I-PER": 2}
+    assert raw["finetuning_task"] == "conll2003" and "num_labels" not in raw
+
+    hf = transformers.BertConfig.from_pretrained(tmp_path / "ours")
+    assert hf.id2label == dict(enumerate(labels)) and hf.num_labels == 3
+    assert hf.label2id == config.label2id and hf.finetuning_task == "conll2003"
+    hf.save_pretrained(tmp_path / "hf")
+    back = BertConfig.from_json_file(tmp_path / "hf" / "config.json")
+    assert back.id2label == dict(enumerate(labels)) and back.label2id == config.label2id
+    assert back.num_labels == 3 and back.finetuning_task == "conll2003"
+    assert BertForSequenceClassification.from_pretrained(tmp_path / "ours").config == config
+
+    # no names (regression, span heads, pre-trained models): None in memory, LABEL_i on disk
+    plain = BertConfig.from_preset("tiny", num_labels=1).to_dict()
+    assert plain["id2label"] == {"0": "LABEL_0"} and "finetuning_task" not in plain
+    assert BertConfig.from_dict(plain).id2label is None
+    # a head of another size drops the checkpoint's names; names must match num_labels
+    fresh = BertConfig.from_json_file(tmp_path / "ours" / "config.json", num_labels=2)
+    assert fresh.id2label is None and fresh.label2id is None and fresh.num_labels == 2
+    with pytest.raises(ValueError, match=r"id2label has ids \[0\], expected 0..1"):
+        BertConfig(num_labels=2, id2label={0: "a"})

@@ -12,7 +12,8 @@ import pytest
 
 from bert_core import cli
 from bert_core.corpus import CleanConfig, clean_corpus
-from bert_core.instances import SCHEMA, InstanceConfig, create_instances, truncate_pair_randomly
+from bert_core.instance_sampling import truncate_pair_randomly
+from bert_core.instances import SCHEMA, InstanceConfig, create_instances
 from bert_core.tokenizer import read_vocab
 
 BOOKS = [

@@ -50,7 +50,9 @@ SCHEMA = pa.schema(
 )
 BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
 # Per-stream tags mixed into the seed, so no two random streams coincide.
-DOCS, CHUNKS, MASKS, SHUFFLE = range(4)
+DOCS, CHUNKS, MASKS, SHUFFLE, SPLIT = range(5)
+# The held-out set's shard index in its seeds (no input shard has it).
+HELDOUT = 2**32 - 1
 
 
 def seed_for(random_seed: int, shard: int, *stream: int) -> np.random.SeedSequence:
@@ -154,24 +156,58 @@ def _shard_tools(vocab_file: Path, lowercase: bool) -> tuple[Vocab, object, dict
 
 
 def process_shard(
-    shard_index: int, path: Path, out_path: Path, vocab_file: Path, cfg: InstanceConfig
+    shard_index: int,
+    path: Path,
+    out_path: Path,
+    vocab_file: Path,
+    cfg: InstanceConfig,
+    heldout: tuple[int, ...] = (),
+) -> tuple[dict, list[list[str]]]:
+    """All instances of one input shard, shuffled, written to one Parquet file.
+
+    The documents numbered in `heldout` (their order in the file, from 0) are left out and
+    returned as text, for the held-out set; they are gone before anything is drawn, so the
+    training instances are those of a shard that never had them.
+    """
+    documents = read_documents(path)
+    if heldout and heldout[-1] >= len(documents):
+        raise RuntimeError(f"{path}: held-out document {heldout[-1]} of {len(documents)}")
+    held = [documents[i] for i in heldout]
+    if heldout:
+        skip = set(heldout)
+        documents = [d for i, d in enumerate(documents) if i not in skip]
+    stats = write_instances(documents, shard_index, out_path, vocab_file, cfg, cfg.dupe_factor)
+    stats["input_bytes"] = path.stat().st_size
+    return stats, held
+
+
+def documents_in_shard(path: Path) -> int:
+    """Documents in one input shard, counted as `process_shard` numbers them for `heldout`."""
+    return len(read_documents(path))
+
+
+def write_instances(
+    text_documents: list[list[str]],
+    shard_index: int,
+    out_path: Path,
+    vocab_file: Path,
+    cfg: InstanceConfig,
+    dupe_factor: int,
 ) -> dict:
-    """All instances of one input shard, shuffled, written to one Parquet file."""
+    """Tokenise the documents, make their instances `dupe_factor` times, mask, shuffle, write.
+
+    Every random stream is seeded by (random_seed, `shard_index`, purpose[, dupe round]), so
+    what a shard gets does not depend on which process made it.
+    """
     vocab, tokenizer, cache = _shard_tools(Path(vocab_file), cfg.lowercase)
-    all_documents = tokenize_documents(read_documents(path), tokenizer, cache)
+    all_documents = tokenize_documents(text_documents, tokenizer, cache)
     random.Random(int(seed_for(cfg.random_seed, shard_index, DOCS).generate_state(1)[0])).shuffle(
         all_documents
     )
-    tables, stats = (
-        [],
-        {
-            "documents": len(all_documents),
-            "short_target": 0,
-            "targets": 0,
-            "forced_random_next": 0,
-        },
-    )
-    for dupe in range(cfg.dupe_factor if all_documents else 0):
+    tables: list[pa.Table] = []
+    stats = dict.fromkeys(("short_target", "targets", "forced_random_next"), 0)
+    stats["documents"] = len(all_documents)
+    for dupe in range(dupe_factor if all_documents else 0):
         rng = random.Random(
             int(seed_for(cfg.random_seed, shard_index, CHUNKS, dupe).generate_state(1)[0])
         )
@@ -197,5 +233,4 @@ def process_shard(
         table.num_rows
     )
     pq.write_table(table.take(perm), out_path, compression="zstd")
-    stats["input_bytes"] = path.stat().st_size
     return stats

@@ -17,22 +17,38 @@ is byte-identical whatever `--num-workers` is. Output: one Parquet file per inpu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
+import numpy as np
+
 from bert_core import masking
 from bert_core.errors import InputError, atomic_dir
 from bert_core.instance_sampling import Vocab
-from bert_core.instance_shards import SCHEMA, process_shard
+from bert_core.instance_shards import (
+    HELDOUT,
+    SCHEMA,
+    SPLIT,
+    documents_in_shard,
+    process_shard,
+    seed_for,
+    write_instances,
+)
 from bert_core.masking import MaskingRecipe
+from bert_core.tokenizer import TOKENIZER_CONFIG, read_lowercase, write_tokenizer_settings
 
 __all__ = ["SCHEMA", "InstanceConfig", "create_instances", "main"]
 
 MIN_SEQ_LENGTH = 8
+HELDOUT_DIR = "heldout"  # beside the training shards; `list_row_groups` does not look inside
+MIN_HELDOUT = 2  # documents held out at least, when the corpus allows and a fraction is asked
 # fork: workers start in milliseconds instead of re-importing numpy/pyarrow/tokenizers.
 START_METHOD = "fork" if "fork" in get_all_start_methods() else "spawn"
 
@@ -48,6 +64,8 @@ class InstanceConfig:
     whole_word_mask: bool = False
     lowercase: bool = True
     masking_recipe: str = masking.DEFAULT_RECIPE  # [MASK]/random/keep percent, bert_core.masking
+    heldout_fraction: float = 0.02  # share of the documents kept out of training
+    heldout_documents: int | None = None  # exactly this many instead (0: none)
 
     @property
     def recipe(self) -> MaskingRecipe:
@@ -68,9 +86,35 @@ class InstanceConfig:
         if self.dupe_factor < 1:
             raise ValueError("--dupe-factor must be >= 1")
         MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError("--heldout-fraction must be in [0, 1)")
+        if self.heldout_documents is not None and self.heldout_documents < 0:
+            raise ValueError("--heldout-documents must be >= 0")
+
+    def heldout_count(self, documents: int) -> int:
+        """How many of `documents` are held out: --heldout-documents, else --heldout-fraction of
+        them but at least MIN_HELDOUT (so held-out NSP pairs draw their random next segment
+        from another held-out document); training always keeps 2 (NSP needs them)."""
+        if self.heldout_documents is not None:
+            if self.heldout_documents > documents - 2:
+                raise ValueError(
+                    f"--heldout-documents {self.heldout_documents}: the corpus has {documents} "
+                    "documents and training needs at least 2"
+                )
+            return self.heldout_documents
+        if self.heldout_fraction == 0:
+            return 0
+        wanted = max(MIN_HELDOUT, round(documents * self.heldout_fraction))
+        return max(0, min(wanted, documents - 2))
+
+    @property
+    def holds_out(self) -> bool:
+        return bool(
+            self.heldout_documents if self.heldout_documents is not None else self.heldout_fraction
+        )
 
 
-def _process_shard_task(args: tuple) -> dict:
+def _process_shard_task(args: tuple) -> tuple[dict, list[list[str]]]:
     return process_shard(*args)
 
 
@@ -111,57 +155,121 @@ def check_inputs(input_dir: Path, vocab_file: Path, cfg: InstanceConfig) -> list
     cannot work: the input shards, with at least two documents for NSP."""
     cfg.validate()
     Vocab.from_file(vocab_file)
+    lowercase = read_lowercase(Path(vocab_file).parent)
+    if lowercase is not None and lowercase != cfg.lowercase:
+        raise InputError(
+            Path(vocab_file).parent / TOKENIZER_CONFIG,
+            f"the vocabulary is {'un' if lowercase else ''}cased (do_lower_case {lowercase}) but "
+            f"{'--cased was' if lowercase else 'lower-casing is'} asked",
+        )
     files = input_shards(input_dir)
     if count_documents(files) < 2:
         raise InputError(input_dir, "needs at least 2 documents (NSP draws random next segments)")
     return files
 
 
+@contextmanager
+def _mapper(num_workers: int, tasks: int) -> Iterator[Callable]:
+    """`map` over worker processes (one core each), or in this process for one worker or task."""
+    if num_workers > 1 and tasks > 1:
+        ctx = get_context(START_METHOD)
+        with ctx.Pool(min(num_workers, tasks), initializer=_worker_init) as pool:
+            yield functools.partial(pool.map, chunksize=1)
+    else:
+        yield lambda f, items: [f(x) for x in items]
+
+
+def split_heldout(files: list[Path], cfg: InstanceConfig, map_: Callable) -> dict[int, tuple]:
+    """Which whole documents are held out: input shard number -> document numbers in it.
+
+    A seeded draw without replacement over all documents of the corpus (`map_` counts them, a
+    shard per task), so the same seed holds out the same documents whatever the workers.
+    """
+    if not cfg.holds_out:
+        return {}
+    counts = map_(documents_in_shard, files)
+    total = sum(counts)
+    rng = np.random.default_rng(seed_for(cfg.random_seed, HELDOUT, SPLIT))
+    chosen = np.sort(rng.choice(total, size=cfg.heldout_count(total), replace=False))
+    starts = np.cumsum([0, *counts])
+    out: dict[int, list[int]] = {}
+    for g in chosen.tolist():
+        k = int(np.searchsorted(starts, g, side="right")) - 1
+        out.setdefault(k, []).append(g - int(starts[k]))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def write_heldout(
+    documents: list[list[str]], names: list[str], out_dir: Path, vocab_file: Path, cfg
+) -> dict:
+    """The held-out documents' instances in `out_dir/shard-00000.parquet` (one dupe round: the
+    masks are fixed, each document is seen once) and `documents.tsv` naming them; their stats."""
+    if not documents:
+        return {"documents": 0, "instances": 0}
+    out_dir.mkdir()
+    raw = write_instances(
+        documents, HELDOUT, out_dir / "shard-00000.parquet", vocab_file, cfg, dupe_factor=1
+    )
+    if not raw.get("instances"):
+        shutil.rmtree(out_dir)
+        return {"documents": raw["documents"], "instances": 0}
+    (out_dir / "documents.tsv").write_text("".join(f"{n}\n" for n in ["shard\tdocument", *names]))
+    return {"path": out_dir.name, "dupe_factor": 1, **_summary(raw)}
+
+
+def _summary(total: dict[str, int]) -> dict:
+    """stats.json's figures from the summed counts of some shards."""
+    n, masked = total["instances"], max(total["masked"], 1)
+    return {
+        "instances": n,
+        "documents": total["documents"],
+        "mean_length": total["tokens"] / n,
+        "random_next_share": total["random_next"] / n,
+        # The original forces random-next for one-sentence chunks; the coin is fair on the
+        # others, which is what this share measures.
+        "forced_random_next_share": total["forced_random_next"] / n,
+        "random_next_share_unforced": (total["random_next"] - total["forced_random_next"])
+        / max(n - total["forced_random_next"], 1),
+        "masked_share": total["masked"] / total["non_special_tokens"],
+        "mask_token_share": total["masked_as_mask"] / masked,
+        "random_token_share": total["masked_as_random"] / masked,
+        "unchanged_share": total["masked_unchanged"] / masked,
+        "short_target_share": total["short_target"] / max(total["targets"], 1),
+    }
+
+
 def create_instances(
     input_dir: Path, vocab_file: Path, output_dir: Path, cfg: InstanceConfig, num_workers: int = 1
 ) -> dict:
-    """Instances for every input shard (in parallel), then stats.json and vocab.txt."""
+    """Instances for every input shard (in parallel), the held-out set (`heldout/`), stats.json
+    and vocab.txt."""
     files = check_inputs(input_dir, vocab_file, cfg)
     _worker_init()
-    with atomic_dir(output_dir) as tmp:
+    with atomic_dir(output_dir) as tmp, _mapper(num_workers, len(files)) as map_:
+        heldout = split_heldout(files, cfg, map_)
         tasks = [
-            (k, f, tmp / f"shard-{k:05d}.parquet", Path(vocab_file), cfg)
+            (k, f, tmp / f"shard-{k:05d}.parquet", Path(vocab_file), cfg, heldout.get(k, ()))
             for k, f in enumerate(files)
         ]
-        if num_workers > 1 and len(tasks) > 1:
-            ctx = get_context(START_METHOD)
-            with ctx.Pool(min(num_workers, len(tasks)), initializer=_worker_init) as pool:
-                results = pool.map(_process_shard_task, tasks, chunksize=1)
-        else:
-            results = [_process_shard_task(t) for t in tasks]
+        results = map_(_process_shard_task, tasks)
         total: dict[str, int] = {}
-        for r in results:
+        for r, _ in results:
             for k, v in r.items():
                 total[k] = total.get(k, 0) + v
         if not total.get("instances"):
             raise InputError(input_dir, "no instances created (documents too short?)")
-        masked = max(total["masked"], 1)
+        names = [f"{files[k].name}\t{n}" for k in sorted(heldout) for n in heldout[k]]
+        held = [d for _, docs in results for d in docs]
         stats = {
-            "instances": total["instances"],
-            "documents": total["documents"],
+            **_summary(total),
             "input_bytes": total["input_bytes"],
-            "mean_length": total["tokens"] / total["instances"],
-            "random_next_share": total["random_next"] / total["instances"],
-            # The original forces random-next for one-sentence chunks; the coin is fair on the
-            # others, which is what this share measures.
-            "forced_random_next_share": total["forced_random_next"] / total["instances"],
-            "random_next_share_unforced": (total["random_next"] - total["forced_random_next"])
-            / max(total["instances"] - total["forced_random_next"], 1),
-            "masked_share": total["masked"] / total["non_special_tokens"],
-            "mask_token_share": total["masked_as_mask"] / masked,
-            "random_token_share": total["masked_as_random"] / masked,
-            "unchanged_share": total["masked_unchanged"] / masked,
-            "short_target_share": total["short_target"] / max(total["targets"], 1),
             "shards": len(files),
+            "heldout": write_heldout(held, names, tmp / HELDOUT_DIR, vocab_file, cfg),
             "config": asdict(cfg),
         }
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
         shutil.copyfile(vocab_file, tmp / "vocab.txt")
+        write_tokenizer_settings(tmp, cfg.lowercase)
     return stats
 
 
@@ -184,13 +292,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="shares of predicted tokens shown as [MASK]/random token/unchanged, percent "
         "(default %(default)s, the paper's; Table 8 ablates e.g. 100/0/0)",
     )
-    p.add_argument("--cased", action="store_true", help="do not lowercase (cased vocabulary)")
+    p.add_argument(
+        "--heldout-fraction",
+        type=float,
+        default=d.heldout_fraction,
+        help="share of the documents held out of training, whole, into heldout/ (default "
+        f"%(default)s, at least {MIN_HELDOUT} documents when the corpus allows; 0: none)",
+    )
+    p.add_argument(
+        "--heldout-documents",
+        type=int,
+        default=d.heldout_documents,
+        help="hold out exactly this many documents instead of --heldout-fraction",
+    )
+    p.add_argument(
+        "--cased",
+        action="store_true",
+        help="do not lowercase; only for a vocabulary folder without tokenizer_config.json, "
+        "whose do_lower_case is used otherwise",
+    )
     p.add_argument("--num-workers", type=int, default=max(1, os.cpu_count() or 1))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    lowercase = read_lowercase(args.vocab.parent)  # the vocabulary's own setting, if it has one
+    if lowercase is None or args.cased:  # --cased with an uncased vocabulary: check_inputs says
+        lowercase = not args.cased
     cfg = InstanceConfig(
         max_seq_length=args.max_seq_length,
         max_predictions_per_seq=args.max_predictions_per_seq,
@@ -199,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         dupe_factor=args.dupe_factor,
         random_seed=args.random_seed,
         whole_word_mask=args.whole_word_mask,
-        lowercase=not args.cased,
+        lowercase=lowercase,
         masking_recipe=args.masking_recipe,
+        heldout_fraction=args.heldout_fraction,
+        heldout_documents=args.heldout_documents,
     )
     check_inputs(args.input, args.vocab, cfg)
     from bert_core.tracking import start_run
@@ -210,12 +341,14 @@ def main(argv: list[str] | None = None) -> int:
         stats = create_instances(args.input, args.vocab, args.output, cfg, args.num_workers)
         import mlflow
 
+        numbers = {**stats, **{f"heldout_{k}": v for k, v in stats["heldout"].items()}}
         mlflow.log_metrics(
-            {k: v for k, v in stats.items() if isinstance(v, int | float)},
+            {k: v for k, v in numbers.items() if isinstance(v, int | float)},
             run_id=run.info.run_id,
         )
     print(
-        f"bert instances: {stats['instances']} instances from {stats['documents']} documents "
+        f"bert instances: {stats['instances']} instances from {stats['documents']} documents, "
+        f"{stats['heldout']['instances']} held out from {stats['heldout']['documents']} "
         f"-> {args.output}"
     )
     return 0

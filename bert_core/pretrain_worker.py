@@ -211,9 +211,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             state = load_state(d)
-    training = setup(
-        cfg, rank, world, device, state=state, prepare=ray.train.torch.prepare_model
-    )
+    training = setup(cfg, rank, world, device, state=state, prepare=ray.train.torch.prepare_model)
     if state is not None and rank == 0:
         print(f"[pretrain] resumed from step {training.step} ({checkpoint.path})", flush=True)
     sink = MetricSink(loop_config) if rank == 0 else None

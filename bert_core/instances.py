@@ -109,6 +109,7 @@ class InstanceConfig:
 
     @property
     def holds_out(self) -> bool:
+        """Whether a split is asked for (only then are the documents counted first)."""
         return bool(
             self.heldout_documents if self.heldout_documents is not None else self.heldout_fraction
         )

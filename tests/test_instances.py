@@ -342,8 +342,9 @@ def test_heldout_documents_never_reach_training(split, corpus, vocab_file):
     assert {Path(g.path).parent for g in list_row_groups(split)} == {split}
     assert len(list_row_groups(split / "heldout")) >= 1
 
-    # By content: every long sentence that occurs once in the corpus shows up in the instances
-    # of its own side only.
+    # By content: no long sentence that occurs once in the corpus shows up on the other side
+    # (held-out vs training); and such sentences do show up on their own side (all held-out
+    # ones are checked, and the first of each training document: the training text is large).
     tokenizer = load_tokenizer(vocab_file)
     sentences: dict[tuple[str, int], list[str]] = {}
     for name, docs in documents.items():
@@ -351,18 +352,20 @@ def test_heldout_documents_never_reach_training(split, corpus, vocab_file):
             ids = [e.ids[1:-1] for e in tokenizer.encode_batch(doc)]
             sentences[name, k] = [" " + " ".join(map(str, s)) + " " for s in ids if len(s) >= 20]
     counts = Counter(s for ss in sentences.values() for s in ss)
-    heldout_text = unmasked_text(pq.read_table(split / "heldout" / "shard-00000.parquet").to_pydict())
+    heldout_shard = split / "heldout" / "shard-00000.parquet"
+    heldout_text = unmasked_text(pq.read_table(heldout_shard).to_pydict())
     training_text = unmasked_text(load(split))
     held, seen = set(named), {"heldout": 0, "training": 0}
     for key, ss in sentences.items():
+        side = "heldout" if key in held else "training"
         mine, other = (
             (heldout_text, training_text) if key in held else (training_text, heldout_text)
         )
-        for s in ss:
-            if counts[s] == 1:
-                assert s not in other, key
-                seen["heldout" if key in held else "training"] += s in mine
-    assert seen["heldout"] > 20 and seen["training"] > 1000, seen
+        unique = [s for s in ss if counts[s] == 1]
+        for s in unique:
+            assert s not in other, key
+        seen[side] += sum(s in mine for s in (unique if key in held else unique[:1]))
+    assert seen["heldout"] > 20 and seen["training"] > 150, seen
 
 
 def test_heldout_split_is_reproducible_for_a_seed(split, corpus, vocab_file, tmp_path):

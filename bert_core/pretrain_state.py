@@ -139,12 +139,12 @@ def save_checkpoint(
         return
     vocab_file: str | Path = cfg.vocab_file
     if is_s3(vocab_file):  # save_pretrained copies local files: the vocabulary's folder
-        vocab_file = _fetch_tokenizer_files(cfg.instances, directory / "tokenizer")
+        vocab_file = fetch_tokenizer_files(cfg.instances, directory / "tokenizer")
     model.save_pretrained(directory / "model", vocab_file=vocab_file)
     shutil.rmtree(directory / "tokenizer", ignore_errors=True)
 
 
-def _fetch_tokenizer_files(instances: str, folder: Path) -> Path:
+def fetch_tokenizer_files(instances: str, folder: Path) -> Path:
     """vocab.txt and the tokenizer settings of s3:// instances, copied into `folder`."""
     from bert_core.model import TOKENIZER_FILES
 

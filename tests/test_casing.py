@@ -11,8 +11,9 @@ import pytest
 from transformers import BertTokenizerFast
 
 from bert_core import cli
+from bert_core.model import TOKENIZER_FILES
 from bert_core.pretrain_config import PretrainConfig
-from bert_core.pretrain_state import rng_state, save_checkpoint
+from bert_core.pretrain_state import fetch_tokenizer_files, rng_state, save_checkpoint
 from bert_core.pretrain_worker import setup
 from bert_core.tokenizer import read_lowercase, read_vocab
 
@@ -75,6 +76,11 @@ def test_cased_vocabulary_instances_and_model(corpus, tmp_path):
     hf = BertTokenizerFast.from_pretrained(model_dir)
     assert hf.tokenize("Paris and London") == ["Paris", "and", "London"]
     assert hf("Paris")["input_ids"] == [vocab["[CLS]"], vocab["Paris"], vocab["[SEP]"]]
+    # instances on s3:// are fetched through the storage filesystem (the same for a local path)
+    fetched = fetch_tokenizer_files(str(root / "instances"), root / "fetched")
+    assert fetched == root / "fetched" / "vocab.txt"
+    assert {p.name for p in fetched.parent.iterdir()} == set(TOKENIZER_FILES)
+    assert read_lowercase(fetched.parent) is False
 
 
 def test_uncased_is_the_default_and_lowercases(corpus, tmp_path):

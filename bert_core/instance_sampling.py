@@ -102,8 +102,10 @@ def create_instances_from_document(
     vocab: Vocab,
 ) -> tuple[list[tuple[list[int], int, bool]], bool, int]:
     """Unmasked instances (tokens, len(A), is_random_next) of one document; line by line the
-    original's loop. Also returns whether the short target length was drawn, and how many
-    instances were random-next by force (a one-sentence chunk has no actual next segment)."""
+    original's loop, kept as one function so that it reads against the original (and draws its
+    random numbers in the same order). Also returns whether the short target length was drawn,
+    and how many instances were random-next by force (a one-sentence chunk has no actual next
+    segment)."""
     document = all_documents[document_index]
     lengths = list(map(len, document))
     last = len(document) - 1

@@ -145,7 +145,7 @@ def save_checkpoint(
 
 
 def fetch_tokenizer_files(instances: str, folder: Path) -> Path:
-    """vocab.txt and the tokenizer settings of s3:// instances, copied into `folder`."""
+    """vocab.txt and the tokenizer settings of instances (s3:// or local), copied into `folder`."""
     from bert_core.model import TOKENIZER_FILES
 
     folder.mkdir()

@@ -29,7 +29,7 @@ each params.yaml section is the keyword arguments of its step (`section`).
 
     python -m pipelines.bert_pipeline compile [--image IMAGE] [--train-image IMAGE]
     python -m pipelines.bert_pipeline local [--set KEY=VALUE ...]  # whole DAG via kfp.local
-    python -m pipelines.bert_pipeline submit --host URL [--experiment E] [--run-name R] [--set ..]
+    python -m pipelines.bert_pipeline submit --host URL [--spec FILE] [--run-name R] [--set ..]
 """
 
 import argparse
@@ -321,13 +321,20 @@ def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     return build_pipeline()(**args)
 
 
-def submit(host: str, experiment: str, run_name: str | None, overrides: dict[str, Any]) -> str:
-    """Upload the committed spec to a KFP endpoint and start a run; returns the run id."""
+def submit(
+    host: str,
+    experiment: str,
+    run_name: str | None,
+    overrides: dict[str, Any],
+    spec: Path = SPEC,
+) -> str:
+    """Upload a compiled spec (default: the committed one) to a KFP endpoint and start a run;
+    returns the run id."""
     import kfp
 
     client = kfp.Client(host=host)
     run = client.create_run_from_pipeline_package(
-        str(SPEC), arguments=overrides, run_name=run_name, experiment_name=experiment
+        str(spec), arguments=overrides, run_name=run_name, experiment_name=experiment
     )
     return run.run_id
 
@@ -350,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", required=True, help="KFP API endpoint, e.g. http://localhost:8080")
     s.add_argument("--experiment", default=NAME)
     s.add_argument("--run-name", default=None)
+    s.add_argument("--spec", type=Path, default=SPEC, help="compiled spec (default: committed)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     if args.command == "compile":
@@ -361,15 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "local":
         run_local(parse_overrides(args.set), args.pipeline_root)
     else:
-        print(
-            json.dumps(
-                {
-                    "run_id": submit(
-                        args.host, args.experiment, args.run_name, parse_overrides(args.set)
-                    )
-                }
-            )
-        )
+        overrides = parse_overrides(args.set)
+        run_id = submit(args.host, args.experiment, args.run_name, overrides, args.spec)
+        print(json.dumps({"run_id": run_id}))
     return 0
 
 

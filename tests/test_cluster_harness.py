@@ -362,3 +362,28 @@ def test_the_harness_runs_the_committed_spec_defaults():
     for key, uri in cluster.DATA.items():
         assert inputs[key]["defaultValue"] == uri == DEFAULTS[key]
         assert uri.startswith(f"{cluster.BUCKET}/")
+
+
+@pytest.mark.slow
+def test_missing_data_fails_the_first_task_and_the_exit_handler_marks_the_run_failed(
+    servers, tmp_path
+):
+    """Data that is not there fails `pipeline-run` (its digest) before any step starts; the
+    steps are skipped, and the exit handler still runs and closes the parent run as FAILED."""
+    from mlflow import MlflowClient
+
+    _, mlflow = servers
+    harness = pod_harness.Harness(SPEC, _objects(servers), tmp_path, f"{cluster.BUCKET}/kfp")
+    state = harness.run({"data_corpus": f"{cluster.BUCKET}/data/no-such-corpus"})
+    assert state == pod_harness.FAILED
+    ran = [(t.path, t.state) for t in harness.tasks]
+    assert ran == [("/exit-handler-1/pipeline-run", "FAILED"), ("/pipeline-end", "SUCCEEDED")]
+    assert (
+        "no-such-corpus: no such file, folder, object or prefix" in harness.tasks[0].log.read_text()
+    )
+    client = MlflowClient(mlflow.url)
+    (parent,) = client.search_runs(
+        [client.get_experiment_by_name("bert-pipeline").experiment_id],
+        filter_string=f"tags.`kfp.run_id` = '{harness.run_id}'",
+    )
+    assert parent.info.status == "FAILED"

@@ -39,6 +39,7 @@ import torch
 
 from bert_core import glue, optim
 from bert_core.errors import InputError, atomic_dir
+from bert_core.storage import local_copy
 
 # Every task `bert finetune` runs: exact name -> "module:class" of its `FinetuneTask`, imported
 # only when that task runs (the task modules import this one, never the other way round).
@@ -361,8 +362,10 @@ def numeric(metrics: dict) -> dict:
 
 def finetune(
     task: FinetuneTask, data_dir: str | Path, model_dir: str | Path, output: str | Path, cfg,
+    data_uri: str | None = None,
 ) -> dict:  # fmt: skip
-    """Fine-tune, keep the best epoch, write the output folder; returns metrics.json's content."""
+    """Fine-tune, keep the best epoch, write the output folder; returns metrics.json's content.
+    `data_uri`: where `data_dir` was copied from (an s3:// URI), recorded instead of it."""
     from bert_core.tracking import start_run
 
     # Everything that can be wrong with the input fails here, before any training.
@@ -378,7 +381,8 @@ def finetune(
         )
     model.to(device)
 
-    params = {"task": task.name, "data": str(data_dir), "model": str(model_dir), **asdict(cfg)}
+    data_uri = data_uri or str(data_dir)
+    params = {"task": task.name, "data": data_uri, "model": str(model_dir), **asdict(cfg)}
     params |= counts | {"device": str(device)}
     with start_run(f"finetune-{task.name}", params), atomic_dir(output) as tmp:
         import mlflow
@@ -398,7 +402,7 @@ def finetune(
             "train_seconds": train_seconds,
             "train_examples_per_second": task.num_train_examples * cfg.epochs / train_seconds,
             "model": str(model_dir),
-            "data": str(data_dir),
+            "data": data_uri,
             "device": str(device),
         }
         model.save_pretrained(tmp / "model")  # label names and task in config.json
@@ -424,7 +428,7 @@ def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert finetune", description=__doc__.split("\n")[0])
     tasks = ", ".join(TASKS)
     p.add_argument("--task", required=True, help=f"one of {tasks} (GLUE: any case)")
-    p.add_argument("--data", required=True, type=Path, help="the task's data folder")
+    p.add_argument("--data", required=True, help="the task's data folder, local or s3://")
     p.add_argument("--model", required=True, type=Path, help="HF-layout BERT folder with vocab")
     p.add_argument("--output", required=True, type=Path)
     config_options(p, task.config_class if task is not None else FinetuneConfig)
@@ -443,8 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(task).parse_args(argv)
     cfg = config_from_args(args, task.config_class)
     if getattr(args, "download", False):
-        task.download(args.data)
-    result = finetune(task, args.data, args.model, args.output, cfg)
+        task.download(Path(args.data))
+    with local_copy(args.data) as data:  # s3:// is downloaded first
+        result = finetune(task, data, args.model, args.output, cfg, data_uri=str(args.data))
     print(json.dumps({"task": result["task"], "metrics": result["metrics"],
                       "best_epoch": result["best_epoch"], "output": str(args.output)}))  # fmt: skip
     return 0

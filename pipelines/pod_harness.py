@@ -31,7 +31,8 @@ Images and GPU counts are resolved from their run-time placeholders and recorded
     harness = Harness(spec, objects, workdir, pipeline_root="s3://bert/kfp")
     state = harness.run({"pretrain_steps": 20})   # "SUCCEEDED" or "FAILED"
 
-Needs root (or a user namespace allowing mounts) for `unshare --mount` and an existing `/s3`.
+Needs root (or a user namespace allowing mounts) for `unshare --mount`; the empty mount point
+`/s3` is made when missing (a fresh machine has none).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ PLACEHOLDER = re.compile(r"\{\{\$\.inputs\.parameters\['([^']+)'\]\}\}")
 LOCAL_PATH = re.compile(r"^(/|\./|\.\./|~/|file:)|^\.{1,2}$")
 
 # What `unshare` runs in the new mount namespace: a private /s3, then the container.
-MOUNTS = 'mount --bind "$1" /s3 && shift && exec "$@"'
+MOUNTS = 'mkdir -p /s3 && mount --bind "$1" /s3 && shift && exec "$@"'
 
 
 class HarnessError(RuntimeError):

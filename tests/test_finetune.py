@@ -424,3 +424,33 @@ def test_sweep_and_control_end_to_end(tmp_path, shared_data, tiny_dir, mlflow_en
     assert [line.split(" | ")[0] for line in table[2:5]] == [
         "| BERT (ours)", "| random init", "| BERT (ours) gain over random init"
     ]  # fmt: skip
+
+
+def test_pick_best_joins_a_fanned_out_sweep(tmp_path) -> None:
+    """One `bert finetune` per learning rate (a pipeline's fan-out), joined by pick_best: the
+    best folder by dev score, whole, with the sweep section a one-step sweep writes."""
+    from bert_core.sweep import main as sweep_main
+    from bert_core.sweep import pick_best
+
+    folders = []
+    for i, (lr, score) in enumerate([(5e-5, 0.71), (3e-5, 0.74), (2e-5, 0.74)]):
+        d = tmp_path / f"lr{i}"
+        (d / "model").mkdir(parents=True)
+        (d / "model" / "weights").write_text(str(lr))
+        metrics = {"task": "MRPC", "metrics": {"f1": score, "accuracy": score}, "score": score,
+                   "best_epoch": 2, "config": {"learning_rate": lr, "seed": 42}}  # fmt: skip
+        (d / "metrics.json").write_text(json.dumps(metrics))
+        folders.append(str(d))
+    best = pick_best(folders, tmp_path / "best")
+    assert best["sweep"]["chosen"] == 1 and best["sweep"]["learning_rate"] == 3e-5  # tie: first
+    assert (tmp_path / "best" / "model" / "weights").read_text() == "3e-05"
+    written = json.loads((tmp_path / "best" / "metrics.json").read_text())
+    assert written == best
+    assert [t["score"] for t in written["sweep"]["trials"]] == [0.71, 0.74, 0.74]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.json").write_text(json.dumps({"task": "RTE", "score": 1.0}))
+    with pytest.raises(ValueError, match="a sweep is over one task"):
+        pick_best([*folders, str(other)], tmp_path / "mixed")
+    assert not (tmp_path / "mixed").exists()
+    assert sweep_main(["--results", *folders[:1], "--output", str(tmp_path / "one")]) == 0

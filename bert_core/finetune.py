@@ -13,14 +13,13 @@ config.json; `--init random` for the control), one training run (`train`) and th
 from reading the input to metrics.json and MLflow (`finetune`). The configuration and its
 command line are `bert_core.finetune_config`; the paper's learning-rate sweep and restarts
 (trials as nested MLflow runs, the best on dev kept) are `bert_core.sweep`, on `train`. A task
-holds only what is its own:
-reading its data, featurisation, collate, decoding, metrics and output files: a `FinetuneTask`
-subclass in `bert_core.finetune_glue`, `bert_core.ner`, `bert_core.squad` or `bert_core.swag`,
-found by name in `TASKS` and imported only when run.
+holds only what is its own (reading its data, featurisation, collate, decoding, metrics and
+output files): a `FinetuneTask` subclass in `bert_core.finetune_glue`, `bert_core.ner`,
+`bert_core.squad` or `bert_core.swag`, found by name in `TASKS` and imported only when run.
 
 Output (atomic: all or nothing): `model/` (HF layout, label names in config.json, the vocab),
-`metrics.json` (`task, metrics, score, best_epoch, epochs, config` and the task's counts: all
-`bert evaluate` needs) and the task's prediction files.
+`metrics.json` (`task, init, metrics, score, best_epoch, epochs, config`, `test_metrics` and
+`sweep` when there are, the task's counts: all `bert evaluate` needs), the prediction files.
 """
 
 from __future__ import annotations
@@ -101,10 +100,8 @@ class FinetuneTask:
         raise NotImplementedError
 
     def evaluate_test(self, model, device: torch.device, cfg) -> dict | None:
-        """Metrics of the kept model on the task's labelled test split, when the data folder
-        has one (CoNLL-2003's test.txt); None otherwise (GLUE and SWAG test sets are unlabelled).
-        Never used to choose anything."""
-        return None
+        """The kept model's metrics on a labelled test split when the data have one (CoNLL's
+        test.txt; GLUE's and SWAG's are unlabelled), else None; never used to choose."""
 
     def write_outputs(self, out: Path, model, predictions, device: torch.device, cfg) -> None:
         """The task's prediction files for the best epoch (the model is saved by the engine)."""
@@ -181,16 +178,23 @@ def padding_mask(rows: Sequence[np.ndarray], index: Sequence[int]) -> torch.Tens
 # Model, optimisation, the loops
 
 
-def model_config(task: FinetuneTask, model_dir: Path):
-    """The folder's BertConfig with the task's label names (read before any training)."""
+def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None = None):
+    """The folder's BertConfig with the task's label names; checks that `max_seq_length`
+    fits its positions (read before any training, so a bad folder fails first)."""
     from bert_core import model as bert
 
     if not (model_dir / bert.CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{model_dir}: no {bert.CONFIG_NAME} (not a BERT model folder)")
-    return bert.BertConfig.from_json_file(
+    config = bert.BertConfig.from_json_file(
         model_dir / bert.CONFIG_NAME, num_labels=task.num_labels, finetuning_task=task.name,
         id2label=dict(enumerate(task.labels)) if task.labels else None,
     )  # fmt: skip
+    if max_seq_length is not None and max_seq_length > config.max_position_embeddings:
+        raise ValueError(
+            f"max_seq_length {max_seq_length} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}"
+        )
+    return config
 
 
 def load_model(task: FinetuneTask, model_dir: str | Path, init: str = "pretrained"):
@@ -340,14 +344,11 @@ def train(task: FinetuneTask, model_dir: str | Path, cfg, device: torch.device,
     trial of a sweep (`bert_core.sweep`)."""
     torch.manual_seed(cfg.seed)
     model = load_model(task, model_dir, cfg.init).to(device)
-    desc = f"finetune {task.name}"
-    if cfg.is_sweep:
-        desc += f" lr {cfg.learning_rate:g} seed {cfg.seed}"
+    trial = f" lr {cfg.learning_rate:g} seed {cfg.seed}" if cfg.is_sweep else ""
+    desc = f"finetune {task.name}{trial}"
     evaluate = lambda m: task.evaluate(m, device, cfg)  # noqa: E731
-    best, history, seconds = fit(
-        model, task.num_train, task.train_batch, evaluate, cfg, device, desc, log_metrics
-    )
-    return model, best, history, seconds
+    fitted = fit(model, task.num_train, task.train_batch, evaluate, cfg, device, desc, log_metrics)
+    return model, *fitted
 
 
 def finetune(
@@ -361,12 +362,7 @@ def finetune(
     tokenizer = load_tokenizer(model_dir)
     counts = task.prepare(Path(data_dir), tokenizer, cfg)
     device = optim.resolve_device(cfg.device)
-    positions = model_config(task, Path(model_dir)).max_position_embeddings
-    if cfg.max_seq_length > positions:
-        raise ValueError(
-            f"max_seq_length {cfg.max_seq_length} exceeds the model's max_position_embeddings "
-            f"{positions}"
-        )
+    model_config(task, Path(model_dir), cfg.max_seq_length)
     params = {"task": task.name, "data": str(data_dir), "model": str(model_dir), **asdict(cfg)}
     params |= counts | {"device": str(device)}
     if cfg.is_sweep:  # logged at the end: the chosen trial's (MLflow parameters are write-once)
@@ -374,17 +370,13 @@ def finetune(
     with start_run(f"finetune-{task.name}", params), atomic_dir(output) as tmp:
         import mlflow
 
-        sweep = None
         if cfg.is_sweep:
             from bert_core.sweep import run_trials
 
-            (model, best, history, train_seconds), cfg, sweep = run_trials(
-                task, model_dir, cfg, device, train
-            )
+            run, cfg, sweep = run_trials(task, model_dir, cfg, device, train)
         else:
-            model, best, history, train_seconds = train(
-                task, model_dir, cfg, device, mlflow.log_metrics
-            )
+            run, sweep = train(task, model_dir, cfg, device, mlflow.log_metrics), None
+        model, best, history, train_seconds = run
         test = task.evaluate_test(model, device, cfg)
         result = {
             "task": task.name,

@@ -39,12 +39,12 @@ def book_sentences(path: Path) -> list[str]:
     return [s.strip() for s in re.split(r"(?<=[.!?])\s+(?=[A-Z\"'])", text)]
 
 
-def swag_rows(corpus: Path, n: int, seed: int) -> list[list[str]]:
+def swag_rows(corpus: Path, n: int, seed: int, words: tuple[int, int] = (5, 14)) -> list[list[str]]:
     """SWAG-format rows from real text: sent1 a sentence of one book, sent2 the first word of
     its true next sentence, the gold ending the rest of it; the three distractors are the rest
     of next sentences in three other books. The gold's position is random."""
     rng = np.random.default_rng(seed)
-    fits = lambda s: 6 <= len(s.split()) <= 30  # noqa: E731
+    fits = lambda s: words[0] <= len(s.split()) <= words[1]  # noqa: E731
     books = [book_sentences(corpus / b) for b in BOOKS]
     pairs = [[(s, t) for s, t in zip(b, b[1:], strict=False) if fits(s) and fits(t)] for b in books]
     rows = []

@@ -24,8 +24,11 @@ def option(default, help: str, *aliases: str):
     return field(default=default, metadata={"help": help, "aliases": aliases})
 
 
-def float_list(text: str) -> tuple[float, ...]:
-    """'5e-5,4e-5' -> (5e-05, 4e-05); 'paper' -> the paper's grid."""
+def float_list(text: str) -> tuple[float, ...] | None:
+    """'5e-5,4e-5' -> (5e-05, 4e-05); 'paper' -> the paper's grid; '' or 'none' -> None (no
+    sweep: what a pipeline parameter left empty passes)."""
+    if text.strip().lower() in ("", "none"):
+        return None
     if text.strip() == "paper":
         return PAPER_LEARNING_RATES
     try:

@@ -315,6 +315,15 @@ def test_options_come_from_the_config_fields(tmp_path) -> None:
     assert not hasattr(args, "download") and not hasattr(args, "doc_stride")
     with pytest.raises(ValueError, match="--epochs and --batch-size must be >= 1"):
         FinetuneConfig(epochs=0)
+    sweep = ["--task", "MRPC", *run, "--lr-sweep", "paper", "--init", "random", "--restarts", "3"]
+    cfg = config_from_args(build_parser(load_task("MRPC")).parse_args(sweep), FinetuneConfig)
+    assert cfg.lr_sweep == (5e-5, 4e-5, 3e-5, 2e-5) and cfg.restarts == 3 and cfg.is_sweep
+    assert cfg.init == "random"
+    args = build_parser(load_task("MRPC")).parse_args(["--task", "MRPC", *run, "--lr-sweep", ""])
+    assert config_from_args(args, FinetuneConfig).lr_sweep is None  # an empty pipeline parameter
+    ner = build_parser(load_task("conll2003"))
+    assert ner.parse_args(["--task", "x", *run, "--document-context"]).document_context is True
+    assert ner.parse_args(["--task", "x", *run]).document_context is False
 
 
 def test_prediction_loop_returns_outputs_in_input_order(tiny_dir) -> None:

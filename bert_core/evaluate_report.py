@@ -173,13 +173,15 @@ def plot_scores(results: dict, path: Path) -> None:
         ys += [100 * r.get("token_tasks", {}).get(t, {}).get("metrics", {}).get(
             _main_metric(t), float("nan")) for t in token]  # fmt: skip
         xs = [i + (k - (len(every) - 1) / 2) * width for i in range(len(labels))]
-        bars = ax.bar(xs, ys, width, label=name, color=f"C{k}")
+        glue = f" (GLUE {r['glue_score']:.1f})" if r["glue_score"] is not None else ""
+        bars = ax.bar(xs, ys, width, label=name + glue, color=f"C{k}")
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
         values += [y for y in ys if y == y]
-        if r["glue_score"] is not None:
+        if r["glue_score"] is not None:  # a dashed line; its value in the legend or beside it
             ax.axhline(r["glue_score"], color=f"C{k}", linestyle="--", linewidth=1)
-            ax.text(len(names) - 0.5, r["glue_score"], f"GLUE {r['glue_score']:.1f}",
-                    color=f"C{k}", ha="right", va="bottom", fontsize=8)  # fmt: skip
+            if len(every) == 1:
+                ax.text(len(names) - 0.5, r["glue_score"], f"GLUE {r['glue_score']:.1f}",
+                        color=f"C{k}", ha="right", va="bottom", fontsize=8)  # fmt: skip
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylim(min(values) - 5, 100)
     ax.set_ylabel("task score (dev, %)")

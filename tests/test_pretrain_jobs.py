@@ -13,6 +13,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,12 +198,14 @@ class RayHead:
                 p.terminate()
             except psutil.NoSuchProcess:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=15)
+        _, alive = psutil.wait_procs(procs, timeout=5)
         for p in alive:
             try:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+        psutil.wait_procs(alive, timeout=5)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

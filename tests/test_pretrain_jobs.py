@@ -8,7 +8,6 @@ the `bert pretrain` command with `RAY_ADDRESS=http://127.0.0.1:<port>`, as in a 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -30,25 +29,13 @@ from bert_core import pretrain as pt
 from bert_core import ray_jobs
 from bert_core import storage as st
 from bert_core.pretrain_config import PretrainConfig, parse_args
-from tests.pipeline_helpers import pretraining_instances
+from tests.pipeline_helpers import local_services, pretraining_instances
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "bert-jobs"
 
 
-def _load_services():
-    """infra/scripts/local_services.py (the S3 server users start too), loaded once."""
-    if "local_services" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "local_services", ROOT / "infra" / "scripts" / "local_services.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-    return sys.modules["local_services"]
-
-
-services = _load_services()
+services = local_services()
 
 
 # ---------------------------------------------------------------- no cluster

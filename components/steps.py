@@ -112,13 +112,13 @@ def pretrain(
 
     from bert_core.cli import kfp_register_pretrained, kfp_step
 
-    run_id = os.environ.get("KFP_RUN_ID", "")
+    kfp_run = os.environ.get("KFP_RUN_ID", "")  # the pod's env, not an input: see above
     kfp_step(
         ["pretrain", "--instances", shards.path, "--output", pretrained.path, "--preset", preset]
         + ["--steps", steps, "--batch-size", batch_size, "--num-workers", num_workers]
         + ["--learning-rate", learning_rate]
         + (["--use-gpu"] if use_gpu else [])
-        + (["--run-name", f"kfp-{run_id}"] if run_id else [])
+        + (["--run-name", f"kfp-{kfp_run}"] if kfp_run else [])
     )
     for name, value in kfp_register_pretrained(pretrained.path).items():
         metrics.log_metric(name, value)

@@ -31,7 +31,7 @@ import torch
 from bert_core.finetune import FinetuneConfig, fit, load_tokenizer, sample, train_batches
 from bert_core.finetune_glue import Features, collate, evaluate_dev, featurize
 from bert_core.glue import compute_metrics, get_task, read_task, task_metrics, task_score
-from bert_core.model import BertForSequenceClassification
+from bert_core.heads import BertForSequenceClassification
 from bert_core.optim import autocast, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -106,7 +106,7 @@ def pad(rows: list[dict], tok) -> dict[str, torch.Tensor]:
 def bench_ner(args, cfg: FinetuneConfig, device) -> dict:
     import transformers
 
-    from bert_core.model import BertForTokenClassification
+    from bert_core.heads import BertForTokenClassification
 
     data = args.data / "conll2003"
     train_s = sample(ner.read_conll(data / "train.txt"), args.ner_train, cfg.seed)
@@ -207,7 +207,7 @@ def hf_postprocess(examples, feats, logits, cfg) -> dict[str, str]:
 def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
     import transformers
 
-    from bert_core.model import BertForQuestionAnswering
+    from bert_core.heads import BertForQuestionAnswering
 
     path = args.data / "squad" / "train.json"
     train_ex = sample(squad.read_squad(path, split="train"), args.squad_train, cfg.seed)

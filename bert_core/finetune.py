@@ -120,7 +120,7 @@ class FinetuneTask:
     """
 
     config_class: type[FinetuneConfig] = FinetuneConfig
-    model_class = "BertForSequenceClassification"  # a head class of `bert_core.model`
+    model_class = "BertForSequenceClassification"  # a head class of `bert_core.heads`
     replace_mismatched_head = False  # a checkpoint head of another shape: replaced, not an error
     download_help: str | None = None  # set: `--download` fetches the data when missing
 
@@ -226,6 +226,7 @@ def load_model(task: FinetuneTask, model_dir: str | Path):
     names in its config. A head already in the checkpoint is kept when it fits (continuing a
     run); with `task.replace_mismatched_head` one of another shape is replaced by a fresh one
     (e.g. an MNLI model fine-tuned on STS-B), as transformers' `ignore_mismatched_sizes`."""
+    from bert_core import heads
     from bert_core import model as bert
 
     model_dir = Path(model_dir)
@@ -235,7 +236,7 @@ def load_model(task: FinetuneTask, model_dir: str | Path):
         model_dir / bert.CONFIG_NAME, num_labels=task.num_labels, finetuning_task=task.name,
         id2label=dict(enumerate(task.labels)) if task.labels else None,
     )  # fmt: skip
-    model = getattr(bert, task.model_class)(config)
+    model = getattr(heads, task.model_class)(config)
     state = bert.load_state_dict(model_dir)
     if task.replace_mismatched_head:
         own = model.state_dict()

@@ -1,4 +1,7 @@
-"""BERT (Devlin et al., 2018): the encoder, its pre-training heads and a sequence classifier.
+"""BERT (Devlin et al., 2018): the encoder, its checkpoints and its pre-training heads.
+
+The fine-tuning heads (sequence classification, token classification, question answering) are
+in `bert_core.heads`, on top of `BertModel` and `BertPreTrainedModel` from here.
 
 Module and parameter names follow the Hugging Face `transformers` BERT layout exactly
 (`bert.encoder.layer.0.attention.self.query.weight`, ...), so a checkpoint written by either
@@ -16,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,138 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bert_core.errors import atomic_dir
+from bert_core.bert_config import (
+    ACTIVATIONS,
+    CONFIG_NAME,
+    LEGACY_WEIGHTS_NAME,
+    TOKENIZER_FILES,
+    VOCAB_NAME,
+    WEIGHTS_NAME,
+    BertConfig,
+)
+from bert_core.errors import InputError, atomic_dir
 
 log = logging.getLogger(__name__)
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-LEGACY_WEIGHTS_NAME = "pytorch_model.bin"
-VOCAB_NAME = "vocab.txt"
-# files that travel with the vocabulary (casing and special tokens for tokenizers)
-TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
-
-# (layers, hidden, heads); intermediate size is 4 x hidden as in the paper
-PRESETS: dict[str, tuple[int, int, int]] = {
-    "tiny": (2, 128, 2),
-    "mini": (4, 256, 4),
-    "small": (4, 512, 8),
-    "medium": (8, 512, 8),
-    "base": (12, 768, 12),
-    "large": (24, 1024, 16),
-}
-
-
-@dataclass
-class BertConfig:
-    """BERT hyper-parameters, named as in `transformers.BertConfig` and Google's config."""
-
-    vocab_size: int = 30522
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    initializer_range: float = 0.02
-    layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
-    num_labels: int = 2
-    classifier_dropout: float | None = None
-    # A fine-tuned head's label names, as transformers keeps them: id -> name (int keys in
-    # memory, string keys in config.json) and name -> id. None: no names (a regression head, a
-    # span head, a pre-trained model); config.json then says LABEL_0, LABEL_1, ...
-    id2label: dict[int, str] | None = None
-    label2id: dict[str, int] | None = None
-    finetuning_task: str | None = None  # the task a fine-tuned model was trained on
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by "
-                f"num_attention_heads {self.num_attention_heads}"
-            )
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.hidden_act!r} not in {sorted(ACTIVATIONS)}")
-        if self.num_labels < 1:
-            raise ValueError(f"num_labels must be >= 1, got {self.num_labels}")
-        if self.id2label is not None:
-            self.id2label = {int(i): str(name) for i, name in self.id2label.items()}
-            if sorted(self.id2label) != list(range(self.num_labels)):
-                raise ValueError(
-                    f"id2label has ids {sorted(self.id2label)}, expected 0..{self.num_labels - 1} "
-                    f"(num_labels {self.num_labels})"
-                )
-            if self.id2label == _generic_labels(self.num_labels):
-                self.id2label = None  # transformers' placeholder names are no names
-        if self.id2label is None:
-            self.label2id = None
-        elif self.label2id is None:
-            self.label2id = {name: i for i, name in self.id2label.items()}
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> BertConfig:
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-        layers, hidden, heads = PRESETS[name]
-        base = dict(
-            num_hidden_layers=layers,
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            intermediate_size=4 * hidden,
-        )
-        return cls(**{**base, **overrides})
-
-    @classmethod
-    def from_dict(cls, d: dict, **overrides) -> BertConfig:
-        """Read a transformers/Google config (model and label names), ignoring other keys."""
-        if d.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(
-                f"position_embedding_type {d['position_embedding_type']!r} unsupported"
-            )
-        d = dict(d)
-        if "num_labels" not in d and isinstance(d.get("id2label"), dict):
-            d["num_labels"] = len(d["id2label"])
-        if "num_labels" in overrides and "id2label" not in overrides:
-            if overrides["num_labels"] != d.get("num_labels"):  # a new head: its names go
-                d.pop("id2label", None)
-                d.pop("label2id", None)
-        names = {f.name for f in fields(cls)}
-        return cls(**{**{k: v for k, v in d.items() if k in names}, **overrides})
-
-    @classmethod
-    def from_json_file(cls, path: str | Path, **overrides) -> BertConfig:
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f), **overrides)
-
-    def to_dict(self) -> dict:
-        """The transformers-compatible config.json content."""
-        d = asdict(self)
-        d.pop("num_labels")  # transformers counts id2label
-        id2label = self.id2label or _generic_labels(self.num_labels)
-        d["id2label"] = {str(i): name for i, name in id2label.items()}
-        d["label2id"] = self.label2id or {name: i for i, name in id2label.items()}
-        task = d.pop("finetuning_task")
-        d.update(model_type="bert", position_embedding_type="absolute")
-        if task is not None:
-            d["finetuning_task"] = task
-        return d
-
-
-def _generic_labels(num_labels: int) -> dict[int, str]:
-    """transformers' names for a head without label names: LABEL_0, LABEL_1, ..."""
-    return {i: f"LABEL_{i}" for i in range(num_labels)}
-
-
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
 
 
 class BertOutput(NamedTuple):
@@ -169,11 +51,6 @@ class PreTrainingOutput(NamedTuple):
     nsp_loss: torch.Tensor | None
     mlm_logits: torch.Tensor  # [B, P, V] at the masked positions (or [B, L, V] without them)
     nsp_logits: torch.Tensor  # [B, 2]
-
-
-class ClassifierOutput(NamedTuple):
-    loss: torch.Tensor | None
-    logits: torch.Tensor  # [B, num_labels]
 
 
 # ----------------------------------------------------------------------------- encoder
@@ -309,13 +186,39 @@ def _rename_legacy(key: str) -> str:
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights of a model folder: model.safetensors, else a legacy pytorch_model.bin.
+
+    A damaged file is an error naming it, never a library traceback; a pickle that holds more
+    than tensors is refused (`weights_only`: a checkpoint from the internet must not run code).
+    """
     if (model_dir / WEIGHTS_NAME).is_file():
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(model_dir / WEIGHTS_NAME)
+        try:
+            return load_file(model_dir / WEIGHTS_NAME)
+        except (SafetensorError, OSError) as e:
+            raise InputError(
+                model_dir / WEIGHTS_NAME, f"not a readable safetensors file ({e})"
+            ) from None
     if (model_dir / LEGACY_WEIGHTS_NAME).is_file():
-        # weights_only: a pickle from the internet must not run code
-        return torch.load(model_dir / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True)
+        import pickle
+
+        try:
+            return torch.load(
+                model_dir / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True
+            )
+        except pickle.UnpicklingError:
+            raise InputError(
+                model_dir / LEGACY_WEIGHTS_NAME,
+                "holds objects other than tensors, which are not loaded (they could run code); "
+                "convert it to model.safetensors where you trust it, e.g. with transformers' "
+                "`from_pretrained(...).save_pretrained(..., safe_serialization=True)`",
+            ) from None
+        except (RuntimeError, EOFError, OSError) as e:
+            raise InputError(
+                model_dir / LEGACY_WEIGHTS_NAME, f"not a readable checkpoint ({e})"
+            ) from None
     raise FileNotFoundError(f"{model_dir}: no {WEIGHTS_NAME} or {LEGACY_WEIGHTS_NAME}")
 
 
@@ -552,132 +455,6 @@ class BertForPreTraining(BertPreTrainedModel):
         return PreTrainingOutput(loss, mlm_loss, nsp_loss, mlm_logits, nsp_logits)
 
 
-class BertForSequenceClassification(BertPreTrainedModel):
-    """A linear layer on the pooled [CLS] vector; regression (MSE) when num_labels == 1."""
-
-    def __init__(self, config: BertConfig):
-        super().__init__(config)
-        self.bert = BertModel(config)
-        p = config.classifier_dropout
-        self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self._init_weights(self.classifier)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        token_type_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-    ) -> ClassifierOutput:
-        pooled = self.bert(input_ids, token_type_ids, attention_mask).pooler_output
-        logits = self.classifier(self.dropout(pooled))
-        loss = None
-        if labels is not None:
-            if self.config.num_labels == 1:
-                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
-            else:
-                loss = F.cross_entropy(logits.float(), labels.long())
-        return ClassifierOutput(loss, logits)
-
-
 def num_parameters(model: nn.Module) -> int:
     """Unique parameters (the tied decoder counts once), for MFU's 6 * N * tokens."""
     return sum(p.numel() for p in model.parameters())
-
-
-# ----------------------------------------------------------------------------- token-level heads
-
-
-class QuestionAnsweringOutput(NamedTuple):
-    loss: torch.Tensor | None
-    start_logits: torch.Tensor  # [B, L]
-    end_logits: torch.Tensor  # [B, L]
-
-
-class _TokenLevelModel(BertPreTrainedModel):
-    """An encoder without pooler: token-level heads read every hidden state, never [CLS]'s pool.
-
-    transformers builds these models with `add_pooling_layer=False`, so their checkpoints have
-    no `bert.pooler.*` keys; we match that (an unused pooler would also get no gradient). A
-    pre-trained checkpoint's pooler is dropped on load, like its MLM/NSP heads.
-    """
-
-    def __init__(self, config: BertConfig):
-        super().__init__(config)
-        self.bert = BertModel(config)
-        self.bert.pooler = nn.Identity()  # no parameters; pooler_output is then unused
-        p = config.classifier_dropout
-        self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
-
-    def load_checkpoint_state(self, state: dict[str, torch.Tensor], source: str = "") -> None:
-        kept = {k: v for k, v in state.items() if ".pooler." not in f".{k}"}
-        super().load_checkpoint_state(kept, source)
-
-    def hidden_states(self, input_ids, token_type_ids, attention_mask) -> torch.Tensor:
-        return self.bert(input_ids, token_type_ids, attention_mask).last_hidden_state
-
-
-class BertForTokenClassification(_TokenLevelModel):
-    """A linear layer on every token's hidden state (NER, section 4.3 of the paper).
-
-    `labels` [B, L] hold -100 where no prediction is scored: special tokens, padding, and every
-    WordPiece of a word but its first.
-    """
-
-    def __init__(self, config: BertConfig):
-        super().__init__(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self._init_weights(self.classifier)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        token_type_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-    ) -> ClassifierOutput:
-        h = self.hidden_states(input_ids, token_type_ids, attention_mask)
-        logits = self.classifier(self.dropout(h))  # [B, L, num_labels]
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten().long(), ignore_index=-100
-            )
-        return ClassifierOutput(loss, logits)
-
-
-class BertForQuestionAnswering(_TokenLevelModel):
-    """Start and end logits for an answer span over every token (SQuAD, section 4.2).
-
-    As in transformers, `qa_outputs` maps each hidden state to `num_labels` (= 2) scores, no
-    dropout before it. The loss is the mean of the start and end cross-entropies; positions
-    outside the sequence are ignored (clamped to L, the ignore index), as transformers does.
-    """
-
-    def __init__(self, config: BertConfig):
-        super().__init__(config)
-        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
-        self._init_weights(self.qa_outputs)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        token_type_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        start_positions: torch.Tensor | None = None,
-        end_positions: torch.Tensor | None = None,
-    ) -> QuestionAnsweringOutput:
-        h = self.hidden_states(input_ids, token_type_ids, attention_mask)
-        start_logits, end_logits = self.qa_outputs(h).split(1, dim=-1)
-        start_logits, end_logits = start_logits.squeeze(-1), end_logits.squeeze(-1)
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            ignored = start_logits.shape[1]
-            start = start_positions.view(-1).long().clamp(0, ignored)
-            end = end_positions.view(-1).long().clamp(0, ignored)
-            loss = (
-                F.cross_entropy(start_logits.float(), start, ignore_index=ignored)
-                + F.cross_entropy(end_logits.float(), end, ignore_index=ignored)
-            ) / 2
-        return QuestionAnsweringOutput(loss, start_logits, end_logits)

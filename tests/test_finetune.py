@@ -35,7 +35,8 @@ from bert_core.finetune_glue import (
     truncate_pair_from_end,
 )
 from bert_core.glue import Example, compute_metrics, get_task, read_task
-from bert_core.model import BertConfig, BertForSequenceClassification
+from bert_core.heads import BertForSequenceClassification
+from bert_core.model import BertConfig
 
 
 @pytest.fixture(scope="module", autouse=True)

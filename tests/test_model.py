@@ -9,13 +9,9 @@ import pytest
 import torch
 import transformers
 
-from bert_core.model import (
-    PRESETS,
-    BertConfig,
-    BertForPreTraining,
-    BertForSequenceClassification,
-    BertModel,
-)
+from bert_core.bert_config import PRESETS
+from bert_core.heads import BertForSequenceClassification
+from bert_core.model import BertConfig, BertForPreTraining, BertModel
 
 torch.set_num_threads(2)
 

@@ -1,0 +1,150 @@
+"""BERT's hyper-parameters (`BertConfig`), its size presets and the checkpoint file names.
+
+Named as in `transformers.BertConfig` and Google's bert_config.json, and read from / written to
+the same config.json, so a model folder moves between this project and transformers unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch.nn.functional as F
+
+from bert_core.errors import InputError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+LEGACY_WEIGHTS_NAME = "pytorch_model.bin"
+VOCAB_NAME = "vocab.txt"
+# files that travel with the vocabulary (casing and special tokens for tokenizers)
+TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
+
+# (layers, hidden, heads); intermediate size is 4 x hidden as in the paper
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "tiny": (2, 128, 2),
+    "mini": (4, 256, 4),
+    "small": (4, 512, 8),
+    "medium": (8, 512, 8),
+    "base": (12, 768, 12),
+    "large": (24, 1024, 16),
+}
+
+
+@dataclass
+class BertConfig:
+    """BERT hyper-parameters, named as in `transformers.BertConfig` and Google's config."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    num_labels: int = 2
+    classifier_dropout: float | None = None
+    # A fine-tuned head's label names, as transformers keeps them: id -> name (int keys in
+    # memory, string keys in config.json) and name -> id. None: no names (a regression head, a
+    # span head, a pre-trained model); config.json then says LABEL_0, LABEL_1, ...
+    id2label: dict[int, str] | None = None
+    label2id: dict[str, int] | None = None
+    finetuning_task: str | None = None  # the task a fine-tuned model was trained on
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} not in {sorted(ACTIVATIONS)}")
+        if self.num_labels < 1:
+            raise ValueError(f"num_labels must be >= 1, got {self.num_labels}")
+        if self.id2label is not None:
+            self.id2label = {int(i): str(name) for i, name in self.id2label.items()}
+            if sorted(self.id2label) != list(range(self.num_labels)):
+                raise ValueError(
+                    f"id2label has ids {sorted(self.id2label)}, expected 0..{self.num_labels - 1} "
+                    f"(num_labels {self.num_labels})"
+                )
+            if self.id2label == _generic_labels(self.num_labels):
+                self.id2label = None  # transformers' placeholder names are no names
+        if self.id2label is None:
+            self.label2id = None
+        elif self.label2id is None:
+            self.label2id = {name: i for i, name in self.id2label.items()}
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> BertConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        layers, hidden, heads = PRESETS[name]
+        base = dict(
+            num_hidden_layers=layers,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            intermediate_size=4 * hidden,
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def from_dict(cls, d: dict, **overrides) -> BertConfig:
+        """Read a transformers/Google config (model and label names), ignoring other keys."""
+        if d.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(
+                f"position_embedding_type {d['position_embedding_type']!r} unsupported"
+            )
+        d = dict(d)
+        if "num_labels" not in d and isinstance(d.get("id2label"), dict):
+            d["num_labels"] = len(d["id2label"])
+        if "num_labels" in overrides and "id2label" not in overrides:
+            if overrides["num_labels"] != d.get("num_labels"):  # a new head: its names go
+                d.pop("id2label", None)
+                d.pop("label2id", None)
+        names = {f.name for f in fields(cls)}
+        return cls(**{**{k: v for k, v in d.items() if k in names}, **overrides})
+
+    @classmethod
+    def from_json_file(cls, path: str | Path, **overrides) -> BertConfig:
+        """A config.json; a broken or inconsistent one is an error that names the file."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                return cls.from_dict(json.load(f), **overrides)
+        except json.JSONDecodeError as e:
+            raise InputError(path, f"not valid JSON ({e.msg})", line=e.lineno) from None
+        except (TypeError, ValueError) as e:
+            raise InputError(path, str(e)) from None
+
+    def to_dict(self) -> dict:
+        """The transformers-compatible config.json content."""
+        d = asdict(self)
+        d.pop("num_labels")  # transformers counts id2label
+        id2label = self.id2label or _generic_labels(self.num_labels)
+        d["id2label"] = {str(i): name for i, name in id2label.items()}
+        d["label2id"] = self.label2id or {name: i for i, name in id2label.items()}
+        task = d.pop("finetuning_task")
+        d.update(model_type="bert", position_embedding_type="absolute")
+        if task is not None:
+            d["finetuning_task"] = task
+        return d
+
+
+def _generic_labels(num_labels: int) -> dict[int, str]:
+    """transformers' names for a head without label names: LABEL_0, LABEL_1, ..."""
+    return {i: f"LABEL_{i}" for i in range(num_labels)}
+
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}

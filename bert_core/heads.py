@@ -1,0 +1,145 @@
+"""The fine-tuning heads of BERT's section 4 on top of the encoder in `bert_core.model`.
+
+One class per kind of task, with transformers' class and parameter names (`classifier.*`,
+`qa_outputs.*`), so a fine-tuned checkpoint loads in either library:
+`BertForSequenceClassification` (GLUE: the pooled [CLS] vector), `BertForTokenClassification`
+(NER: every token) and `BertForQuestionAnswering` (SQuAD: a start and an end logit per token).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bert_core.model import BertConfig, BertModel, BertPreTrainedModel
+
+
+class ClassifierOutput(NamedTuple):
+    loss: torch.Tensor | None
+    logits: torch.Tensor  # [B, num_labels]
+
+
+class BertForSequenceClassification(BertPreTrainedModel):
+    """A linear layer on the pooled [CLS] vector; regression (MSE) when num_labels == 1."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        p = config.classifier_dropout
+        self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self._init_weights(self.classifier)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> ClassifierOutput:
+        pooled = self.bert(input_ids, token_type_ids, attention_mask).pooler_output
+        logits = self.classifier(self.dropout(pooled))
+        loss = None
+        if labels is not None:
+            if self.config.num_labels == 1:
+                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
+            else:
+                loss = F.cross_entropy(logits.float(), labels.long())
+        return ClassifierOutput(loss, logits)
+
+
+class QuestionAnsweringOutput(NamedTuple):
+    loss: torch.Tensor | None
+    start_logits: torch.Tensor  # [B, L]
+    end_logits: torch.Tensor  # [B, L]
+
+
+class _TokenLevelModel(BertPreTrainedModel):
+    """An encoder without pooler: token-level heads read every hidden state, never [CLS]'s pool.
+
+    transformers builds these models with `add_pooling_layer=False`, so their checkpoints have
+    no `bert.pooler.*` keys; we match that (an unused pooler would also get no gradient). A
+    pre-trained checkpoint's pooler is dropped on load, like its MLM/NSP heads.
+    """
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.bert.pooler = nn.Identity()  # no parameters; pooler_output is then unused
+        p = config.classifier_dropout
+        self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor], source: str = "") -> None:
+        kept = {k: v for k, v in state.items() if ".pooler." not in f".{k}"}
+        super().load_checkpoint_state(kept, source)
+
+    def hidden_states(self, input_ids, token_type_ids, attention_mask) -> torch.Tensor:
+        return self.bert(input_ids, token_type_ids, attention_mask).last_hidden_state
+
+
+class BertForTokenClassification(_TokenLevelModel):
+    """A linear layer on every token's hidden state (NER, section 4.3 of the paper).
+
+    `labels` [B, L] hold -100 where no prediction is scored: special tokens, padding, and every
+    WordPiece of a word but its first.
+    """
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self._init_weights(self.classifier)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> ClassifierOutput:
+        h = self.hidden_states(input_ids, token_type_ids, attention_mask)
+        logits = self.classifier(self.dropout(h))  # [B, L, num_labels]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten().long(), ignore_index=-100
+            )
+        return ClassifierOutput(loss, logits)
+
+
+class BertForQuestionAnswering(_TokenLevelModel):
+    """Start and end logits for an answer span over every token (SQuAD, section 4.2).
+
+    As in transformers, `qa_outputs` maps each hidden state to `num_labels` (= 2) scores, no
+    dropout before it. The loss is the mean of the start and end cross-entropies; positions
+    outside the sequence are ignored (clamped to L, the ignore index), as transformers does.
+    """
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self._init_weights(self.qa_outputs)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        start_positions: torch.Tensor | None = None,
+        end_positions: torch.Tensor | None = None,
+    ) -> QuestionAnsweringOutput:
+        h = self.hidden_states(input_ids, token_type_ids, attention_mask)
+        start_logits, end_logits = self.qa_outputs(h).split(1, dim=-1)
+        start_logits, end_logits = start_logits.squeeze(-1), end_logits.squeeze(-1)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored = start_logits.shape[1]
+            start = start_positions.view(-1).long().clamp(0, ignored)
+            end = end_positions.view(-1).long().clamp(0, ignored)
+            loss = (
+                F.cross_entropy(start_logits.float(), start, ignore_index=ignored)
+                + F.cross_entropy(end_logits.float(), end, ignore_index=ignored)
+            ) / 2
+        return QuestionAnsweringOutput(loss, start_logits, end_logits)

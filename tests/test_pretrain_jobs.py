@@ -283,8 +283,10 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
     env |= {"RAY_AUTH_TOKEN": ray_head.token, "BERT_RAY_STORAGE": f"s3://{BUCKET}/ray"}
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path}/m.db"
     env.pop("BERT_PARENT_RUN_ID", None)
-    common = ["--instances", str(tiny_instances), "--preset", "tiny", "--steps", "60",
-              "--batch-size", "8", "--checkpoint-every", "10", "--log-every", "10",
+    # 150 steps of ~0.1 s, a checkpoint every 25: the job is stopped after its first
+    # checkpoint, and 125 steps leave time enough for the stop to land before the end
+    common = ["--instances", str(tiny_instances), "--preset", "tiny", "--steps", "150",
+              "--batch-size", "8", "--checkpoint-every", "25", "--log-every", "25",
               "--seed", "7"]  # fmt: skip
     args = [*common, "--output", "run", "--run-name", "kfp-retry"]
 
@@ -297,7 +299,7 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
 
     second = Caller(args, env, tmp_path)
     second.wait_for(rf"Ray job {base} is RUNNING at {re.escape(ray_head.url)}; following it", 120)
-    _wait_s3("ray/kfp-retry/kfp-retry/checkpoint_00000010/state.pt", 180)
+    _wait_s3("ray/kfp-retry/kfp-retry/checkpoint_00000025/state.pt", 180)
     ray_head.api("POST", f"/api/jobs/{base}/stop")
     assert second.finish() == 2, second.text[-4000:]
     assert f"bert pretrain: error: Ray job {base} STOPPED" in second.text
@@ -310,8 +312,8 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
     assert third.finish() == 0, third.text[-4000:]
     assert f"Ray job {base} STOPPED; resubmitting as {base}-r2" in third.text
     resumed = int(re.search(r"\[pretrain\] resumed from step (\d+)", third.text).group(1))
-    assert 10 <= resumed < 60, resumed
-    assert "pretrain: step 60/60" in third.text
+    assert 25 <= resumed < 150, resumed
+    assert "pretrain: step 150/150" in third.text
     jobs = ray_head.jobs(base)
     assert {k: v["status"] for k, v in jobs.items() if k.startswith(base)} == {
         base: "STOPPED",
@@ -347,4 +349,4 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
     for name in one_go:
         torch.testing.assert_close(resumed_weights[name], one_go[name], atol=1e-6, rtol=0)
     rows = (tmp_path / "run" / "pretrain_metrics.csv").read_text().splitlines()
-    assert [r.split(",")[0] for r in rows[1:]] == [str(s) for s in range(10, 61, 10)]
+    assert [r.split(",")[0] for r in rows[1:]] == [str(s) for s in range(25, 151, 25)]

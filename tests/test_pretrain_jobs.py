@@ -256,13 +256,18 @@ def _s3_keys(prefix: str) -> set[str]:
     return {o["Key"] for page in pages for o in page.get("Contents", [])}
 
 
-def _wait_s3(key: str, timeout: float) -> None:
-    end = time.time() + timeout
+def _wait_recorded(run: str, checkpoint: str, timeout: float) -> None:
+    """Wait until Ray Train has recorded `checkpoint` in the run's snapshot in the bucket (it
+    uploads a checkpoint first and records it after: only a recorded one is resumed from)."""
+    key = f"ray/{run}/{run}/checkpoint_manager_snapshot.json"
+    s3, end = st.s3_client(), time.time() + timeout
     while time.time() < end:
         if key in _s3_keys(key):
-            return
+            body = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+            if checkpoint.encode() in body:
+                return
         time.sleep(0.2)
-    raise AssertionError(f"s3://{BUCKET}/{key} did not appear in {timeout}s")
+    raise AssertionError(f"{checkpoint} not in s3://{BUCKET}/{key} after {timeout}s")
 
 
 @pytest.mark.slow
@@ -299,7 +304,7 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
 
     second = Caller(args, env, tmp_path)
     second.wait_for(rf"Ray job {base} is RUNNING at {re.escape(ray_head.url)}; following it", 120)
-    _wait_s3("ray/kfp-retry/kfp-retry/checkpoint_00000025/state.pt", 180)
+    _wait_recorded("kfp-retry", "checkpoint_00000025", 180)
     ray_head.api("POST", f"/api/jobs/{base}/stop")
     assert second.finish() == 2, second.text[-4000:]
     assert f"bert pretrain: error: Ray job {base} STOPPED" in second.text

@@ -278,7 +278,8 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
     dies (SIGKILL); a retry finds the job RUNNING and follows it; the job is stopped after its
     first checkpoint (the retry exits non-zero, naming the job); the next retry resubmits it as
     `-r2`, which resumes from the checkpoint in S3 and ends with the weights of an uninterrupted
-    run; one more retry only fetches the outputs."""
+    run; one more retry only fetches the outputs. One long test on purpose: each step needs the
+    state the previous one left on the cluster, and every job start costs tens of seconds."""
     from safetensors.torch import load_file
 
     for key, value in s3[1].items():

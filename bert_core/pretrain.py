@@ -13,6 +13,12 @@ failed (`FailureConfig.max_failures`) and a command started again both continue 
 checkpoint through `ray.train.get_checkpoint()`. Ray writes a checkpoint completely before it
 records it in the snapshot, so a crash while saving never hides the previous one.
 
+Where things go: Ray checkpoints under `storage_path(cfg)` (`--storage-path`, else
+`$BERT_RAY_STORAGE/<run-name>` when the cluster's ConfigMap sets it, else OUTPUT/ray); an s3://
+`--output` is written to a local folder first and uploaded at the end. With `RAY_ADDRESS` set to
+a Ray dashboard URL (http://...:8265) the command does not train here: it submits itself as a Ray
+job and follows it (`bert_core.ray_jobs`).
+
 Two-phase training as in the paper (90% of steps at 128 tokens, then 512): run phase one on
 128-token instances, then phase two on 512-token instances with `--init-model PHASE1/model`.
 """
@@ -23,19 +29,22 @@ import contextlib
 import math
 import os
 import shutil
+import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bert_core import ray_jobs
 from bert_core.errors import BertError, InputError, atomic_dir
 from bert_core.pretrain_config import PretrainConfig, build_parser, parse_args
 from bert_core.pretrain_data import list_row_groups
 from bert_core.pretrain_state import HELDOUT_COLUMNS, load_state, write_metrics_csv
-from bert_core.storage import filesystem, is_s3, preflight
+from bert_core.storage import copy, filesystem, is_s3, preflight
 from bert_core.tokenizer import read_vocab
 
-__all__ = ["PretrainConfig", "build_parser", "init_local_ray", "main", "pretrain"]
+__all__ = ["PretrainConfig", "build_parser", "init_local_ray", "main", "pretrain", "storage_path"]
 
 
 def _quiet_worker_logs() -> None:
@@ -73,8 +82,13 @@ def _init_ray(cfg: PretrainConfig) -> None:
         init_local_ray(max(os.cpu_count() or 1, cfg.num_workers * cfg.cpus_per_worker))
 
 
-def _storage(cfg: PretrainConfig) -> str:
-    path = cfg.storage_path or str(Path(cfg.output) / "ray")
+def storage_path(cfg: PretrainConfig) -> str:
+    """Where Ray keeps this run's checkpoints (a run resumes from what it finds there):
+    --storage-path, else $BERT_RAY_STORAGE/<run-name> (set on a cluster, so every run name has
+    its own folder in the bucket), else OUTPUT/ray. Local paths are made absolute."""
+    base = os.environ.get("BERT_RAY_STORAGE", "").rstrip("/")
+    path = cfg.storage_path or (f"{base}/{cfg.run_name}" if base else None)
+    path = path or f"{cfg.output.rstrip('/')}/ray"
     return path if "://" in path else str(Path(path).resolve())
 
 
@@ -138,16 +152,21 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from bert_core import tracking
 
     cfg.validate()
+    storage = storage_path(cfg)
     # Seconds, not GPU hours: an unreachable tracking server or bucket fails before Ray starts.
-    preflight(tracking.tracking_uri(), [cfg.instances, cfg.storage_path])
+    preflight(tracking.tracking_uri(), [cfg.instances, storage, cfg.output])
     _check_inputs(cfg)
+    if ray_jobs.dashboard_address():
+        return ray_jobs.run_as_job(cfg, storage)
     cfg.instances = _local(cfg.instances)
-    cfg.output = str(Path(cfg.output).resolve())
+    cfg.output = _local(cfg.output)
     if cfg.init_model:
         cfg.init_model = str(Path(cfg.init_model).resolve())
     _init_ray(cfg)
-    storage = _storage(cfg)
-    with tracking.start_run("pretrain", cfg, tags={"bert.storage_path": storage}) as run:
+    with (
+        tracking.start_run("pretrain", cfg, tags={"bert.storage_path": storage}) as run,
+        _output_folder(cfg.output) as out,
+    ):
         progress = _Progress(cfg.steps)
         try:
             loop_config = {
@@ -161,12 +180,12 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
             progress.close()
         if result.checkpoint is None:
             raise BertError(f"the run under {storage}/{cfg.run_name} produced no checkpoint")
-        summary = _finish(cfg, result.checkpoint)
+        summary = _finish(cfg, result.checkpoint, out)
         import mlflow
 
         if summary["finished"]:
-            mlflow.log_artifact(str(Path(cfg.output) / "pretrain_metrics.csv"))
-            mlflow.log_artifact(str(Path(cfg.output) / "heldout_metrics.csv"))
+            mlflow.log_artifact(str(out / "pretrain_metrics.csv"))
+            mlflow.log_artifact(str(out / "heldout_metrics.csv"))
         mlflow.set_tag("bert.pretrain.step", str(summary["step"]))
     return summary
 
@@ -200,9 +219,22 @@ def _trainer(cfg: PretrainConfig, storage: str, loop_config: dict[str, Any]):
     )
 
 
-def _finish(cfg: PretrainConfig, checkpoint) -> dict[str, Any]:
-    """Copy the final model out of the last checkpoint and write the metrics CSV."""
-    out = Path(cfg.output)
+@contextlib.contextmanager
+def _output_folder(output: str) -> Iterator[Path]:
+    """The local folder the run's outputs are written to: OUTPUT itself, or for an s3://
+    OUTPUT a temporary folder uploaded there when the run succeeds."""
+    if not is_s3(output):
+        yield Path(output)
+        return
+    with tempfile.TemporaryDirectory(prefix="bert-pretrain-out-") as tmp:
+        yield Path(tmp)
+        for name in ("model", "pretrain_metrics.csv"):
+            if (Path(tmp) / name).exists():
+                copy(Path(tmp) / name, f"{output.rstrip('/')}/{name}")
+
+
+def _finish(cfg: PretrainConfig, checkpoint, out: Path) -> dict[str, Any]:
+    """Copy the final model out of the last checkpoint and write the metrics CSV into `out`."""
     with checkpoint.as_directory() as d:
         state = load_state(d)
         finished = state["step"] >= cfg.steps and (Path(d) / "model").is_dir()
@@ -225,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         f"pretrain: step {summary['step']}/{cfg.steps}, loss {last.get('loss', math.nan):.4f}, "
         f"mlm_accuracy {last.get('mlm_accuracy', math.nan):.4f} -> {where}"
     )
-    for h in summary["heldout"]:  # the last held-out evaluation, beside its baselines
+    for h in summary.get("heldout", []):  # the last held-out evaluation, beside its baselines
         print(
             f"pretrain: held-out mlm_accuracy {h['heldout_mlm_accuracy']:.4f} (most frequent "
             f"token {h['baseline_mlm_accuracy']:.4f}), perplexity {h['heldout_perplexity']:.1f}, "

@@ -232,3 +232,46 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ---------------------------------------------------------------- copies between local and s3://
+# (used by `bert pretrain` for `--output s3://...` and by its Ray jobs, bert_core.ray_jobs)
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """A file or folder at this local path or s3:// URI."""
+    import pyarrow.fs as pafs
+
+    fs, where = filesystem(path)
+    return fs.get_file_info(where).type != pafs.FileType.NotFound
+
+
+def copy(src: str | os.PathLike, dst: str | os.PathLike) -> int:
+    """Copy a file or a folder (recursively) from `src` to `dst`, each a local path or an s3://
+    URI, replacing files of the same name; returns the number of files copied.
+
+    One call for every direction (local -> S3 for uploads, S3 -> local for a KFP step's output
+    folder) through pyarrow's filesystems, so the endpoint rules are `filesystem`'s."""
+    import pyarrow.fs as pafs
+
+    from bert_core.errors import InputError
+
+    src_fs, src_path = filesystem(src)
+    dst_fs, dst_path = filesystem(dst)
+    info = src_fs.get_file_info(src_path)
+    if info.type == pafs.FileType.NotFound:
+        raise InputError(src, "not found")
+    if info.type == pafs.FileType.File:
+        files = [(src_path, dst_path)]
+    else:
+        found = src_fs.get_file_info(pafs.FileSelector(src_path, recursive=True))
+        files = [
+            (f.path, dst_path + f.path[len(src_path) :])
+            for f in found
+            if f.type == pafs.FileType.File
+        ]
+    for s, d in files:
+        if not is_s3(dst):  # object stores have no folders to create
+            os.makedirs(os.path.dirname(d) or ".", exist_ok=True)
+        pafs.copy_files(s, d, source_filesystem=src_fs, destination_filesystem=dst_fs)
+    return len(files)

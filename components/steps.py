@@ -114,14 +114,24 @@ def pretrain(
     pretrained: Output[Model],
     metrics: Output[Metrics],
 ):
-    """bert pretrain (Ray Train); the model is logged and registered in MLflow."""
+    """bert pretrain (Ray Train); the model is logged and registered in MLflow.
+
+    On a cluster the pod's RAY_ADDRESS is the RayCluster's dashboard (http://...:8265), so the
+    command submits itself as a Ray job, follows it and copies the model back into `pretrained`
+    (bert_core.ray_jobs). The Ray run is named after the KFP run (`kfp-<KFP_RUN_ID>`), so its
+    checkpoints, under $BERT_RAY_STORAGE/kfp-<id>, belong to this run only and a retry of this
+    task finds them: it follows the job still running, or resubmits it to resume."""
+    import os
+
     from bert_core.cli import kfp_register_pretrained, kfp_step
 
+    kfp_run = os.environ.get("KFP_RUN_ID", "")  # the pod's env, not an input: see above
     kfp_step(
         ["pretrain", "--instances", shards.path, "--output", pretrained.path, "--preset", preset]
         + ["--steps", steps, "--batch-size", batch_size, "--num-workers", num_workers]
         + ["--learning-rate", learning_rate]
         + (["--use-gpu"] if use_gpu else [])
+        + (["--run-name", f"kfp-{kfp_run}"] if kfp_run else [])
     )
     for name, value in kfp_register_pretrained(pretrained.path).items():
         metrics.log_metric(name, value)

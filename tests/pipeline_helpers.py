@@ -96,3 +96,18 @@ def pretraining_instances(
         ):  # fmt: skip
             assert cli.main([str(a) for a in argv]) == 0, argv
     return root / "instances"
+
+
+def local_services():
+    """infra/scripts/local_services.py (the S3 and MLflow servers users start too), loaded once:
+    a script, not a package module."""
+    import importlib.util
+
+    if "local_services" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "local_services", ROOT / "infra" / "scripts" / "local_services.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["local_services"]

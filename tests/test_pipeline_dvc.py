@@ -1,12 +1,17 @@
 """`make run` (dvc repro in an MLflow pipeline run) end to end, in a copy of the project.
 
 Small settings (tests/pipeline_helpers.py): the same stages and commands as the default run.
+Also: each stage depends on the code it runs (checked against an import analysis, and through
+`dvc status` after a code change), and `dvc push` / `dvc pull` through the default remote of
+.dvc/config against a real S3 server.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.pipeline_helpers import env_for, project_copy
+from tests.pipeline_helpers import env_for, local_services, project_copy
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "bert_core"
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +66,22 @@ def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
     assert f"mlflow ui --backend-store-uri {env['MLFLOW_TRACKING_URI']}" in first
     shown = json.loads(_dvc(repo, env, "metrics", "show", "--json"))
     (metrics,) = [d["data"] for d in shown.values()]
-    (glue,) = metrics.values()
-    assert glue["data"]["glue_score"] == pytest.approx(results["glue_score"])
+    files = {Path(k).as_posix(): v["data"] for k, v in metrics.items()}
+    assert files["runs/dvc/evaluate/glue_results.json"]["glue_score"] == pytest.approx(
+        results["glue_score"]
+    )
+    # every task's metrics.json is a DVC metric too (a copy of the one in its output folder)
+    for task in ("SST-2", "MRPC", "STS-B"):
+        copied = (repo / "runs/dvc/metrics" / f"{task}.json").read_text()
+        assert copied == (repo / "runs/dvc/glue" / task / "metrics.json").read_text()
+        assert files[f"runs/dvc/metrics/{task}.json"]["task"] == task
+    assert set(files) == {"runs/dvc/evaluate/glue_results.json"} | {
+        f"runs/dvc/metrics/{t}.json" for t in ("SST-2", "MRPC", "STS-B")
+    }
+    # the GLUE chart is a DVC plot (an image), beside the pre-training curves
+    plots = json.loads(_dvc(repo, env, "plots", "show", "--json"))
+    (image,) = plots["data"]["runs/dvc/evaluate/glue_scores.png"]
+    assert image["type"] == "image", image
 
 
 @pytest.mark.slow
@@ -93,6 +115,31 @@ def test_params_are_wired_to_their_stages(dvc_run):
             assert changed == stages, (section, key, changed)
     finally:
         (repo / "params.yaml").write_text(original)
+    assert json.loads(_dvc(repo, env, "status", "--json")) == {}
+
+
+@pytest.mark.slow
+def test_a_code_change_marks_the_stages_running_that_code(dvc_run):
+    """Editing a bert_core module makes `dvc status` report exactly the stages whose command
+    imports it (the stages after them change once those re-run and their outputs change)."""
+    repo, env, _ = dvc_run
+    glue = {"finetune@SST-2", "finetune@MRPC", "finetune@STS-B"}
+    cases = [
+        ("corpus.py", {"clean"}),
+        ("pretrain_worker.py", {"pretrain"}),
+        ("finetune_glue.py", glue),
+        ("glue.py", glue | {"evaluate"}),
+        ("errors.py", {"clean", "vocab", "instances", "pretrain", "evaluate"} | glue),
+    ]
+    for name, stages in cases:
+        module = repo / "bert_core" / name
+        original = module.read_bytes()
+        try:
+            module.write_bytes(original + b"\n# edited\n")
+            changed = set(json.loads(_dvc(repo, env, "status", "--json")))
+            assert changed == stages, (name, changed)
+        finally:
+            module.write_bytes(original)
     assert json.loads(_dvc(repo, env, "status", "--json")) == {}
 
 
@@ -178,7 +225,8 @@ def test_token_tasks_are_a_foreach_stage_feeding_evaluate(tmp_path, shared_data)
         line.split()[0]: line for line in _dvc(repo, env, "stage", "list").splitlines() if line
     }
     assert "finetune-token@conll2003" in stages
-    assert stages["finetune-token@conll2003"].endswith("runs/dvc/glue/conll2003")
+    assert "Outputs runs/dvc/glue/conll2003" in stages["finetune-token@conll2003"]
+    assert stages["finetune-token@conll2003"].endswith("Reports runs/dvc/metrics/conll2003.json")
     dag = _dvc(repo, env, "dag", "--dot")
     assert '"pretrain" -> "finetune-token@conll2003"' in dag
     assert '"finetune-token@conll2003" -> "evaluate"' in dag
@@ -186,3 +234,122 @@ def test_token_tasks_are_a_foreach_stage_feeding_evaluate(tmp_path, shared_data)
     assert {"finetune-token@conll2003", "evaluate"} <= set(status)
     (deps,) = [d["changed deps"] for d in status["finetune-token@conll2003"] if "changed deps" in d]
     assert any(Path(dep).as_posix().endswith("shared/data/conll2003") for dep in deps), deps
+
+
+# ---------------------------------------------------------------- the code each stage runs
+
+
+def _imports(module: str, entry_only: bool) -> set[str]:
+    """The bert_core modules `module` imports: anywhere in it (a lazy import in a function runs
+    when the function does), or with `entry_only` only at module level and in `main`: what
+    `bert <command>` runs of bert_core.cli, whose other functions are the KFP steps' helpers."""
+    path = PKG / f"{module.removeprefix('bert_core.')}.py" if "." in module else PKG / "__init__.py"
+    tree = ast.parse(path.read_text())
+    funcs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    tops = [n for n in tree.body if not (entry_only and isinstance(n, funcs) and n.name != "main")]
+    found = set()
+    for node in (n for top in tops for n in ast.walk(top)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("bert_core.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "bert_core":  # `from bert_core import glue, optim`
+                found |= {
+                    f"bert_core.{a.name}" if (PKG / f"{a.name}.py").exists() else "bert_core"
+                    for a in node.names
+                }
+            elif node.module.startswith("bert_core."):
+                found.add(node.module)
+    return found
+
+
+def stage_code(command: str, extra: set[str] = frozenset()) -> set[str]:
+    """The files of bert_core that `bert <command>` runs: the import closure of the CLI's entry,
+    the command's module (the CLI imports it by name) and `extra` modules (imported by name)."""
+    from bert_core.cli import COMMANDS
+
+    seen, todo = set(), ["bert_core.cli", COMMANDS[command][0], *extra]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += _imports(module, entry_only=module == "bert_core.cli")
+    seen.add("bert_core")  # importing any of them runs bert_core/__init__.py
+    return {f"bert_core/{m.removeprefix('bert_core.')}.py" if "." in m else "bert_core/__init__.py"
+            for m in seen}  # fmt: skip
+
+
+def _task_modules(glue_tasks: bool) -> set[str]:
+    """The modules `bert finetune` loads by name for GLUE tasks, or for the token-level ones."""
+    from bert_core import finetune, glue
+
+    return {v.split(":")[0] for k, v in finetune.TASKS.items() if (k in glue.TASKS) == glue_tasks}
+
+
+def test_every_stage_depends_on_the_code_it_runs():
+    """dvc.yaml lists, for each stage, exactly the bert_core files its command runs."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    extra = {"finetune": _task_modules(True), "finetune-token": _task_modules(False)}
+    for name, stage in stages.items():
+        body = stage.get("do", stage)  # foreach stages
+        bert, command = body["cmd"].split()[:2]
+        assert bert == "bert", name
+        expected = stage_code(command, extra.get(name, set()))
+        listed = {d for d in body["deps"] if d.startswith("bert_core/")}
+        assert listed == expected, (name, sorted(expected - listed), sorted(listed - expected))
+    # the analysis itself: lazy imports count (pretrain_worker is imported inside a function,
+    # ray_jobs at the top), the KFP helpers of the CLI do not (kfp_metrics imports evaluate),
+    # modules loaded by name do (the GLUE task, for finetune only)
+    assert {"bert_core/pretrain_worker.py", "bert_core/ray_jobs.py"} <= stage_code("pretrain")
+    assert "bert_core/evaluate.py" not in stage_code("clean")
+    assert "bert_core/finetune_glue.py" not in stage_code("finetune")
+    assert "bert_core/finetune_glue.py" in stage_code("finetune", _task_modules(True))
+    assert "bert_core/ner.py" in stage_code("finetune", _task_modules(False))
+
+
+# ---------------------------------------------------------------- the default remote
+
+
+@pytest.fixture(scope="module")
+def s3_bucket(tmp_path_factory):
+    """A real S3 server with the bucket .dvc/config names; its client environment."""
+    services = local_services()
+    server = services.start_s3(tmp_path_factory.mktemp("s3-dvc"), buckets=("bert",))
+    yield services.client_env(server.url, {})
+    server.stop()
+
+
+@pytest.mark.slow
+def test_dvc_push_and_pull_through_the_default_remote(dvc_run, s3_bucket):
+    """`dvc push` sends every cached output to s3://bert/dvc (the endpoint and credentials from
+    the environment only); after the cache and the outputs are wiped, `dvc pull` restores them
+    and the pipeline is up to date again."""
+    import boto3
+
+    repo, env, _ = dvc_run
+    env = {**env, **s3_bucket}
+    config = [ln for ln in (repo / ".dvc" / "config").read_text().splitlines() if ln[:1] != "#"]
+    assert "    url = s3://bert/dvc" in config and "    remote = store" in config
+    assert not [ln for ln in config if re.search(r"endpointurl|secret|access_key", ln)], config
+    _dvc(repo, env, "push")
+    s3 = boto3.client(
+        "s3", endpoint_url=s3_bucket["AWS_ENDPOINT_URL"],
+        aws_access_key_id=s3_bucket["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=s3_bucket["AWS_SECRET_ACCESS_KEY"],
+    )  # fmt: skip
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket="bert", Prefix="dvc/")
+    pushed = [o["Key"] for page in pages for o in page.get("Contents", [])]
+    cached = [p for p in (repo / ".dvc" / "cache" / "files").rglob("*") if p.is_file()]
+    assert len(pushed) == len(cached) > 20, (len(pushed), len(cached))
+
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    # the cached outputs; pretrain-ray (Ray's checkpoints) is `cache: false` and stays
+    outs = {o["path"] for s in lock.values() for o in s["outs"]} - {"runs/dvc/pretrain-ray"}
+    results = (repo / "runs/dvc/evaluate/glue_results.json").read_bytes()
+    shutil.rmtree(repo / ".dvc" / "cache")
+    for out in outs:
+        path = repo / out
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    assert set(json.loads(_dvc(repo, env, "status", "--json"))) >= {"clean", "evaluate"}
+    _dvc(repo, env, "pull")
+    assert json.loads(_dvc(repo, env, "status", "--json")) == {}
+    assert (repo / "runs/dvc/evaluate/glue_results.json").read_bytes() == results

@@ -1,0 +1,358 @@
+"""`bert pretrain` through the Ray Jobs API, against a real local Ray head and a real S3 server.
+
+The head is `ray start --head` with its dashboard (the Jobs API) on a free loopback port, token
+authentication on (Ray's default once a token exists), the S3 server's endpoint and credentials
+in its environment as the KubeRay pods have them from the ConfigMap and Secret. The caller is
+the `bert pretrain` command with `RAY_ADDRESS=http://127.0.0.1:<port>`, as in a KFP step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from bert_core import pretrain as pt
+from bert_core import ray_jobs
+from bert_core import storage as st
+from bert_core.pretrain_config import PretrainConfig, parse_args
+from tests.pipeline_helpers import local_services, pretraining_instances
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET = "bert-jobs"
+
+
+services = local_services()
+
+
+# ---------------------------------------------------------------- no cluster
+
+
+def test_config_argv_gives_back_the_config():
+    cfg = PretrainConfig(
+        instances="s3://b/i", output="/o", steps=7, use_gpu=True, adam_betas=(0.9, 0.98),
+        learning_rate=5e-3, dropout=0.0, storage_path="s3://b/ray/x", stop_after=3,
+    )  # fmt: skip
+    argv = ray_jobs.config_argv(cfg)
+    assert parse_args(argv) == cfg
+    assert "--use-gpu" in argv and "--compile" not in argv and "--warmup-steps" not in argv
+    assert argv[argv.index("--adam-betas") + 1 : argv.index("--adam-betas") + 3] == ["0.9", "0.98"]
+    every = {f.name for f in fields(PretrainConfig)}  # a new field must round-trip too
+    assert {a[2:].replace("-", "_") for a in argv if a.startswith("--")} <= every
+
+
+def test_submission_ids_are_stable_per_run_and_count_attempts():
+    base = ray_jobs.submission_base("s3://b/ray/kfp-1", "bert pretrain --steps 40")
+    assert base == ray_jobs.submission_base("s3://b/ray/kfp-1", "bert pretrain --steps 40")
+    assert re.fullmatch(r"bert-pretrain-[0-9a-f]{12}", base)
+    assert base != ray_jobs.submission_base("s3://b/ray/kfp-2", "bert pretrain --steps 40")
+    assert base != ray_jobs.submission_base("s3://b/ray/kfp-1", "bert pretrain --steps 80")
+    assert [ray_jobs.attempt_id(base, n) for n in (1, 2, 3)] == [base, f"{base}-r2", f"{base}-r3"]
+    numbers = [ray_jobs.attempt_number(s, base) for s in (base, f"{base}-r2", f"{base}-r12")]
+    assert numbers == [1, 2, 12]
+    assert ray_jobs.attempt_number(f"{base}x-r2", base) is None
+    assert ray_jobs.attempt_number("bert-pretrain-000000000000", base) is None
+
+
+def test_storage_path_defaults(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BERT_RAY_STORAGE", raising=False)
+    cfg = PretrainConfig(instances="i", output="out", run_name="kfp-42")
+    assert pt.storage_path(cfg) == str(tmp_path / "out" / "ray")
+    s3 = PretrainConfig(instances="i", output="s3://b/run/")
+    assert pt.storage_path(s3) == "s3://b/run/ray"
+    monkeypatch.setenv("BERT_RAY_STORAGE", "s3://bert/ray/")
+    assert pt.storage_path(cfg) == "s3://bert/ray/kfp-42"
+    cfg.storage_path = "ckpt"  # an explicit --storage-path wins
+    assert pt.storage_path(cfg) == str(tmp_path / "ckpt")
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265/")
+    assert ray_jobs.dashboard_address() == "http://head:8265"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # inside a job: the GCS, train here
+    assert ray_jobs.dashboard_address() is None
+
+
+# ---------------------------------------------------------------- real S3, real Ray head
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    svc = services.start_s3(tmp_path_factory.mktemp("s3-jobs"), buckets=(BUCKET,))
+    env = services.client_env(svc.url, {})
+    yield svc, env
+    svc.stop()
+
+
+def test_copy_between_local_and_s3(s3, tmp_path, monkeypatch):
+    for key, value in s3[1].items():
+        monkeypatch.setenv(key, value)
+    src = tmp_path / "model"
+    (src / "sub").mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    (src / "sub" / "w.bin").write_bytes(os.urandom(3000))
+    assert st.copy(src, f"s3://{BUCKET}/copy/model") == 2
+    assert st.exists(f"s3://{BUCKET}/copy/model/sub/w.bin")
+    assert not st.exists(f"s3://{BUCKET}/copy/nothing")
+    assert st.copy(f"s3://{BUCKET}/copy/model", tmp_path / "back") == 2
+    back = tmp_path / "back" / "sub" / "w.bin"
+    assert back.read_bytes() == (src / "sub" / "w.bin").read_bytes()
+    st.copy(src / "config.json", f"s3://{BUCKET}/copy/one.json")
+    st.copy(f"s3://{BUCKET}/copy/one.json", tmp_path / "deep" / "one.json")
+    assert (tmp_path / "deep" / "one.json").read_text() == "{}"
+    with pytest.raises(ValueError, match="not found"):
+        st.copy(f"s3://{BUCKET}/copy/missing", tmp_path / "x")
+
+
+def _free_port() -> int:
+    return services.free_port()
+
+
+class RayHead:
+    """`ray start --head --block` in its own session; `stop` kills it and every process it
+    started (found before killing, since orphans lose their parent), never `ray stop`, which
+    would stop every Ray instance on the machine."""
+
+    def __init__(self, env: dict[str, str]):
+        self.token = secrets.token_hex(32)
+        self.port = _free_port()
+        self.tmp = tempfile.mkdtemp(prefix="rayjobs-", dir="/tmp")  # short: unix socket paths
+        self.env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        self.env.pop("RAY_ADDRESS", None)
+        cmd = [
+            str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+            "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.port}", f"--ray-client-server-port={_free_port()}",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--runtime-env-agent-port={_free_port()}",
+            "--num-cpus=2", "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={self.tmp}",
+        ]  # fmt: skip
+        self.log = Path(self.tmp) / "head.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=self.env, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def api(self, method: str, path: str):
+        req = urllib.request.Request(self.url + path, method=method)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read() or b"null")
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        end = time.time() + timeout
+        while time.time() < end:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                self.api("GET", "/api/jobs/")
+                return
+            except OSError:
+                time.sleep(1)
+        raise AssertionError(f"Ray dashboard not up in {timeout}s: {self.log.read_text()[-3000:]}")
+
+    def jobs(self, prefix: str = "bert-pretrain-") -> dict[str, dict]:
+        return {
+            j["submission_id"]: j
+            for j in self.api("GET", "/api/jobs/")
+            if (j.get("submission_id") or "").startswith(prefix)
+        }
+
+    def stop(self) -> None:
+        import psutil
+
+        try:
+            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_head(s3):
+    env = {**os.environ, **s3[1], "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    head = RayHead(env)
+    try:
+        head.wait_ready()
+        yield head
+    finally:
+        head.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_instances(tmp_path_factory, shared_data) -> Path:
+    return pretraining_instances(
+        tmp_path_factory.mktemp("pt-jobs"), shared_data, chars=12_000, num_shards=2,
+        vocab_size=500, max_seq_length=32,
+    )  # fmt: skip
+
+
+class Caller:
+    """`bert pretrain` as a KFP step runs it, its output read line by line as it comes."""
+
+    def __init__(self, args: list[str], env: dict[str, str], cwd: Path):
+        cmd = [sys.executable, "-m", "bert_core", "pretrain", *args]
+        self.proc = subprocess.Popen(
+            cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        end = time.time() + timeout
+        while time.time() < end:
+            m = re.search(pattern, self.text)
+            if m:
+                return m
+            assert self.proc.poll() is None or self.reader.is_alive(), self.text[-4000:]
+            time.sleep(0.2)
+        raise AssertionError(f"no {pattern!r} in {timeout}s:\n{self.text[-4000:]}")
+
+    def finish(self, timeout: float = 300) -> int:
+        code = self.proc.wait(timeout)
+        self.reader.join(10)
+        return code
+
+
+def _s3_keys(prefix: str) -> set[str]:
+    s3 = st.s3_client()
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {o["Key"] for page in pages for o in page.get("Contents", [])}
+
+
+def _wait_recorded(run: str, checkpoint: str, timeout: float) -> None:
+    """Wait until Ray Train has recorded `checkpoint` in the run's snapshot in the bucket (it
+    uploads a checkpoint first and records it after: only a recorded one is resumed from)."""
+    key = f"ray/{run}/{run}/checkpoint_manager_snapshot.json"
+    s3, end = st.s3_client(), time.time() + timeout
+    while time.time() < end:
+        if key in _s3_keys(key):
+            body = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+            if checkpoint.encode() in body:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"{checkpoint} not in s3://{BUCKET}/{key} after {timeout}s")
+
+
+@pytest.mark.slow
+def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
+    ray_head, s3, tiny_instances, tmp_path, monkeypatch
+):
+    """A KFP step's life on a KubeRay cluster, on loopback: the step submits the job; its pod
+    dies (SIGKILL); a retry finds the job RUNNING and follows it; the job is stopped after its
+    first checkpoint (the retry exits non-zero, naming the job); the next retry resubmits it as
+    `-r2`, which resumes from the checkpoint in S3 and ends with the weights of an uninterrupted
+    run; one more retry only fetches the outputs. One long test on purpose: each step needs the
+    state the previous one left on the cluster, and every job start costs tens of seconds."""
+    from safetensors.torch import load_file
+
+    for key, value in s3[1].items():
+        monkeypatch.setenv(key, value)  # this process reads the bucket too
+    env = {**os.environ, **s3[1], "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env |= {"RAY_ADDRESS": ray_head.url, "RAY_AUTH_MODE": "token"}
+    env |= {"RAY_AUTH_TOKEN": ray_head.token, "BERT_RAY_STORAGE": f"s3://{BUCKET}/ray"}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path}/m.db"
+    env.pop("BERT_PARENT_RUN_ID", None)
+    # 150 steps of ~0.1 s, a checkpoint every 25: the job is stopped after its first
+    # checkpoint, and 125 steps leave time enough for the stop to land before the end
+    common = ["--instances", str(tiny_instances), "--preset", "tiny", "--steps", "150",
+              "--batch-size", "8", "--checkpoint-every", "25", "--log-every", "25",
+              "--seed", "7"]  # fmt: skip
+    args = [*common, "--output", "run", "--run-name", "kfp-retry"]
+
+    first = Caller(args, env, tmp_path)
+    base = first.wait_for(r"submitted Ray job (bert-pretrain-[0-9a-f]{12})", 120).group(1)
+    first.wait_for(r"Running entrypoint for job", 120)
+    first.proc.send_signal(signal.SIGKILL)  # the pod dies; the job lives on
+    first.finish()
+    assert ray_head.jobs()[base]["status"] in {"PENDING", "RUNNING"}
+
+    second = Caller(args, env, tmp_path)
+    second.wait_for(rf"Ray job {base} is RUNNING at {re.escape(ray_head.url)}; following it", 120)
+    _wait_recorded("kfp-retry", "checkpoint_00000025", 180)
+    ray_head.api("POST", f"/api/jobs/{base}/stop")
+    assert second.finish() == 2, second.text[-4000:]
+    assert f"bert pretrain: error: Ray job {base} STOPPED" in second.text
+    assert f"ray job logs {base}" in second.text
+    assert not (tmp_path / "run").exists()
+
+    third = Caller(args, env, tmp_path)
+    # meanwhile, the same settings in one go with an s3:// --output (the job writes there)
+    ref = Caller([*common, "--output", f"s3://{BUCKET}/ref", "--run-name", "ref"], env, tmp_path)
+    assert third.finish() == 0, third.text[-4000:]
+    assert f"Ray job {base} STOPPED; resubmitting as {base}-r2" in third.text
+    resumed = int(re.search(r"\[pretrain\] resumed from step (\d+)", third.text).group(1))
+    assert 25 <= resumed < 150, resumed
+    assert "pretrain: step 150/150" in third.text
+    jobs = ray_head.jobs(base)
+    assert {k: v["status"] for k, v in jobs.items() if k.startswith(base)} == {
+        base: "STOPPED",
+        f"{base}-r2": "SUCCEEDED",
+    }
+    # the instances went to the bucket once; the job got no credential and no Ray token
+    assert "copied 4 instance files to s3://bert-jobs/ray/kfp-retry/instances" in first.text
+    assert "instance files" not in second.text + third.text
+    keys = _s3_keys("ray/kfp-retry/")
+    assert "ray/kfp-retry/instances/shard-00000.parquet" in keys
+    assert "ray/kfp-retry/output/model/model.safetensors" in keys
+    sent = jobs[f"{base}-r2"]["runtime_env"]["env_vars"]
+    assert sent["PYTHONPATH"] == str(ROOT) and "MLFLOW_TRACKING_URI" in sent
+    assert not {"AWS_SECRET_ACCESS_KEY", "RAY_AUTH_TOKEN", "RAY_ADDRESS"} & set(sent)
+    assert "--output s3://bert-jobs/ray/kfp-retry/output" in jobs[base]["entrypoint"]
+
+    # SUCCEEDED: a retry of a step whose job succeeded fetches the outputs, submits nothing
+    model = tmp_path / "run" / "model" / "model.safetensors"
+    resumed_weights = load_file(model)
+    model.unlink()
+    fourth = Caller(args, env, tmp_path)
+    assert fourth.finish() == 0, fourth.text[-4000:]
+    assert f"Ray job {base}-r2 already SUCCEEDED; fetching its outputs" in fourth.text
+    assert set(ray_head.jobs(base)) == set(jobs)
+    assert model.is_file()
+
+    assert ref.finish() == 0, ref.text[-4000:]
+    st.copy(f"s3://{BUCKET}/ref/model", tmp_path / "ref")
+    one_go = load_file(tmp_path / "ref" / "model.safetensors")
+    assert one_go.keys() == resumed_weights.keys()
+    import torch
+
+    for name in one_go:
+        torch.testing.assert_close(resumed_weights[name], one_go[name], atol=1e-6, rtol=0)
+    rows = (tmp_path / "run" / "pretrain_metrics.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == [str(s) for s in range(25, 151, 25)]

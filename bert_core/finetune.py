@@ -409,13 +409,16 @@ def finetune(
 
 def finish(out: Path, result: dict) -> None:
     """The end of every run: metrics.json, and the best epoch's metrics and that file in the
-    open MLflow run."""
+    open MLflow run; the model logged as an MLflow model and registered (`bert_core.registry`)."""
     import mlflow
 
     (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
     mlflow.log_metrics({"best_epoch": result["best_epoch"], "best_dev_score": result["score"]})
     mlflow.log_metrics({f"best_dev_{k}": v for k, v in result["metrics"].items()})
     mlflow.log_artifact(str(out / "metrics.json"))
+    from bert_core.registry import log_finetuned  # the model as an MLflow model, registered
+
+    log_finetuned(out, result)
 
 
 def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:

@@ -104,7 +104,7 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
     else:
         chosen = client.get_model_version(name, str(version))
     score, champion = _score(chosen), _by_alias(client, name, CHAMPION)
-    if champion is not None and champion.version == chosen.version:
+    if champion is not None and str(champion.version) == str(chosen.version):
         return {"registered_model": name, "version": int(chosen.version), "dev_score": score,
                 "champion": int(chosen.version), "promoted": False,
                 "reason": "already the champion"}  # fmt: skip

@@ -102,7 +102,7 @@ def log_model(
     model_config = {k: v for k, v in vars(kept).items() if k != "device"}  # device: where served
     return Model.log(
         artifact_path=None, name=name, flavor=mlflow.pyfunc, run_id=run_id,
-        python_model=BertPyfunc(),
+        python_model=str(Path(__file__).with_name("pyfunc_model.py")),  # no pickle
         artifacts={ARTIFACT: str(model_dir)}, code_paths=[str(Path(bert_core.__file__).parent)],
         signature=signature(config), input_example=pd.DataFrame([cls.example(config)]),
         pip_requirements=requirements(), model_config=model_config,

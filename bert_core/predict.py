@@ -69,7 +69,8 @@ def predict_file(
             try:
                 answers = predictor.predict(chunk.frame)
             except BadInput as e:
-                raise chunk.error(e.reason, e.row) from None
+                hint = " (`--column MODEL=FILE` reads another column)" if e.row is None else ""
+                raise chunk.error(e.reason + hint, e.row) from None
             ids = [str(v) for v in chunk.frame[id_column]] if with_id else None
             write([
                 {"row": chunk.start + i, **({"id": ids[i]} if with_id else {}), **answer}

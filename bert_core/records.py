@@ -91,7 +91,7 @@ def read_chunks(
         return
     rows: list = []
     lines: list[int] = []
-    header: list[str] | None = ["text"] if fmt == "text" else None
+    header: list[str] | None = {"text": ["text"], "jsonl": []}.get(fmt)  # TSV: the first row
     for line, row in _rows(path, fmt):
         if header is None:
             header = row

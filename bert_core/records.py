@@ -150,8 +150,8 @@ def arrow_type(t: Any):
 
 @contextmanager
 def writer(path: str | Path, schema=None) -> Iterator:
-    """`write(rows)` appends dicts to a .jsonl or .parquet file (Parquet: `schema`, a pyarrow
-    schema) that appears only when the block succeeds."""
+    """`write(rows)` appends dicts (Parquet: or a pyarrow Table) to a .jsonl or .parquet file
+    (Parquet: `schema`, a pyarrow schema) that appears only when the block succeeds."""
     path = Path(path)
     if path.suffix.lower() not in OUTPUT_FORMATS:
         raise InputError(path, f"unknown output format: use {' or '.join(OUTPUT_FORMATS)}")
@@ -165,4 +165,6 @@ def writer(path: str | Path, schema=None) -> Iterator:
         import pyarrow.parquet as pq
 
         with pq.ParquetWriter(f, schema) as out:
-            yield lambda rows: out.write_table(pa.Table.from_pylist(rows, schema=schema))
+            yield lambda rows: out.write_table(
+                rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=schema)
+            )

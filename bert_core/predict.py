@@ -51,7 +51,7 @@ def output_schema(predictor: Predictor, with_id: bool):
 
 def predict_file(
     predictor: Predictor, input: str | Path, output: str | Path, chunk_size: int = 2048,
-    rename: dict[str, str] | None = None, id_column: str = "id",
+    rename: dict[str, str] | None = None, id_column: str = "id", progress: bool = True,
 ) -> int:  # fmt: skip
     """Answer every row of `input` into `output`; returns the number of rows."""
     from tqdm import tqdm
@@ -61,7 +61,7 @@ def predict_file(
     first = next(chunks)
     with_id = id_column in first.frame.columns
     interactive = sys.stderr.isatty()
-    bar = tqdm(total=records.count_rows(input), desc="predict", unit="row",
+    bar = tqdm(total=records.count_rows(input), desc="predict", unit="row", disable=not progress,
                ascii=not interactive, mininterval=0.1 if interactive else 30.0)  # fmt: skip
     rows = 0
     with records.writer(output, output_schema(predictor, with_id)) as write:

@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from bert_core.predict import parse_columns
-    from bert_core.serving import resolve
+    from bert_core.serving import local_model
     from bert_core.tracking import start_run
 
     args = build_parser().parse_args(argv)
@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     with start_run("embed", params):
         import mlflow
 
-        folder, _ = resolve(args.model)
-        embedder = Embedder(folder, settings, layers, args.combine, args.pooling)
+        with local_model(args.model) as (folder, _):
+            embedder = Embedder(folder, settings, layers, args.combine, args.pooling)
         rows = embed_file(
             embedder, args.input, args.output, args.chunk_size, rename, args.id_column
         )

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from bert_core import records
-from bert_core.predictors import BadInput, Predictor, Settings, load_predictor, read_config
+from bert_core.predictors import BadInput, Predictor, Settings, load_predictor
 
 OVERRIDES = ("batch_size", "device", "max_seq_length", "max_chars", "top_k")
 
@@ -34,18 +34,18 @@ OVERRIDES = ("batch_size", "device", "max_seq_length", "max_chars", "top_k")
 def load(model: str | Path, overrides: dict | None = None) -> Predictor:
     """The predictor for any model reference (see the module doc); `overrides` win over the
     model's own settings (None values ignored)."""
-    from bert_core.serving import resolve
+    from bert_core.serving import local_model
 
-    folder, settings = resolve(model)
-    settings |= {k: v for k, v in (overrides or {}).items() if v is not None}
-    return load_predictor(folder, Settings.from_dict(settings))
+    with local_model(model) as (folder, settings):
+        settings |= {k: v for k, v in (overrides or {}).items() if v is not None}
+        return load_predictor(folder, Settings.from_dict(settings))
 
 
 def output_schema(predictor: Predictor, with_id: bool):
     import pyarrow as pa
 
     fields = [("row", pa.int64())] + ([("id", pa.string())] if with_id else [])
-    types = type(predictor).output_types(read_config(predictor.model_dir))
+    types = type(predictor).output_types(predictor.config.to_dict())
     return pa.schema(fields + [(k, records.arrow_type(t)) for k, t in types.items()])
 
 

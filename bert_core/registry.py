@@ -53,11 +53,10 @@ def log_finetuned(out: Path, result: dict) -> dict:
 
     info = log_model(out / "model", result.get("config"))
     record: dict[str, Any] = {"model_uri": info.model_uri, "run_id": info.run_id}
-    name = model_name(result["task"])
+    name, alias = model_name(result["task"]), os.environ.get(ALIAS_ENV) or None
     if name is not None:
-        version = register(info.model_uri, name, result, os.environ.get(ALIAS_ENV) or None)
-        record |= {"registered_model": name, "version": int(version.version)}
-        record["alias"] = os.environ.get(ALIAS_ENV) or None
+        version = register(info.model_uri, name, result, alias)
+        record |= {"registered_model": name, "version": int(version.version), "alias": alias}
         mlflow.set_tags({"bert.registered_model": name, "bert.model_version": version.version})
     (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -111,10 +110,10 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
     old = None if champion is None else _score(champion)
     promoted = force or old is None or score > old
     if old is None:
-        reason = f"first champion (dev score {score:.4f})"
+        reason = f"first champion (dev score {score:.4g})"
     else:
         cmp = ">" if score > old else "<="
-        reason = f"dev score {score:.4f} {cmp} champion version {champion.version}'s {old:.4f}"
+        reason = f"dev score {score:.4g} {cmp} champion version {champion.version}'s {old:.4g}"
         reason += " (forced)" if force and score <= old else ""
     reason = ("champion: " if promoted else "not promoted: ") + reason
     if promoted:

@@ -13,14 +13,18 @@ requirements of our model code only (no `transformers`). `mlflow.pyfunc.load_mod
 `log_model` logs one onto a run (the open one, or `run_id`'s): `bert finetune` calls it through
 `bert_core.registry.log_finetuned`, the pipeline's `lineage.register_pretrained` for the
 pre-trained model (masked-token filling). `resolve` turns any model reference a user may hold
-(a folder, `runs:/...`, `models:/name@alias`) into a local folder and its settings.
+(a folder, `runs:/...`, `models:/name@alias`) into a local folder and its settings
+(`local_model`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,10 @@ from bert_core.predictors import BadInput, Settings, load_predictor, predictor_c
 ARTIFACT = "model"  # the artifacts key (and folder name) of the HF-layout model folder
 # what `bert_core.predictors` imports at inference; pinned to the versions that logged the model
 REQUIREMENTS = ("mlflow", "torch", "numpy", "pandas", "pyarrow", "safetensors", "tokenizers")
+# model_config = {"inference": settings}: MLflow also logs it as run parameters, flattened with
+# "/", so the key keeps them apart from the training run's own (`batch_size` is both)
+CONFIG_KEY = "inference"
+RUNTIME = ("batch_size", "device")  # settings of where a model runs, not of the model
 
 
 class BertPyfunc(mlflow.pyfunc.PythonModel):
@@ -45,7 +53,7 @@ class BertPyfunc(mlflow.pyfunc.PythonModel):
     generic message and a traceback)."""
 
     def load_context(self, context) -> None:
-        settings = Settings.from_dict(context.model_config)
+        settings = Settings.from_dict((context.model_config or {}).get(CONFIG_KEY))
         self.predictor = load_predictor(context.artifacts[ARTIFACT], settings)
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[dict]:
@@ -98,14 +106,14 @@ def log_model(
 
     config = read_config(model_dir)
     cls = predictor_class(config, Path(model_dir) / "config.json")
-    kept = Settings.from_dict(settings)
-    model_config = {k: v for k, v in vars(kept).items() if k != "device"}  # device: where served
+    # how text is cut, windowed and decoded; batch size and device are the server's business
+    kept = {k: v for k, v in vars(Settings.from_dict(settings)).items() if k not in RUNTIME}
     return Model.log(
         artifact_path=None, name=name, flavor=mlflow.pyfunc, run_id=run_id,
         python_model=str(Path(__file__).with_name("pyfunc_model.py")),  # no pickle
         artifacts={ARTIFACT: str(model_dir)}, code_paths=[str(Path(bert_core.__file__).parent)],
         signature=signature(config), input_example=pd.DataFrame([cls.example(config)]),
-        pip_requirements=requirements(), model_config=model_config,
+        pip_requirements=requirements(), model_config={CONFIG_KEY: kept},
         metadata={"bert_kind": cls.kind, "bert_task": config.get("finetuning_task") or ""},
     )  # fmt: skip
 
@@ -114,17 +122,26 @@ def is_uri(source: str | os.PathLike) -> bool:
     return "://" in str(source) or str(source).startswith(("models:", "runs:"))
 
 
-def resolve(source: str | os.PathLike) -> tuple[Path, dict]:
+@contextmanager
+def local_model(source: str | os.PathLike) -> Iterator[tuple[Path, dict]]:
     """(local HF-layout model folder, settings) for a model reference: a `bert finetune`
     output folder (model/ + metrics.json: the run's settings), a model folder, an MLflow model
-    folder (MLmodel) or URI (`runs:/<id>/model`, `models:/<name>@<alias>`, downloaded)."""
-    if is_uri(source):
-        from bert_core.tracking import tracking_uri
+    folder (MLmodel) or URI (`runs:/<id>/model`, `models:/<name>@<alias>`: downloaded, and
+    removed again when the block ends, so load what you need inside it)."""
+    if not is_uri(source):
+        yield _layout(Path(source))
+        return
+    from bert_core.tracking import tracking_uri
 
-        mlflow.set_tracking_uri(tracking_uri())
-        local = Path(tempfile.mkdtemp(prefix="bert-model-"))
-        source = mlflow.artifacts.download_artifacts(artifact_uri=str(source), dst_path=local)
-    path = Path(source)
+    mlflow.set_tracking_uri(tracking_uri())
+    tmp = tempfile.mkdtemp(prefix="bert-model-")
+    try:
+        yield _layout(Path(mlflow.artifacts.download_artifacts(str(source), dst_path=tmp)))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _layout(path: Path) -> tuple[Path, dict]:
     if (path / "MLmodel").is_file():
         from mlflow.models import Model
 
@@ -132,10 +149,10 @@ def resolve(source: str | os.PathLike) -> tuple[Path, dict]:
         artifact = (flavor.get("artifacts") or {}).get(ARTIFACT)
         if artifact is None:
             raise FileNotFoundError(f"{path}: an MLflow model, but not one of `bert_core.serving`")
-        return path / artifact["path"], dict(flavor.get("config") or {})  # model_config
+        return path / artifact["path"], dict((flavor.get("config") or {}).get(CONFIG_KEY) or {})
     if (path / "model" / "config.json").is_file() and (path / "metrics.json").is_file():
         config = json.loads((path / "metrics.json").read_text()).get("config") or {}
-        return path / "model", config
+        return path / "model", {k: v for k, v in config.items() if k not in RUNTIME}
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such model folder")
     return path, {}

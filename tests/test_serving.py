@@ -129,6 +129,10 @@ def test_finetune_registers_its_model_and_promote_moves_champion_only_when_bette
     assert v1.tags[registry.TASK_TAG] == "SST-2"
     run = client.get_run(record["run_id"])
     assert run.data.tags["bert.registered_model"] == "bert-sst2"
+    # the model's inference settings beside, not over, the run's training parameters
+    assert (run.data.params["batch_size"], run.data.params["inference/max_seq_length"]) == (
+        "8", "128",
+    )  # fmt: skip
 
     capsys.readouterr()
     assert cli.main(["promote", "sst2"]) == 0  # the candidate, no champion yet

@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a BERT folder, runs:/..., models:/...")
     p.add_argument("--input", required=True, type=Path, help=".txt, .tsv, .jsonl or .parquet")
     p.add_argument("--output", required=True, type=Path, help="a .parquet file")
-    p.add_argument("--layers", default="last4", help="last4, last, -2, 0,12 ... (default: last4)")
+    layers = "last, last4, second-to-last, embeddings or indices: --layers=-2, --layers=0,6"
+    p.add_argument("--layers", default="last", help=f"{layers} (default: last)")
     p.add_argument("--combine", choices=COMBINE, default="concat", help="of the chosen layers")
     p.add_argument("--pooling", choices=POOLING, default="none",
                    help="none: a vector per token; mean or cls: one per row")  # fmt: skip

@@ -34,6 +34,7 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
+from bert_core.errors import BertError
 from bert_core.predictors import BadInput, Settings, load_predictor, predictor_class, read_config
 
 ARTIFACT = "model"  # the artifacts key (and folder name) of the HF-layout model folder
@@ -136,7 +137,11 @@ def local_model(source: str | os.PathLike) -> Iterator[tuple[Path, dict]]:
     mlflow.set_tracking_uri(tracking_uri())
     tmp = tempfile.mkdtemp(prefix="bert-model-")
     try:
-        yield _layout(Path(mlflow.artifacts.download_artifacts(str(source), dst_path=tmp)))
+        try:
+            local = mlflow.artifacts.download_artifacts(str(source), dst_path=tmp)
+        except MlflowException as e:  # no such model, version or alias: the user's to fix
+            raise BertError(f"{source}: {e.message} (tracking URI {tracking_uri()})") from None
+        yield _layout(Path(local))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -152,3 +152,8 @@ def test_bad_rows_name_file_and_line_and_leave_no_output(env, capsys):
         assert not out.exists() and not list(root.glob(".never.jsonl*"))
     with pytest.raises(ValueError, match="MODEL_COLUMN=FILE_COLUMN"):
         predict.parse_columns(["text"])
+    argv = ["predict", "--model", "models:/bert-nope@champion", "--input", str(bad)]
+    assert cli.main([*argv, "--output", str(root / "never.jsonl")]) == 2
+    assert "models:/bert-nope@champion: Registered Model with name=bert-nope not found" in (
+        capsys.readouterr().err
+    )

@@ -41,6 +41,7 @@ def tracking(tmp_path_factory):
             mp.delenv(key, raising=False)
         mp.chdir(root)  # the sqlite store keeps artifacts under the cwd
         mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment("serving")  # not an earlier module's, of another store
         yield root
 
 

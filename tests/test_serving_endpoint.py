@@ -102,6 +102,7 @@ def servers(tmp_path_factory, minilm_dir):
         mp.delenv("BERT_PARENT_RUN_ID", raising=False)
         mp.chdir(root)
         mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment("serving")  # not an earlier module's, of another store
         with mlflow.start_run():
             for name, (kind, _) in REQUESTS.items():
                 folder = build(kind, minilm_dir, root / kind)

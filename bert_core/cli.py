@@ -11,6 +11,11 @@ KFP run's MLflow parent run; the other `kfp_*` functions are the few things a co
 its command (open / close the parent run, register the pre-trained model, report metrics). No
 module of the library imports this one (tests/test_tracking.py checks), so the imports go one way:
 cli -> step modules -> shared helpers (tracking, lineage, ...) -> errors.
+
+Under KFP (`KFP_RUN_ID` set) every `kfp_*` call first checks that `MLFLOW_TRACKING_URI` is set:
+without it, `bert_core.tracking` would log to a SQLite file inside the pod, which vanishes with
+the pod while the step succeeds. On a cluster the variable comes from the ConfigMap
+`bert-pipeline-env`; a pod without it fails at once, naming the ConfigMap.
 """
 
 from __future__ import annotations
@@ -66,6 +71,19 @@ def main(argv: list[str] | None = None) -> int:
 # Kubeflow: what the components in components/steps.py call.
 
 
+def require_tracking_server() -> None:
+    """Fail when running under KFP (`KFP_RUN_ID` set) without `MLFLOW_TRACKING_URI`: the step's
+    runs would go to a SQLite file in its pod and vanish with it, silently."""
+    if os.environ.get("KFP_RUN_ID") and not os.environ.get("MLFLOW_TRACKING_URI"):
+        raise BertError(
+            "running as a Kubeflow step (KFP_RUN_ID is set) without MLFLOW_TRACKING_URI: the "
+            "MLflow runs would land in a SQLite file inside this pod and be lost with it. Load "
+            "the ConfigMap bert-pipeline-env into the pod (the compiled pipeline does, "
+            "kfp.kubernetes.use_config_map_as_env; apply infra/k8s/env in the namespace the "
+            "pipeline runs in, docs/cluster.md) or set MLFLOW_TRACKING_URI."
+        )
+
+
 def kfp_step(argv: list[Any], pipeline: str = lineage.PIPELINE_EXPERIMENT) -> None:
     """Run one `bert` command as a Kubeflow step, its MLflow run nested under the pipeline's.
 
@@ -73,6 +91,7 @@ def kfp_step(argv: list[Any], pipeline: str = lineage.PIPELINE_EXPERIMENT) -> No
     The KFP run id comes from `KFP_RUN_ID` (the pod's `pipeline/runid` label under Kubeflow, set
     by the local runner under kfp.local); without it the step logs a standalone run.
     """
+    require_tracking_server()
     kfp_run_id = os.environ.get("KFP_RUN_ID", "")  # empty where the pod has no such label
     if kfp_run_id:
         os.environ["BERT_PARENT_RUN_ID"] = lineage.kfp_parent_run(kfp_run_id, pipeline)
@@ -84,13 +103,23 @@ def kfp_step(argv: list[Any], pipeline: str = lineage.PIPELINE_EXPERIMENT) -> No
         raise RuntimeError(f"bert {argv[0]} exited with code {code}")
 
 
-def kfp_pipeline_run(settings: dict[str, Any]) -> str | None:
-    """The first task: open this KFP run's MLflow parent run with its settings (`lineage`)."""
-    return lineage.kfp_pipeline_run(settings)
+def kfp_pipeline_run(settings: dict[str, Any]) -> lineage.DataDigests:
+    """The first task: open this KFP run's MLflow parent run with its settings, record the
+    content digest of each data input on it (`mlflow.log_input`) and return the digests, the
+    task's outputs (`lineage`). Missing data fails here, before any step starts."""
+    require_tracking_server()
+    parent = lineage.kfp_pipeline_run(settings)
+    inputs = lineage.data_inputs(lineage.parse_settings(settings))
+    digests = lineage.data_digests(inputs)
+    if parent:
+        lineage.log_data_inputs(parent, inputs, digests)
+    print(f"MLflow parent run: {parent}; data digests: {dict(digests._asdict())}")
+    return digests
 
 
 def kfp_pipeline_end(state: str) -> str | None:
     """The exit handler: close this KFP run's MLflow parent run with its final state."""
+    require_tracking_server()
     return lineage.kfp_pipeline_end(state)
 
 
@@ -98,6 +127,7 @@ def kfp_register_pretrained(output: str | os.PathLike) -> dict[str, float]:
     """After `bert pretrain --output OUTPUT` ran as a KFP step: log and register its model in
     MLflow (on the step's run under the pipeline run) and return the last logged pre-training
     metrics, for the step's KFP Metrics output."""
+    require_tracking_server()
     output = Path(output)
     lineage.register_pretrained(output / "model", os.environ.get("BERT_PARENT_RUN_ID"))
     return lineage.last_pretrain_metrics(output / "pretrain_metrics.csv")

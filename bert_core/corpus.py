@@ -348,7 +348,7 @@ def clean_corpus(input_path: Path, output_dir: Path, cfg: CleanConfig) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     d = CleanConfig()
     p = argparse.ArgumentParser(prog="bert clean", description=__doc__.split("\n")[0])
-    p.add_argument("--input", required=True, type=Path, help="file or folder of text")
+    p.add_argument("--input", required=True, help="file or folder of text, local or s3://")
     p.add_argument("--output", required=True, type=Path, help="output folder (shards)")
     p.add_argument("--min-document-chars", type=int, default=d.min_document_chars)
     p.add_argument("--max-document-chars", type=int, default=d.max_document_chars)
@@ -365,19 +365,21 @@ def main(argv: list[str] | None = None) -> int:
         num_shards=args.num_shards,
         num_workers=args.num_workers,
     )
-    iter_input_files(args.input)  # a missing or empty input fails before the MLflow run
+    from bert_core.storage import local_copy
     from bert_core.tracking import start_run
 
-    with start_run("clean", {"input": str(args.input), **asdict(cfg)}) as run:
-        stats = clean_corpus(args.input, args.output, cfg)
-        import mlflow
+    with local_copy(args.input) as source:  # s3:// is downloaded first
+        iter_input_files(source)  # a missing or empty input fails before the MLflow run
+        with start_run("clean", {"input": str(args.input), **asdict(cfg)}) as run:
+            stats = clean_corpus(source, args.output, cfg)
+            import mlflow
 
-        mlflow.log_metrics(
-            {k: stats[k] for k in ("documents", "sentences", "chars_in", "chars_out")}
-            | {f"dropped_{k}": v for k, v in stats["dropped"].items()}
-            | {"invalid_utf8_sequences": stats["invalid_utf8_sequences"]},
-            run_id=run.info.run_id,
-        )
+            mlflow.log_metrics(
+                {k: stats[k] for k in ("documents", "sentences", "chars_in", "chars_out")}
+                | {f"dropped_{k}": v for k, v in stats["dropped"].items()}
+                | {"invalid_utf8_sequences": stats["invalid_utf8_sequences"]},
+                run_id=run.info.run_id,
+            )
     if stats["invalid_utf8_sequences"]:
         print(
             f"bert clean: warning: {stats['invalid_utf8_sequences']} invalid UTF-8 sequences "

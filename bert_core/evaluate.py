@@ -1,4 +1,5 @@
-"""`bert evaluate`: collect fine-tuning results into one GLUE table, a plot and an MLflow run.
+"""`bert evaluate`: collect fine-tuning results into one table (a row per system), a plot and an
+MLflow run.
 
 Each `--results` folder is one `bert finetune` output; its `metrics.json` names the task and holds
 the dev metrics of the best epoch, so nothing else is needed. Task scores and the GLUE score are
@@ -7,13 +8,24 @@ from the input. The table is laid out like BERT's Table 1 (tasks in the paper's 
 paper's metric per task, MNLI as matched/mismatched) with the GLUE score added; when fewer than
 nine tasks are given, the score is the mean over those present and is marked partial.
 
-Token-level results (`bert finetune --task conll2003|squad|squad_v2`) get their own rows, laid
-out like the paper's Tables 2 and 3 (SQuAD v1.1 / v2.0: EM and F1) and its CoNLL-2003 table (F1);
-they are reported beside GLUE, never averaged into the GLUE score.
+Systems: the rows of the table, as the paper compares BERT with its baselines and ablations. A
+folder's system is the `--system` given with its `--results` group, else its metrics.json's
+`init`: "BERT (ours)" for a pre-trained start, "random init" for `bert finetune --init random`
+(the control). So `--results ours/* control/*` alone gives the two rows; `--results A/*
+--system "BERT (ours)" --results B/* --system "no NSP"` names them. The control is the system
+whose results are all random-init; every other system gets a gain row over it: per task the
+difference in score, and the difference in GLUE score over the tasks both have ("did
+pre-training help?", the paper's claim). The first other system is the main one: its results
+keep the top-level names in glue_results.json and MLflow, so single-system callers see no change.
+
+Other tasks (`bert finetune --task conll2003|squad|squad_v2|swag`) get their own tables, laid
+out like the paper's Tables 2 to 4 and its CoNLL-2003 table; they are reported beside GLUE,
+never averaged into the GLUE score.
 
 Scales: metrics are fractions everywhere (metrics.json, glue_results.json, MLflow); the task and
-GLUE scores are percent in glue_results.json and the table (the paper's scale) and fractions in
-MLflow, where `mlflow_metrics` names and scales every number the same way for every caller.
+GLUE scores and the gains are percent in glue_results.json and the table (the paper's scale) and
+fractions in MLflow, where `mlflow_metrics` names and scales every number the same way for every
+caller. The tables and the plot are `bert_core.evaluate_report`.
 """
 
 from __future__ import annotations
@@ -21,34 +33,43 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from bert_core.errors import InputError, atomic_dir
+from bert_core.evaluate_report import (  # noqa: F401 (TABLE_ORDER: re-exported)
+    REQUIRED,
+    TABLE_ORDER,
+    TOKEN_TASKS,
+    markdown_table,
+    plot_scores,
+)
 from bert_core.glue import TASKS, get_task, glue_score, task_score
 
-# BERT's Table 1 column order, with WNLI (left out of the paper's table) at the end.
-TABLE_ORDER = ["MNLI", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE", "WNLI"]
-# Token-level tasks (names as bert_core.ner / bert_core.squad write them): title, table columns.
-TOKEN_TASKS = {
-    "squad": ("SQuAD v1.1 (Table 2 layout)", {"exact_match": "Dev EM", "f1": "Dev F1"}),
-    "squad_v2": ("SQuAD v2.0 (Table 3 layout)", {"exact_match": "Dev EM", "f1": "Dev F1"}),
-    "conll2003": ("CoNLL-2003 NER", {"f1": "Dev F1"}),
-}
+SYSTEM_OF_INIT = {"pretrained": "BERT (ours)", "random": "random init"}
+CONTROL_INIT = "random"
 
 
-def load_result(folder: str | Path) -> tuple[str, dict[str, float]]:
-    """(task name, metrics) from one fine-tuning output folder, validated."""
+def _read(folder: str | Path) -> tuple[Path, dict]:
     path = Path(folder) / "metrics.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (is {folder} a `bert finetune` output?)")
     try:
-        data = json.loads(path.read_text())
-        metrics = {str(k): float(v) for k, v in data["metrics"].items()}
-        if data["task"] in TOKEN_TASKS:
-            return _token_result(path, data["task"], metrics)
-        task = get_task(str(data["task"]))
+        return path, json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise InputError(path, f"not valid JSON: {e.msg}", line=e.lineno) from e
+
+
+def load_result(folder: str | Path) -> tuple[str, dict[str, float]]:
+    """(task name, metrics) from one fine-tuning output folder, validated."""
+    path, data = _read(folder)
+    try:
+        metrics = {str(k): float(v) for k, v in data["metrics"].items()}
+        if data["task"] in TOKEN_TASKS:
+            test = {f"test_{k}": float(v) for k, v in data.get("test_metrics", {}).items()}
+            return _token_result(path, data["task"], metrics | test)
+        task = get_task(str(data["task"]))
     except (KeyError, TypeError, AttributeError) as e:
         raise InputError(path, "expected {'task': NAME, 'metrics': {NAME: number}}") from e
     except ValueError as e:
@@ -60,14 +81,23 @@ def load_result(folder: str | Path) -> tuple[str, dict[str, float]]:
 
 
 def _token_result(path: Path, name: str, metrics: dict[str, float]):
-    missing = [m for m in TOKEN_TASKS[name][1] if not math.isfinite(metrics.get(m, math.nan))]
+    required = REQUIRED.get(name, tuple(TOKEN_TASKS[name][1])[:1])
+    missing = [m for m in required if not math.isfinite(metrics.get(m, math.nan))]
     if missing:
         raise InputError(path, f"{name}: missing or non-finite metrics {missing}")
     return name, metrics
 
 
-def collect(folders: list[str | Path]) -> dict:
-    """glue_results.json's content: per-task metrics and scores, and the GLUE score."""
+def init_of(folder: str | Path) -> str:
+    """How the fine-tuned model started (`bert finetune --init`): metrics.json's `init`, or
+    `config.init`; "pretrained" for results written before the option existed."""
+    _, data = _read(folder)
+    init = data.get("init") or (data.get("config") or {}).get("init") or "pretrained"
+    return str(init)
+
+
+def collect(folders: Sequence[str | Path]) -> dict:
+    """One system's results: per-task metrics and scores, and the GLUE score."""
     tasks: dict[str, dict] = {}
     token: dict[str, dict] = {}
     for folder in folders:
@@ -97,146 +127,170 @@ def collect(folders: list[str | Path]) -> dict:
     return results
 
 
-def mlflow_metrics(results: dict) -> dict[str, float]:
-    """Results as MLflow metrics, at one scale: fractions, as metrics.json holds them.
+Group = tuple[str | None, Sequence[str | Path]]  # (--system or None, its --results folders)
 
-    `results` is `collect`'s (glue_results.json's content) or one `bert finetune` output's
-    metrics.json. Names: `{task}.{metric}` for every task's dev metrics, `{task}.score` for a
-    GLUE task's score and `glue_score`; the scores, in percent in glue_results.json (the table's
-    scale), are divided by 100. Every place results reach MLflow (`bert evaluate`'s run, the DVC
-    pipeline's parent run, the Kubeflow components' Metrics) logs this, so runs compare as-is.
-    """
-    if "task" in results:  # one metrics.json: the task's metrics (its `score` is not GLUE's)
-        return {f"{results['task']}.{k}": float(v) for k, v in results["metrics"].items()}
+
+def group_systems(groups: Sequence[Group]) -> dict[str, dict]:
+    """{system: {"folders", "init"}} in the order given; unnamed folders go to their init's
+    system. A named group must be of one init: a control mixed into a system is an error."""
+    systems: dict[str, dict] = {}
+    for name, folders in groups:
+        inits = {str(f): init_of(f) for f in folders}
+        if name is not None and len(set(inits.values())) > 1:
+            raise InputError(
+                folders[0], f"--system {name!r} mixes --init {sorted(set(inits.values()))} "
+                "results: give each its own --results/--system pair, or no --system",
+            )  # fmt: skip
+        for folder, init in inits.items():
+            if init not in SYSTEM_OF_INIT:
+                raise InputError(Path(folder) / "metrics.json", f"unknown init {init!r}")
+            entry = systems.setdefault(name or SYSTEM_OF_INIT[init], {"folders": [], "init": init})
+            entry["folders"].append(folder)
+            if entry["init"] != init:
+                raise InputError(folder, f"system {name!r} mixes pretrained and random init")
+    return systems
+
+
+def gain(system: dict, control: dict, over: str) -> dict:
+    """`system` minus `control`, in points: per GLUE task score, the GLUE score over the tasks
+    both have, and per other task's metric."""
+    common = [t for t in system["tasks"] if t in control["tasks"]]
+    tasks = {t: system["tasks"][t]["score"] - control["tasks"][t]["score"] for t in common}
+    token = {}
+    for t, r in system.get("token_tasks", {}).items():
+        other = control.get("token_tasks", {}).get(t)
+        if other:
+            shared = [m for m in TOKEN_TASKS[t][1] if m in r["metrics"] and m in other["metrics"]]
+            token[t] = {m: 100 * (r["metrics"][m] - other["metrics"][m]) for m in shared}
+    return {
+        "over": over,
+        "glue_score": sum(tasks.values()) / len(tasks) if tasks else None,
+        "tasks": tasks,
+        **({"token_tasks": token} if token else {}),
+        "rule": "points; GLUE score: the mean of the task-score differences over the tasks "
+        "both systems have",
+    }
+
+
+def collect_systems(groups: Sequence[Group]) -> dict:
+    """glue_results.json's content: the main system's results at the top level (as `collect`
+    gives them), and with several systems every one under `systems`, the control's name and
+    each other system's `gain` over it (the main one's also at the top level)."""
+    systems = group_systems(groups)
+    per = {name: collect(s["folders"]) for name, s in systems.items()}
+    control = next((n for n, s in systems.items() if s["init"] == CONTROL_INIT), None)
+    main = next((n for n in per if n != control), control)
+    results = {**per[main], "system": main}
+    if len(per) > 1:
+        results["systems"] = {n: {**r, "init": systems[n]["init"]} for n, r in per.items()}
+        results["control"] = control
+        if control is not None:
+            for name in per:
+                if name != control:
+                    results["systems"][name]["gain"] = gain(per[name], per[control], control)
+            results["gain"] = results["systems"][main].get("gain")
+    return results
+
+
+def slug(system: str) -> str:
+    """An MLflow-friendly prefix for a system's metrics: 'random init' -> 'random_init'."""
+    return re.sub(r"[^0-9a-z]+", "_", system.lower()).strip("_") or "system"
+
+
+def _system_metrics(results: dict, prefix: str = "") -> dict[str, float]:
     out = {}
     if results["glue_score"] is not None:  # None when only token-level tasks ran
-        out["glue_score"] = results["glue_score"] / 100
+        out[f"{prefix}glue_score"] = results["glue_score"] / 100
     for name, r in {**results["tasks"], **results.get("token_tasks", {})}.items():
-        out.update({f"{name}.{k}": float(v) for k, v in r["metrics"].items()})
+        out.update({f"{prefix}{name}.{k}": float(v) for k, v in r["metrics"].items()})
         if "score" in r:  # GLUE tasks; token-level ones report their metrics only
-            out[f"{name}.score"] = r["score"] / 100
+            out[f"{prefix}{name}.score"] = r["score"] / 100
     return out
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}"
+def mlflow_metrics(results: dict) -> dict[str, float]:
+    """Results as MLflow metrics, at one scale: fractions, as metrics.json holds them.
+
+    `results` is `collect_systems`'s (glue_results.json's content) or one `bert finetune`
+    output's metrics.json. Names: `{task}.{metric}` for every task's dev metrics, `{task}.score`
+    for a GLUE task's score and `glue_score`, all of the main system; every other system's the
+    same under its `slug` (`random_init.glue_score`, `random_init.SST-2.score`, ...); the main
+    system's gain over the control as `gain.glue_score`, `gain.{task}.score` and
+    `gain.{task}.{metric}` (other tasks), another system's as `{slug}.gain.glue_score`. Scores
+    and gains, in percent in glue_results.json (the table's scale), are divided by 100. Every
+    place results reach MLflow (`bert evaluate`'s run, the DVC pipeline's parent run, the
+    Kubeflow components' Metrics) logs this, so runs compare as-is.
+    """
+    if "task" in results:  # one metrics.json: the task's metrics (its `score` is not GLUE's)
+        return {f"{results['task']}.{k}": float(v) for k, v in results["metrics"].items()}
+    out = _system_metrics(results)
+    main = results.get("system")
+    for name, r in results.get("systems", {}).items():
+        if name != main:
+            out |= _system_metrics(r, f"{slug(name)}.")
+        if r.get("gain"):
+            prefix = "gain." if name == main else f"{slug(name)}.gain."
+            out |= _gain_metrics(r["gain"], prefix)
+    return out
 
 
-def _paper_cell(name: str, metrics: dict[str, float]) -> str:
-    if name == "MNLI":
-        return f"{_pct(metrics['matched_accuracy'])}/{_pct(metrics['mismatched_accuracy'])}"
-    return _pct(metrics[TASKS[name].paper_metric])
+def _gain_metrics(g: dict, prefix: str) -> dict[str, float]:
+    out = {f"{prefix}{t}.score": v / 100 for t, v in g["tasks"].items()}
+    for t, ms in g.get("token_tasks", {}).items():
+        out |= {f"{prefix}{t}.{m}": v / 100 for m, v in ms.items()}
+    if g["glue_score"] is not None:
+        out[f"{prefix}glue_score"] = g["glue_score"] / 100
+    return out
 
 
-def token_tables(results: dict, system: str) -> str:
-    """One small table per token-level task, in the paper's layout (dev columns only)."""
-    parts = []
-    for name, r in results.get("token_tasks", {}).items():
-        title, columns = TOKEN_TASKS[name]
-        cells = [_pct(r["metrics"][m]) for m in columns]
-        parts.append(
-            f"**{title}**\n\n| System | " + " | ".join(columns.values()) + " |\n"
-            + "|---" * (len(columns) + 1) + "|\n"
-            + f"| {system} | " + " | ".join(cells) + " |\n"
-        )  # fmt: skip
-    return "\n".join(parts)
-
-
-def markdown_table(results: dict, system: str) -> str:
-    """Table 1 layout (the paper's metric per task) plus every metric and each task's score;
-    then the token-level tasks' tables."""
-    tokens = token_tables(results, system)
-    if not results["tasks"]:
-        return tokens
-    tasks = results["tasks"]
-    heads = ["MNLI-(m/mm)" if t == "MNLI" else t for t in TABLE_ORDER]
-    cells = [_paper_cell(t, tasks[t]["metrics"]) if t in tasks else "-" for t in TABLE_ORDER]
-    partial = "" if results["complete"] else f" ({results['num_tasks']}/9 tasks)"
-    lines = [
-        "| System | " + " | ".join(heads) + " | GLUE score |",
-        "|---" * (len(heads) + 2) + "|",
-        f"| {system} | " + " | ".join(cells) + f" | {results['glue_score']:.1f}{partial} |",
-        "",
-        "Dev-set metrics in percent. Table 1's metric per task: F1 for QQP and MRPC, Spearman "
-        "for STS-B, Matthews correlation for CoLA, accuracy for the others. GLUE score: mean of "
-        "the task scores, a task's score being the mean of its metrics.",
-        "",
-        "| Task | Metrics | Task score |",
-        "|---|---|---|",
-    ]
-    for name, r in tasks.items():
-        ms = ", ".join(f"{k} {_pct(v)}" for k, v in r["metrics"].items())
-        lines.append(f"| {name} | {ms} | {r['score']:.1f} |")
-    return "\n".join(lines) + "\n" + ("\n" + tokens if tokens else "")
-
-
-def plot_scores(results: dict, path: Path, system: str) -> None:
-    """Bar chart of task scores with the GLUE score as a line (for the run's report); token-level
-    tasks' F1 as bars of another colour."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(results["tasks"])
-    scores = [results["tasks"][t]["score"] for t in names]
-    token = results.get("token_tasks", {})
-    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * (len(names) + len(token)), 4))
-    bars = ax.bar(names, scores, color="#4c72b0")
-    ax.bar_label(bars, fmt="%.1f", fontsize=8)
-    if token:
-        f1 = [100 * r["metrics"]["f1"] for r in token.values()]
-        ax.bar_label(
-            ax.bar([f"{t} F1" for t in token], f1, color="#55a868"), fmt="%.1f", fontsize=8
-        )
-        scores += f1
-    if results["glue_score"] is not None:
-        ax.axhline(results["glue_score"], color="#c44e52", linestyle="--")
-        ax.text(
-            len(names) - 0.5,
-            results["glue_score"],
-            f"GLUE {results['glue_score']:.1f}",
-            color="#c44e52",
-            ha="right",
-            va="bottom",
-        )
-    ax.set_ylim(min(0.0, *scores) - 5, 100)
-    ax.set_ylabel("task score (dev, %)")
-    ax.set_title(f"{system}: {'dev' if token else 'GLUE dev'} scores")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def evaluate(folders: list[str | Path], output: str | Path, system: str = "BERT (ours)") -> dict:
-    results = collect(folders)
+def evaluate(
+    results: Sequence[str | Path] | Sequence[Group], output: str | Path, system: str | None = None
+) -> dict:
+    """Collect, write glue_results.json, glue_table.md and glue_scores.png into `output`.
+    `results`: folders (one group, named `system` or by init), or (system, folders) groups."""
+    groups = results if results and isinstance(results[0], tuple) else [(system, results)]
+    collected = collect_systems(groups)
     with atomic_dir(output) as tmp:
-        (tmp / "glue_results.json").write_text(json.dumps(results, indent=2) + "\n")
-        (tmp / "glue_table.md").write_text(markdown_table(results, system))
-        plot_scores(results, tmp / "glue_scores.png", system)
-    return results
+        (tmp / "glue_results.json").write_text(json.dumps(collected, indent=2) + "\n")
+        (tmp / "glue_table.md").write_text(markdown_table(collected))
+        plot_scores(collected, tmp / "glue_scores.png")
+    return collected
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert evaluate", description=__doc__.split("\n")[0])
-    p.add_argument("--results", nargs="+", required=True, help="`bert finetune` output folders")
+    p.add_argument(
+        "--results", nargs="+", action="append", required=True,
+        help="`bert finetune` output folders; repeat for several systems (one row each)",
+    )  # fmt: skip
+    p.add_argument(
+        "--system", action="append",
+        help="row name of the matching --results (default: by each result's init: "
+        f"{SYSTEM_OF_INIT['pretrained']!r}, or {SYSTEM_OF_INIT['random']!r} for the control)",
+    )  # fmt: skip
     p.add_argument("--output", required=True, help="folder for glue_results.json, table, plot")
-    p.add_argument("--system", default="BERT (ours)", help="row name in the table")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    names = args.system or [None] * len(args.results)
+    if len(names) != len(args.results):
+        parser.error("give one --system per --results, or none (systems named by init)")
     from bert_core.tracking import start_run
 
-    results = evaluate(args.results, args.output, args.system)
-    with start_run("evaluate", {"results": args.results, "system": args.system}):
+    groups = list(zip(names, args.results, strict=True))
+    results = evaluate(groups, args.output)
+    folders = [f for group in args.results for f in group]
+    systems = list(results.get("systems", [results["system"]]))
+    with start_run("evaluate", {"results": folders, "system": ", ".join(systems)}):
         import mlflow
 
         mlflow.log_metrics(mlflow_metrics(results))
         mlflow.log_artifacts(str(args.output), artifact_path="glue")
     print(Path(args.output) / "glue_table.md")
-    print(markdown_table(results, args.system).split("\n\n")[0])
+    print(markdown_table(results).split("\n\n")[0])
     return 0
 
 

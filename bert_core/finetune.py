@@ -1,4 +1,4 @@
-"""`bert finetune`: fine-tune a BERT on one task (GLUE, CoNLL-2003 NER, SQuAD), one engine.
+"""`bert finetune`: fine-tune a BERT on one task (GLUE, CoNLL-2003, SQuAD, SWAG), one engine.
 
 The recipe is the paper's (section 4, appendix A.3) and the same for every task: a task head on
 the pre-trained encoder, AdamW (no weight decay on biases and LayerNorm, `bert_core.optim`),
@@ -7,17 +7,19 @@ dynamic padding (a batch is padded only to its longest sequence: most of the spe
 bf16 autocast on GPUs. The dev set is scored after every epoch and the best epoch (by the task's
 score) is the one kept, written and reported.
 
-This module is the engine: the configuration and the parser generated from it, the tokenizer
-(`bert_core.tokenizer`'s), the training loop (`fit`), the length-sorted prediction loop
-(`predict_batches`), the model loader (label names into config.json) and the run itself, from
-reading the input to metrics.json and MLflow (`finetune`). A task holds only what is its own:
-reading its data, featurisation, collate, decoding, metrics and output files: a `FinetuneTask`
-subclass in `bert_core.finetune_glue`, `bert_core.ner` or `bert_core.squad`, found by name in
-`TASKS` and imported only when run.
+This module is the engine: the tokenizer (`bert_core.tokenizer`'s), the training loop (`fit`),
+the length-sorted prediction loop (`predict_batches`), the model loader (label names into
+config.json; `--init random` for the control), one training run (`train`) and the step itself,
+from reading the input to metrics.json and MLflow (`finetune`). The configuration and its
+command line are `bert_core.finetune_config`; the paper's learning-rate sweep and restarts
+(trials as nested MLflow runs, the best on dev kept) are `bert_core.sweep`, on `train`. A task
+holds only what is its own (reading its data, featurisation, collate, decoding, metrics and
+output files): a `FinetuneTask` subclass in `bert_core.finetune_glue`, `bert_core.ner`,
+`bert_core.squad` or `bert_core.swag`, found by name in `TASKS` and imported only when run.
 
 Output (atomic: all or nothing): `model/` (HF layout, label names in config.json, the vocab),
-`metrics.json` (`task, metrics, score, best_epoch, epochs, config` and the task's counts: all
-`bert evaluate` needs) and the task's prediction files.
+`metrics.json` (`task, init, metrics, score, best_epoch, epochs, config`, `test_metrics` and
+`sweep` when there are, the task's counts: all `bert evaluate` needs), the prediction files.
 """
 
 from __future__ import annotations
@@ -28,10 +30,9 @@ import json
 import math
 import sys
 import time
-import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,13 @@ import torch
 
 from bert_core import glue, optim
 from bert_core.errors import InputError, atomic_dir
+from bert_core.finetune_config import (  # noqa: F401 (re-exported: the engine's public names)
+    FinetuneConfig,
+    config_from_args,
+    config_options,
+    option,
+)
+from bert_core.storage import local_copy
 
 # Every task `bert finetune` runs: exact name -> "module:class" of its `FinetuneTask`, imported
 # only when that task runs (the task modules import this one, never the other way round).
@@ -48,63 +56,9 @@ TASKS: dict[str, str] = {
     "conll2003": "bert_core.ner:NerFinetune",
     "squad": "bert_core.squad:SquadFinetune",
     "squad_v2": "bert_core.squad:SquadFinetune",
+    "swag": "bert_core.swag:SwagFinetune",
 }
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")  # a batch's non-target keys
-
-
-def option(default, help: str, *aliases: str):
-    """A config field that is also a command-line option (`--field-name`, plus `aliases`)."""
-    return field(default=default, metadata={"help": help, "aliases": aliases})
-
-
-@dataclass
-class FinetuneConfig:
-    """Fine-tuning hyper-parameters; the defaults are the paper's (section 4.1, appendix A.3).
-
-    Every field is a `bert finetune` option (`--max-seq-length` for `max_seq_length`): a task's
-    subclass adds its own fields and may change defaults (SQuAD: lr 5e-5, length 384)."""
-
-    learning_rate: float = option(2e-5, "peak learning rate", "--lr")
-    batch_size: int = option(32, "training batch size")
-    epochs: int = option(3, "training epochs; the best one (dev score) is kept")
-    warmup_proportion: float = option(0.1, "share of the steps spent warming up")
-    max_seq_length: int = option(128, "tokens per input, [CLS] and [SEP] included")
-    weight_decay: float = option(0.01, "AdamW weight decay (not on biases and LayerNorm)")
-    adam_epsilon: float = option(1e-6, "AdamW epsilon (BERT's; transformers' default is 1e-8)")
-    max_grad_norm: float = option(1.0, "gradient clipping norm")
-    seed: int = option(42, "seed of the sample, the batch order, the head and dropout")
-    max_train_examples: int | None = option(None, "a seeded random sample (CI, quick runs)")
-    max_eval_examples: int | None = option(None, "a seeded random sample of the dev set")
-    eval_batch_size: int = option(128, "prediction batch size")
-    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, ...")
-
-    def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1 or self.max_seq_length < 8:
-            raise ValueError("--epochs and --batch-size must be >= 1, --max-seq-length >= 8")
-
-
-def config_options(parser: argparse.ArgumentParser, config_class: type[FinetuneConfig]) -> None:
-    """One option per field of `config_class`: type from the annotation, the default and help
-    from the field (a subclass that only changes a default keeps its parent's help)."""
-    hints, defaults = typing.get_type_hints(config_class), config_class()
-    for f in fields(config_class):
-        kind = hints[f.name]
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None`: an int
-            kind = next(a for a in typing.get_args(kind) if a is not type(None))
-        meta = next(
-            k.__dataclass_fields__[f.name].metadata
-            for k in config_class.__mro__
-            if f.name in getattr(k, "__dataclass_fields__", {})
-            and k.__dataclass_fields__[f.name].metadata
-        )
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}", *meta["aliases"], dest=f.name, type=kind,
-            default=getattr(defaults, f.name), help=f"{meta['help']} (default: %(default)s)",
-        )  # fmt: skip
-
-
-def config_from_args(args: argparse.Namespace, config_class: type[FinetuneConfig]):
-    return config_class(**{f.name: getattr(args, f.name) for f in fields(config_class)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +70,7 @@ class FinetuneTask:
 
     The engine calls, in order: `prepare` (read, sample and featurise train and dev: every input
     error surfaces here, before any training), `train_batch` per step, `evaluate` per epoch,
-    then `write_outputs` and `summary` for the best epoch.
+    then `evaluate_test`, `write_outputs` and `summary` for the best epoch.
     """
 
     config_class: type[FinetuneConfig] = FinetuneConfig
@@ -145,6 +99,10 @@ class FinetuneTask:
     def evaluate(self, model, device: torch.device, cfg) -> tuple[dict, float, object]:
         """(dev metrics, score the best epoch is chosen by, predictions)."""
         raise NotImplementedError
+
+    def evaluate_test(self, model, device: torch.device, cfg) -> dict | None:
+        """The kept model's metrics on a labelled test split when the data have one (CoNLL's
+        test.txt; GLUE's and SWAG's are unlabelled), else None; never used to choose."""
 
     def write_outputs(self, out: Path, model, predictions, device: torch.device, cfg) -> None:
         """The task's prediction files for the best epoch (the model is saved by the engine)."""
@@ -221,22 +179,42 @@ def padding_mask(rows: Sequence[np.ndarray], index: Sequence[int]) -> torch.Tens
 # Model, optimisation, the loops
 
 
-def load_model(task: FinetuneTask, model_dir: str | Path):
-    """The encoder of any HF-layout BERT folder under the task's head, with the task's label
-    names in its config. A head already in the checkpoint is kept when it fits (continuing a
-    run); with `task.replace_mismatched_head` one of another shape is replaced by a fresh one
-    (e.g. an MNLI model fine-tuned on STS-B), as transformers' `ignore_mismatched_sizes`."""
-    from bert_core import heads
+def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None = None):
+    """The folder's BertConfig with the task's label names; checks that `max_seq_length`
+    fits its positions (read before any training, so a bad folder fails first)."""
     from bert_core import model as bert
 
-    model_dir = Path(model_dir)
     if not (model_dir / bert.CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{model_dir}: no {bert.CONFIG_NAME} (not a BERT model folder)")
     config = bert.BertConfig.from_json_file(
         model_dir / bert.CONFIG_NAME, num_labels=task.num_labels, finetuning_task=task.name,
         id2label=dict(enumerate(task.labels)) if task.labels else None,
     )  # fmt: skip
-    model = getattr(heads, task.model_class)(config)
+    if max_seq_length is not None and max_seq_length > config.max_position_embeddings:
+        raise ValueError(
+            f"max_seq_length {max_seq_length} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}"
+        )
+    return config
+
+
+def load_model(task: FinetuneTask, model_dir: str | Path, init: str = "pretrained"):
+    """The encoder of any HF-layout BERT folder under the task's head, with the task's label
+    names in its config. A head already in the checkpoint is kept when it fits (continuing a
+    run); with `task.replace_mismatched_head` one of another shape is replaced by a fresh one
+    (e.g. an MNLI model fine-tuned on STS-B), as transformers' `ignore_mismatched_sizes`.
+
+    `init="random"`: the same architecture (the folder's config.json) with every weight freshly
+    initialised from torch's current seed, none read from the checkpoint: the control run that
+    shows what pre-training brings (the vocabulary is still the folder's)."""
+    from bert_core import heads
+    from bert_core import model as bert
+
+    model_dir = Path(model_dir)
+    model = getattr(heads, task.model_class)(model_config(task, model_dir))
+    model.vocab_file = model_dir / "vocab.txt"
+    if init == "random":
+        return model
     state = bert.load_state_dict(model_dir)
     if task.replace_mismatched_head:
         own = model.state_dict()
@@ -246,7 +224,6 @@ def load_model(task: FinetuneTask, model_dir: str | Path):
             if not (k.startswith(bert.HEAD_PREFIXES) and k in own and own[k].shape != v.shape)
         }
     model.load_checkpoint_state(state, source=str(model_dir))
-    model.vocab_file = model_dir / "vocab.txt"
     return model
 
 
@@ -334,20 +311,21 @@ def fit(
             "train_seconds": train_seconds,
         }
         history.append(record)
-        flat = numeric(metrics)
         if log_metrics is not None:
-            log_metrics(
-                {"train_loss": record["train_loss"], "dev_score": score}
-                | {f"dev_{k}": v for k, v in flat.items()},
-                step=epoch,
-            )
-        bar.write(f"epoch {epoch}: train_loss {record['train_loss']:.4f} dev {flat}")
+            log_metrics(epoch_metrics(record), step=epoch)
+        bar.write(f"epoch {epoch}: train_loss {record['train_loss']:.4f} dev {numeric(metrics)}")
         if best is None or score > best["score"]:
             state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
             best = {**record, "state": state, "preds": preds}
     bar.close()
     model.load_state_dict(best.pop("state"))
     return best, history, train_seconds
+
+
+def epoch_metrics(record: dict) -> dict[str, float]:
+    """One epoch's MLflow metrics (step = epoch): train_loss, dev_score, dev_<metric>."""
+    flat = {f"dev_{k}": v for k, v in numeric(record["metrics"]).items()}
+    return {"train_loss": record["train_loss"], "dev_score": record["score"]} | flat
 
 
 def numeric(metrics: dict) -> dict:
@@ -359,48 +337,70 @@ def numeric(metrics: dict) -> dict:
 # The run
 
 
+def train(task: FinetuneTask, model_dir: str | Path, cfg, device: torch.device,
+          log_metrics: Callable[..., None] | None = None):  # fmt: skip
+    """One training run on the prepared task: the model (seeded with `cfg.seed`, from the
+    folder's weights or random ones by `cfg.init`) fitted with `cfg`, the best epoch loaded.
+    Returns (model, best epoch's record, all epochs, training seconds). The whole step, or one
+    trial of a sweep (`bert_core.sweep`)."""
+    torch.manual_seed(cfg.seed)
+    model = load_model(task, model_dir, cfg.init).to(device)
+    trial = f" lr {cfg.learning_rate:g} seed {cfg.seed}" if cfg.is_sweep else ""
+    desc = f"finetune {task.name}{trial}"
+    evaluate = lambda m: task.evaluate(m, device, cfg)  # noqa: E731
+    fitted = fit(model, task.num_train, task.train_batch, evaluate, cfg, device, desc, log_metrics)
+    return model, *fitted
+
+
 def finetune(
     task: FinetuneTask, data_dir: str | Path, model_dir: str | Path, output: str | Path, cfg,
+    data_uri: str | None = None,
 ) -> dict:  # fmt: skip
-    """Fine-tune, keep the best epoch, write the output folder; returns metrics.json's content."""
+    """Fine-tune (one run, or a sweep of trials with the best on dev kept), write the output
+    folder; returns metrics.json's content. `data_uri`: where `data_dir` was copied from (an
+    s3:// URI), recorded instead of it."""
     from bert_core.tracking import start_run
 
     # Everything that can be wrong with the input fails here, before any training.
     tokenizer = load_tokenizer(model_dir)
     counts = task.prepare(Path(data_dir), tokenizer, cfg)
     device = optim.resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    model = load_model(task, model_dir)
-    if cfg.max_seq_length > model.config.max_position_embeddings:
-        raise ValueError(
-            f"max_seq_length {cfg.max_seq_length} exceeds the model's max_position_embeddings "
-            f"{model.config.max_position_embeddings}"
-        )
-    model.to(device)
-
-    params = {"task": task.name, "data": str(data_dir), "model": str(model_dir), **asdict(cfg)}
+    model_config(task, Path(model_dir), cfg.max_seq_length)
+    data_uri = data_uri or str(data_dir)
+    params = {"task": task.name, "data": data_uri, "model": str(model_dir), **asdict(cfg)}
     params |= counts | {"device": str(device)}
+    if cfg.is_sweep:  # logged at the end: the chosen trial's (MLflow parameters are write-once)
+        del params["learning_rate"], params["seed"]
     with start_run(f"finetune-{task.name}", params), atomic_dir(output) as tmp:
         import mlflow
 
-        best, history, train_seconds = fit(
-            model, task.num_train, task.train_batch, lambda m: task.evaluate(m, device, cfg),
-            cfg, device, f"finetune {task.name}", mlflow.log_metrics,
-        )  # fmt: skip
+        if cfg.is_sweep:
+            from bert_core.sweep import run_trials
+
+            run, cfg, sweep = run_trials(task, model_dir, cfg, device, train)
+        else:
+            run, sweep = train(task, model_dir, cfg, device, mlflow.log_metrics), None
+        model, best, history, train_seconds = run
+        test = task.evaluate_test(model, device, cfg)
         result = {
             "task": task.name,
+            "init": cfg.init,
             "metrics": numeric(best["metrics"]),
             "score": best["score"],
             "best_epoch": best["epoch"],
             "epochs": history,
             "config": asdict(cfg),
+            **({"test_metrics": numeric(test)} if test else {}),
+            **({"sweep": sweep} if sweep else {}),
             **task.summary(best),
             "train_seconds": train_seconds,
             "train_examples_per_second": task.num_train_examples * cfg.epochs / train_seconds,
             "model": str(model_dir),
-            "data": str(data_dir),
+            "data": data_uri,
             "device": str(device),
         }
+        if test:
+            mlflow.log_metrics({f"test_{k}": v for k, v in numeric(test).items()})
         model.save_pretrained(tmp / "model")  # label names and task in config.json
         task.write_outputs(tmp, model, best["preds"], device, cfg)
         finish(tmp, result)
@@ -427,7 +427,7 @@ def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert finetune", description=__doc__.split("\n")[0])
     tasks = ", ".join(TASKS)
     p.add_argument("--task", required=True, help=f"one of {tasks} (GLUE: any case)")
-    p.add_argument("--data", required=True, type=Path, help="the task's data folder")
+    p.add_argument("--data", required=True, help="the task's data folder, local or s3://")
     p.add_argument("--model", required=True, type=Path, help="HF-layout BERT folder with vocab")
     p.add_argument("--output", required=True, type=Path)
     config_options(p, task.config_class if task is not None else FinetuneConfig)
@@ -446,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(task).parse_args(argv)
     cfg = config_from_args(args, task.config_class)
     if getattr(args, "download", False):
-        task.download(args.data)
-    result = finetune(task, args.data, args.model, args.output, cfg)
+        task.download(Path(args.data))
+    with local_copy(args.data) as data:  # s3:// is downloaded first
+        result = finetune(task, data, args.model, args.output, cfg, data_uri=str(args.data))
     print(json.dumps({"task": result["task"], "metrics": result["metrics"],
                       "best_epoch": result["best_epoch"], "output": str(args.output)}))  # fmt: skip
     return 0

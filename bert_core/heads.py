@@ -3,7 +3,8 @@
 One class per kind of task, with transformers' class and parameter names (`classifier.*`,
 `qa_outputs.*`), so a fine-tuned checkpoint loads in either library:
 `BertForSequenceClassification` (GLUE: the pooled [CLS] vector), `BertForTokenClassification`
-(NER: every token) and `BertForQuestionAnswering` (SQuAD: a start and an end logit per token).
+(NER: every token), `BertForQuestionAnswering` (SQuAD: a start and an end logit per token) and
+`BertForMultipleChoice` (SWAG: one score per choice from its pooled [CLS] vector).
 """
 
 from __future__ import annotations
@@ -48,6 +49,39 @@ class BertForSequenceClassification(BertPreTrainedModel):
                 loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
             else:
                 loss = F.cross_entropy(logits.float(), labels.long())
+        return ClassifierOutput(loss, logits)
+
+
+class BertForMultipleChoice(BertPreTrainedModel):
+    """SWAG (section 4.4): each choice is its own `[CLS] context [SEP] ending [SEP]` sequence;
+    a linear layer maps each pooled [CLS] vector to one score, a softmax over the choices.
+
+    Inputs are [B, C, L] (C choices of one example side by side), logits [B, C]; as
+    transformers' class of the same name, `classifier` is Linear(hidden, 1) whatever
+    `num_labels` says (the number of choices is the input's, not the config's).
+    """
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        p = config.classifier_dropout
+        self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self._init_weights(self.classifier)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> ClassifierOutput:
+        B, C, L = input_ids.shape
+        flat = [x.reshape(B * C, L) if x is not None else None
+                for x in (input_ids, token_type_ids, attention_mask)]  # fmt: skip
+        pooled = self.bert(*flat).pooler_output
+        logits = self.classifier(self.dropout(pooled)).view(B, C)
+        loss = None if labels is None else F.cross_entropy(logits.float(), labels.long())
         return ClassifierOutput(loss, logits)
 
 

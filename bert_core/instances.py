@@ -1,34 +1,17 @@
 """`bert instances`: MLM/NSP pre-training instances, the algorithm of google-research/bert's
 `create_pretraining_data.py`, made fast and parallel without changing what it samples.
 
-The algorithm (per document, `dupe_factor` times with different randomness):
-- `target_seq_length` is `max_seq_length - 3`, or with probability `short_seq_prob` a random
-  length in [2, max_seq_length - 3], to reduce the pre-training / fine-tuning length mismatch.
-- Sentences are accumulated into a chunk until it reaches the target; a random number of them
-  forms segment A. With probability 0.5 (always if the chunk is one sentence) segment B is a
-  random span of another document (`next_sentence_label` 1) and the unused sentences are put back;
-  otherwise B is the rest of the chunk (label 0).
-- `truncate_pair_randomly` (the original's `truncate_seq_pair`) trims the longer segment one
-  token at a time, from the front or the back at random, until `[CLS] A [SEP] B [SEP]` fits.
-- Masking (`bert_core.masking`, the rule's one home): `num_to_predict = min(max_predictions_per_seq,
-  max(1, round(len(tokens) * masked_lm_prob)))` positions are drawn among non-`[CLS]`/`[SEP]`
-  tokens (whole words with `--whole-word-mask`); each becomes `[MASK]` 80 %, a random vocabulary
-  token 10 %, unchanged 10 % (`--masking-recipe 80/10/10`; other shares for the paper's Table 8).
+Three modules, one job each:
+- this one, the step: its settings (`InstanceConfig`), input checks, the pool of worker
+  processes over the input shards, `stats.json`, the command line;
+- `bert_core.instance_shards`: one input shard -> one Parquet file (reading, tokenisation,
+  seeding, layout);
+- `bert_core.instance_sampling`: the original's algorithm itself (instances from a document,
+  random truncation, masking by the rule of `bert_core.masking`).
 
-What differs from the original, and why it does not change the distribution:
-- Tokenisation is the Rust WordPiece (`tokenizers`, `encode_batch_fast`), same ids as the
-  original `FullTokenizer` on the same vocabulary (see tests/test_tokenizer.py).
-- Masking is vectorised with numpy over all instances of a shard: a random permutation of the
-  candidates per row (argsort of uniform keys) and the first `num_to_predict` taken, exactly the
-  original's shuffle-then-take; the 80/10/10 draws are i.i.d., as in the original.
-- The unit of work is one input shard (as Google ran the original, once per shard): random-next
-  documents come from the same shard, and every random stream is seeded by
-  (random_seed, shard index, dupe round), so the output is byte-identical whatever
-  `--num-workers` is, and memory is bounded by one shard (times the dupe factor) per worker.
-
-Output, one Parquet file per input shard, unpadded, columns: input_ids list<int32>,
-token_type_ids list<int8>, masked_lm_positions list<int32>, masked_lm_ids list<int32>,
-next_sentence_label int8 (0 = IsNext, 1 = random next), plus stats.json and a copy of vocab.txt.
+Every random stream is seeded by (random_seed, shard index, dupe round, purpose), so the output
+is byte-identical whatever `--num-workers` is. Output: one Parquet file per input shard
+(`instance_shards.SCHEMA`), stats.json and a copy of vocab.txt.
 """
 
 from __future__ import annotations
@@ -37,37 +20,37 @@ import argparse
 import functools
 import json
 import os
-import random
-import re
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from itertools import chain
 from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from bert_core import masking
 from bert_core.errors import InputError, atomic_dir
-from bert_core.masking import MaskingRecipe
-
-SCHEMA = pa.schema(
-    [
-        ("input_ids", pa.list_(pa.int32())),
-        ("token_type_ids", pa.list_(pa.int8())),
-        ("masked_lm_positions", pa.list_(pa.int32())),
-        ("masked_lm_ids", pa.list_(pa.int32())),
-        ("next_sentence_label", pa.int8()),
-    ]
+from bert_core.instance_sampling import Vocab
+from bert_core.instance_shards import (
+    HELDOUT,
+    SCHEMA,
+    SPLIT,
+    documents_in_shard,
+    process_shard,
+    seed_for,
+    write_instances,
 )
+from bert_core.masking import MaskingRecipe
+from bert_core.tokenizer import TOKENIZER_CONFIG, read_lowercase, write_tokenizer_settings
+
+__all__ = ["SCHEMA", "InstanceConfig", "create_instances", "main"]
+
 MIN_SEQ_LENGTH = 8
-BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
+HELDOUT_DIR = "heldout"  # beside the training shards; `list_row_groups` does not look inside
+MIN_HELDOUT = 2  # documents held out at least, when the corpus allows and a fraction is asked
 # fork: workers start in milliseconds instead of re-importing numpy/pyarrow/tokenizers.
 START_METHOD = "fork" if "fork" in get_all_start_methods() else "spawn"
-# Per-stream tags mixed into the seed, so no two random streams coincide.
-DOCS, CHUNKS, MASKS, SHUFFLE = range(4)
 
 
 @dataclass(frozen=True)
@@ -81,6 +64,8 @@ class InstanceConfig:
     whole_word_mask: bool = False
     lowercase: bool = True
     masking_recipe: str = masking.DEFAULT_RECIPE  # [MASK]/random/keep percent, bert_core.masking
+    heldout_fraction: float = 0.02  # share of the documents kept out of training
+    heldout_documents: int | None = None  # exactly this many instead (0: none)
 
     @property
     def recipe(self) -> MaskingRecipe:
@@ -101,356 +86,36 @@ class InstanceConfig:
         if self.dupe_factor < 1:
             raise ValueError("--dupe-factor must be >= 1")
         MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError("--heldout-fraction must be in [0, 1)")
+        if self.heldout_documents is not None and self.heldout_documents < 0:
+            raise ValueError("--heldout-documents must be >= 0")
 
+    def heldout_count(self, documents: int) -> int:
+        """How many of `documents` are held out: --heldout-documents, else --heldout-fraction of
+        them but at least MIN_HELDOUT (so held-out NSP pairs draw their random next segment
+        from another held-out document); training always keeps 2 (NSP needs them)."""
+        if self.heldout_documents is not None:
+            if self.heldout_documents > documents - 2:
+                raise ValueError(
+                    f"--heldout-documents {self.heldout_documents}: the corpus has {documents} "
+                    "documents and training needs at least 2"
+                )
+            return self.heldout_documents
+        if self.heldout_fraction == 0:
+            return 0
+        wanted = max(MIN_HELDOUT, round(documents * self.heldout_fraction))
+        return max(0, min(wanted, documents - 2))
 
-@dataclass(frozen=True)
-class Vocab:
-    """What the algorithm needs from vocab.txt: special ids, size, which ids are `##` pieces."""
-
-    size: int
-    cls_id: int
-    sep_id: int
-    mask_id: int
-    is_subword: np.ndarray  # bool [size]
-
-    @classmethod
-    def from_file(cls, vocab_file: Path) -> Vocab:
-        from bert_core.tokenizer import read_vocab
-
-        vocab = read_vocab(vocab_file, required=("[UNK]", "[CLS]", "[SEP]", "[MASK]"))
-        is_subword = np.zeros(len(vocab), dtype=bool)
-        for token, i in vocab.items():
-            is_subword[i] = token.startswith("##")
-        return cls(len(vocab), vocab["[CLS]"], vocab["[SEP]"], vocab["[MASK]"], is_subword)
-
-
-def seed_for(random_seed: int, shard: int, *stream: int) -> np.random.SeedSequence:
-    return np.random.SeedSequence([random_seed, shard, *stream])
-
-
-def read_documents(path: Path) -> list[list[str]]:
-    """BERT's input format: one sentence a line, blank lines between documents."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    docs = ([s for s in map(str.strip, block.split("\n")) if s] for block in BLANK_LINE.split(text))
-    return [d for d in docs if d]
-
-
-def tokenize_documents(
-    docs: list[list[str]], tokenizer, cache: dict | None = None
-) -> list[list[list[int]]]:
-    """Token ids per sentence per document, in batches through the Rust tokenizer."""
-    from bert_core.tokenizer import encode_lines
-
-    encoded = encode_lines(tokenizer, list(chain.from_iterable(docs)), cache)
-    out: list[list[list[int]]] = []
-    k = 0
-    for doc in docs:
-        sentences = encoded[k : k + len(doc)]
-        k += len(doc)
-        sentences = [s for s in sentences if s]  # as the original: drop lines with no tokens
-        if sentences:
-            out.append(sentences)
-    return out
-
-
-def randint(rng: random.Random, a: int, b: int) -> int:
-    """Uniform integer in [a, b] like `rng.randint`, from one `random()` call (3x faster)."""
-    return a + int(rng.random() * (b - a + 1))
-
-
-def truncate_pair_randomly(
-    tokens_a: list[int], tokens_b: list[int], max_num_tokens: int, rng: random.Random
-) -> tuple[list[int], list[int]]:
-    """Pre-training's trimming (`create_pretraining_data.truncate_seq_pair`): one token at a time
-    from the longer segment (ties: B), from the front or the back by a fair coin; computed in
-    closed form rather than token by token.
-
-    Not fine-tuning's rule, which only ever cuts from the end (`run_classifier`'s
-    `_truncate_seq_pair`, in `bert_core.finetune`): the random front cuts are a pre-training
-    regulariser ("to add more randomness and avoid biases"), while a fine-tuning example must
-    keep its beginning.
-
-    Which segment loses each token depends only on the lengths, so the number of tokens cut
-    from A and from B is fixed; of the cuts on a segment, the number taken from the front is
-    the number of heads in that many fair coin flips, i.e. the popcount of as many random bits.
-    """
-    overflow = len(tokens_a) + len(tokens_b) - max_num_tokens
-    if overflow <= 0:
-        return tokens_a, tokens_b
-    gap = min(overflow, abs(len(tokens_a) - len(tokens_b)))
-    rest = overflow - gap
-    cut_a = (gap if len(tokens_a) > len(tokens_b) else 0) + rest // 2
-    cut_b = overflow - cut_a
-    front_a = rng.getrandbits(cut_a).bit_count() if cut_a else 0
-    front_b = rng.getrandbits(cut_b).bit_count() if cut_b else 0
-    return (
-        tokens_a[front_a : len(tokens_a) - (cut_a - front_a)],
-        tokens_b[front_b : len(tokens_b) - (cut_b - front_b)],
-    )
-
-
-def create_instances_from_document(
-    all_documents: list[list[list[int]]],
-    document_index: int,
-    cfg: InstanceConfig,
-    rng: random.Random,
-    vocab: Vocab,
-) -> tuple[list[tuple[list[int], int, bool]], bool, int]:
-    """Unmasked instances (tokens, len(A), is_random_next) of one document; line by line the
-    original's loop. Also returns whether the short target length was drawn, and how many
-    instances were random-next by force (a one-sentence chunk has no actual next segment)."""
-    document = all_documents[document_index]
-    lengths = list(map(len, document))
-    last = len(document) - 1
-    max_num_tokens = cfg.max_seq_length - 3
-    target_seq_length = max_num_tokens
-    short = rng.random() < cfg.short_seq_prob
-    if short:
-        target_seq_length = randint(rng, 2, max_num_tokens)
-
-    instances = []
-    forced = 0
-    current_chunk: list[list[int]] = []
-    current_length = 0
-    i = 0
-    while i <= last:
-        current_chunk.append(document[i])
-        current_length += lengths[i]
-        if i == last or current_length >= target_seq_length:
-            if current_chunk:
-                a_end = 1
-                if len(current_chunk) >= 2:
-                    a_end = randint(rng, 1, len(current_chunk) - 1)
-                tokens_a = list(chain.from_iterable(current_chunk[:a_end]))
-                tokens_b: list[int] = []
-                if len(current_chunk) == 1 or rng.random() < 0.5:
-                    is_random_next = True
-                    forced += len(current_chunk) == 1
-                    target_b_length = target_seq_length - len(tokens_a)
-                    for _ in range(10):
-                        random_document_index = randint(rng, 0, len(all_documents) - 1)
-                        if random_document_index != document_index:
-                            break
-                    random_document = all_documents[random_document_index]
-                    random_start = randint(rng, 0, len(random_document) - 1)
-                    for j in range(random_start, len(random_document)):
-                        tokens_b.extend(random_document[j])
-                        if len(tokens_b) >= target_b_length:
-                            break
-                    # The unused sentences are "put back" so they don't go to waste.
-                    i -= len(current_chunk) - a_end
-                else:
-                    is_random_next = False
-                    tokens_b = list(chain.from_iterable(current_chunk[a_end:]))
-                tokens_a, tokens_b = truncate_pair_randomly(tokens_a, tokens_b, max_num_tokens, rng)
-                assert tokens_a and tokens_b
-                tokens = [vocab.cls_id, *tokens_a, vocab.sep_id, *tokens_b, vocab.sep_id]
-                instances.append((tokens, len(tokens_a), is_random_next))
-            current_chunk = []
-            current_length = 0
-        i += 1
-    return instances, short, forced
-
-
-def mask_batch(
-    ids: np.ndarray,
-    lengths: np.ndarray,
-    cfg: InstanceConfig,
-    vocab: Vocab,
-    rng: np.random.Generator,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Masked LM predictions for a padded batch `ids` [N, L] (modified in place).
-
-    Returns (positions [N, P], labels [N, P], count [N], decisions [N, P]) with positions
-    sorted and only the first `count` of each row valid; decisions `masking.MASK` (0),
-    `RANDOM` (1), `KEEP` (2).
-    """
-    n, width = ids.shape
-    cols = np.arange(width)
-    valid = cols[None, :] < lengths[:, None]
-    cand = valid & masking.candidates(ids, (vocab.cls_id, vocab.sep_id))
-    keys = rng.random((n, width))
-    keys[~cand] = 2.0
-    order = np.argsort(keys, axis=1, kind="stable")  # a random permutation of the candidates
-    wanted = masking.num_to_predict(lengths, cfg.masked_lm_prob, cfg.max_predictions_per_seq)
-    count = np.minimum(wanted, cand.sum(axis=1))
-    p = min(cfg.max_predictions_per_seq, width)
-    taken = np.arange(p)[None, :] < count[:, None]
-    positions = np.sort(np.where(taken, order[:, :p], width), axis=1)
-    rows = np.broadcast_to(np.arange(n)[:, None], positions.shape)
-    safe = np.minimum(positions, width - 1)
-    labels = ids[rows, safe]
-    u, v = rng.random((n, p)), rng.random((n, p))
-    random_ids = rng.integers(0, vocab.size, (n, p))
-    decisions = cfg.recipe.decide(u, v)
-    new = masking.replace(decisions, labels, vocab.mask_id, random_ids)
-    ids[rows[taken], positions[taken]] = new[taken]
-    return positions, labels, count, decisions
-
-
-def mask_whole_words(
-    tokens: list[int], cfg: InstanceConfig, vocab: Vocab, rng: random.Random
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """The original's whole-word masking for one instance (`##` pieces join the word before),
-    with its exact sequence of `rng` calls (so the output is the original's for a seed)."""
-    recipe = cfg.recipe
-    cand = masking.candidates(tokens, (vocab.cls_id, vocab.sep_id))
-    cand_indexes: list[list[int]] = []
-    for i, token in enumerate(tokens):
-        if not cand[i]:
-            continue
-        if cand_indexes and vocab.is_subword[token]:
-            cand_indexes[-1].append(i)
-        else:
-            cand_indexes.append([i])
-    rng.shuffle(cand_indexes)
-    output = list(tokens)
-    num_to_predict = masking.num_to_predict(
-        len(tokens), cfg.masked_lm_prob, cfg.max_predictions_per_seq
-    )
-    masked: list[tuple[int, int, int]] = []
-    covered: set[int] = set()
-    for index_set in cand_indexes:
-        if len(masked) >= num_to_predict:
-            break
-        if len(masked) + len(index_set) > num_to_predict:
-            continue
-        if any(i in covered for i in index_set):
-            continue
-        for index in index_set:
-            covered.add(index)
-            u = rng.random()
-            # the second draw only when the first did not pick [MASK], as the original's elif
-            decision = recipe.decide(u, rng.random() if u >= recipe.mask_prob else 0.0)
-            if decision == masking.MASK:
-                output[index] = vocab.mask_id
-            elif decision == masking.RANDOM:
-                output[index] = rng.randint(0, vocab.size - 1)
-            masked.append((index, tokens[index], decision))
-    masked.sort()
-    return output, [m[0] for m in masked], [m[1] for m in masked], [m[2] for m in masked]
-
-
-def _list_array(values: np.ndarray, counts: np.ndarray, type_: pa.DataType) -> pa.Array:
-    offsets = np.zeros(len(counts) + 1, dtype=np.int32)
-    np.cumsum(counts, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=type_))
-
-
-def _round_table(
-    raw: list[tuple[list[int], int, bool]], cfg: InstanceConfig, vocab: Vocab, seeds
-) -> tuple[pa.Table, dict]:
-    """Mask one dupe round's instances and lay them out as an Arrow table."""
-    n, width = len(raw), cfg.max_seq_length
-    lengths = np.fromiter((len(t) for t, _, _ in raw), dtype=np.int64, count=n)
-    len_a = np.fromiter((a for _, a, _ in raw), dtype=np.int64, count=n)
-    random_next = np.fromiter((r for _, _, r in raw), dtype=np.int8, count=n)
-    ids = np.zeros((n, width), dtype=np.int32)
-    valid = np.arange(width)[None, :] < lengths[:, None]
-    ids[valid] = np.fromiter(chain.from_iterable(t for t, _, _ in raw), np.int32, lengths.sum())
-    original = ids.copy()
-    if cfg.whole_word_mask:
-        rng = random.Random(int(seeds.generate_state(1)[0]))
-        pos_l, lab_l, dec_l = [], [], []
-        count = np.zeros(n, dtype=np.int64)
-        for k, (tokens, _, _) in enumerate(raw):
-            out, pos, lab, dec = mask_whole_words(tokens, cfg, vocab, rng)
-            ids[k, : len(out)] = out
-            pos_l.extend(pos), lab_l.extend(lab), dec_l.extend(dec)
-            count[k] = len(pos)
-        pos_flat = np.array(pos_l, dtype=np.int32)
-        lab_flat = np.array(lab_l, dtype=np.int32)
-        dec_flat = np.array(dec_l, dtype=np.int8)
-    else:
-        positions, labels, count, decisions = mask_batch(
-            ids, lengths, cfg, vocab, np.random.default_rng(seeds)
+    @property
+    def holds_out(self) -> bool:
+        """Whether a split is asked for (only then are the documents counted first)."""
+        return bool(
+            self.heldout_documents if self.heldout_documents is not None else self.heldout_fraction
         )
-        taken = np.arange(positions.shape[1])[None, :] < count[:, None]
-        pos_flat, lab_flat, dec_flat = positions[taken], labels[taken], decisions[taken]
-    token_type = (np.arange(width)[None, :] >= (len_a + 2)[:, None]).astype(np.int8)
-    special = (original == vocab.cls_id) | (original == vocab.sep_id)
-    table = pa.table(
-        [
-            _list_array(ids[valid], lengths, pa.int32()),
-            _list_array(token_type[valid], lengths, pa.int8()),
-            _list_array(pos_flat.astype(np.int32), count, pa.int32()),
-            _list_array(lab_flat.astype(np.int32), count, pa.int32()),
-            pa.array(random_next, type=pa.int8()),
-        ],
-        schema=SCHEMA,
-    )
-    stats = {
-        "instances": n,
-        "tokens": int(lengths.sum()),
-        "non_special_tokens": int((valid & ~special).sum()),
-        "masked": int(count.sum()),
-        "masked_as_mask": int((dec_flat == 0).sum()),
-        "masked_as_random": int((dec_flat == 1).sum()),
-        "masked_unchanged": int((dec_flat == 2).sum()),
-        "random_next": int(random_next.sum()),
-    }
-    return table, stats
 
 
-@functools.lru_cache(maxsize=2)
-def _shard_tools(vocab_file: Path, lowercase: bool) -> tuple[Vocab, object, dict]:
-    """Vocabulary, tokenizer and piece cache, loaded once per worker process and reused for
-    every shard it handles (a pure function of the vocabulary: output does not depend on which
-    worker ran which shard)."""
-    from bert_core.tokenizer import load_tokenizer
-
-    return Vocab.from_file(vocab_file), load_tokenizer(vocab_file, lowercase), {}
-
-
-def process_shard(
-    shard_index: int, path: Path, out_path: Path, vocab_file: Path, cfg: InstanceConfig
-) -> dict:
-    """All instances of one input shard, shuffled, written to one Parquet file."""
-    vocab, tokenizer, cache = _shard_tools(Path(vocab_file), cfg.lowercase)
-    all_documents = tokenize_documents(read_documents(path), tokenizer, cache)
-    random.Random(int(seed_for(cfg.random_seed, shard_index, DOCS).generate_state(1)[0])).shuffle(
-        all_documents
-    )
-    tables, stats = (
-        [],
-        {
-            "documents": len(all_documents),
-            "short_target": 0,
-            "targets": 0,
-            "forced_random_next": 0,
-        },
-    )
-    for dupe in range(cfg.dupe_factor if all_documents else 0):
-        rng = random.Random(
-            int(seed_for(cfg.random_seed, shard_index, CHUNKS, dupe).generate_state(1)[0])
-        )
-        raw: list[tuple[list[int], int, bool]] = []
-        for document_index in range(len(all_documents)):
-            instances, short, forced = create_instances_from_document(
-                all_documents, document_index, cfg, rng, vocab
-            )
-            raw.extend(instances)
-            stats["forced_random_next"] += forced
-            stats["short_target"] += short
-            stats["targets"] += 1
-        if not raw:
-            continue
-        table, round_stats = _round_table(
-            raw, cfg, vocab, seed_for(cfg.random_seed, shard_index, MASKS, dupe)
-        )
-        tables.append(table)
-        for k, v in round_stats.items():
-            stats[k] = stats.get(k, 0) + v
-    table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
-    perm = np.random.default_rng(seed_for(cfg.random_seed, shard_index, SHUFFLE)).permutation(
-        table.num_rows
-    )
-    pq.write_table(table.take(perm), out_path, compression="zstd")
-    stats["input_bytes"] = path.stat().st_size
-    return stats
-
-
-def _process_shard_task(args: tuple) -> dict:
+def _process_shard_task(args: tuple) -> tuple[dict, list[list[str]]]:
     return process_shard(*args)
 
 
@@ -491,57 +156,121 @@ def check_inputs(input_dir: Path, vocab_file: Path, cfg: InstanceConfig) -> list
     cannot work: the input shards, with at least two documents for NSP."""
     cfg.validate()
     Vocab.from_file(vocab_file)
+    lowercase = read_lowercase(Path(vocab_file).parent)
+    if lowercase is not None and lowercase != cfg.lowercase:
+        raise InputError(
+            Path(vocab_file).parent / TOKENIZER_CONFIG,
+            f"the vocabulary is {'un' if lowercase else ''}cased (do_lower_case {lowercase}) but "
+            f"{'--cased was' if lowercase else 'lower-casing is'} asked",
+        )
     files = input_shards(input_dir)
     if count_documents(files) < 2:
         raise InputError(input_dir, "needs at least 2 documents (NSP draws random next segments)")
     return files
 
 
+@contextmanager
+def _mapper(num_workers: int, tasks: int) -> Iterator[Callable]:
+    """`map` over worker processes (one core each), or in this process for one worker or task."""
+    if num_workers > 1 and tasks > 1:
+        ctx = get_context(START_METHOD)
+        with ctx.Pool(min(num_workers, tasks), initializer=_worker_init) as pool:
+            yield functools.partial(pool.map, chunksize=1)
+    else:
+        yield lambda f, items: [f(x) for x in items]
+
+
+def split_heldout(files: list[Path], cfg: InstanceConfig, map_: Callable) -> dict[int, tuple]:
+    """Which whole documents are held out: input shard number -> document numbers in it.
+
+    A seeded draw without replacement over all documents of the corpus (`map_` counts them, a
+    shard per task), so the same seed holds out the same documents whatever the workers.
+    """
+    if not cfg.holds_out:
+        return {}
+    counts = map_(documents_in_shard, files)
+    total = sum(counts)
+    rng = np.random.default_rng(seed_for(cfg.random_seed, HELDOUT, SPLIT))
+    chosen = np.sort(rng.choice(total, size=cfg.heldout_count(total), replace=False))
+    starts = np.cumsum([0, *counts])
+    out: dict[int, list[int]] = {}
+    for g in chosen.tolist():
+        k = int(np.searchsorted(starts, g, side="right")) - 1
+        out.setdefault(k, []).append(g - int(starts[k]))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def write_heldout(
+    documents: list[list[str]], names: list[str], out_dir: Path, vocab_file: Path, cfg
+) -> dict:
+    """The held-out documents' instances in `out_dir/shard-00000.parquet` (one dupe round: the
+    masks are fixed, each document is seen once) and `documents.tsv` naming them; their stats."""
+    if not documents:
+        return {"documents": 0, "instances": 0}
+    out_dir.mkdir()
+    raw = write_instances(
+        documents, HELDOUT, out_dir / "shard-00000.parquet", vocab_file, cfg, dupe_factor=1
+    )
+    if not raw.get("instances"):
+        shutil.rmtree(out_dir)
+        return {"documents": raw["documents"], "instances": 0}
+    (out_dir / "documents.tsv").write_text("".join(f"{n}\n" for n in ["shard\tdocument", *names]))
+    return {"path": out_dir.name, "dupe_factor": 1, **_summary(raw)}
+
+
+def _summary(total: dict[str, int]) -> dict:
+    """stats.json's figures from the summed counts of some shards."""
+    n, masked = total["instances"], max(total["masked"], 1)
+    return {
+        "instances": n,
+        "documents": total["documents"],
+        "mean_length": total["tokens"] / n,
+        "random_next_share": total["random_next"] / n,
+        # The original forces random-next for one-sentence chunks; the coin is fair on the
+        # others, which is what this share measures.
+        "forced_random_next_share": total["forced_random_next"] / n,
+        "random_next_share_unforced": (total["random_next"] - total["forced_random_next"])
+        / max(n - total["forced_random_next"], 1),
+        "masked_share": total["masked"] / total["non_special_tokens"],
+        "mask_token_share": total["masked_as_mask"] / masked,
+        "random_token_share": total["masked_as_random"] / masked,
+        "unchanged_share": total["masked_unchanged"] / masked,
+        "short_target_share": total["short_target"] / max(total["targets"], 1),
+    }
+
+
 def create_instances(
     input_dir: Path, vocab_file: Path, output_dir: Path, cfg: InstanceConfig, num_workers: int = 1
 ) -> dict:
-    """Instances for every input shard (in parallel), then stats.json and vocab.txt."""
+    """Instances for every input shard (in parallel), the held-out set (`heldout/`), stats.json
+    and vocab.txt."""
     files = check_inputs(input_dir, vocab_file, cfg)
     _worker_init()
-    with atomic_dir(output_dir) as tmp:
+    with atomic_dir(output_dir) as tmp, _mapper(num_workers, len(files)) as map_:
+        heldout = split_heldout(files, cfg, map_)
         tasks = [
-            (k, f, tmp / f"shard-{k:05d}.parquet", Path(vocab_file), cfg)
+            (k, f, tmp / f"shard-{k:05d}.parquet", Path(vocab_file), cfg, heldout.get(k, ()))
             for k, f in enumerate(files)
         ]
-        if num_workers > 1 and len(tasks) > 1:
-            ctx = get_context(START_METHOD)
-            with ctx.Pool(min(num_workers, len(tasks)), initializer=_worker_init) as pool:
-                results = pool.map(_process_shard_task, tasks, chunksize=1)
-        else:
-            results = [_process_shard_task(t) for t in tasks]
+        results = map_(_process_shard_task, tasks)
         total: dict[str, int] = {}
-        for r in results:
+        for r, _ in results:
             for k, v in r.items():
                 total[k] = total.get(k, 0) + v
         if not total.get("instances"):
             raise InputError(input_dir, "no instances created (documents too short?)")
-        masked = max(total["masked"], 1)
+        names = [f"{files[k].name}\t{n}" for k in sorted(heldout) for n in heldout[k]]
+        held = [d for _, docs in results for d in docs]
         stats = {
-            "instances": total["instances"],
-            "documents": total["documents"],
+            **_summary(total),
             "input_bytes": total["input_bytes"],
-            "mean_length": total["tokens"] / total["instances"],
-            "random_next_share": total["random_next"] / total["instances"],
-            # The original forces random-next for one-sentence chunks; the coin is fair on the
-            # others, which is what this share measures.
-            "forced_random_next_share": total["forced_random_next"] / total["instances"],
-            "random_next_share_unforced": (total["random_next"] - total["forced_random_next"])
-            / max(total["instances"] - total["forced_random_next"], 1),
-            "masked_share": total["masked"] / total["non_special_tokens"],
-            "mask_token_share": total["masked_as_mask"] / masked,
-            "random_token_share": total["masked_as_random"] / masked,
-            "unchanged_share": total["masked_unchanged"] / masked,
-            "short_target_share": total["short_target"] / max(total["targets"], 1),
             "shards": len(files),
+            "heldout": write_heldout(held, names, tmp / HELDOUT_DIR, vocab_file, cfg),
             "config": asdict(cfg),
         }
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
         shutil.copyfile(vocab_file, tmp / "vocab.txt")
+        write_tokenizer_settings(tmp, cfg.lowercase)
     return stats
 
 
@@ -564,13 +293,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="shares of predicted tokens shown as [MASK]/random token/unchanged, percent "
         "(default %(default)s, the paper's; Table 8 ablates e.g. 100/0/0)",
     )
-    p.add_argument("--cased", action="store_true", help="do not lowercase (cased vocabulary)")
+    p.add_argument(
+        "--heldout-fraction",
+        type=float,
+        default=d.heldout_fraction,
+        help="share of the documents held out of training, whole, into heldout/ (default "
+        f"%(default)s, at least {MIN_HELDOUT} documents when the corpus allows; 0: none)",
+    )
+    p.add_argument(
+        "--heldout-documents",
+        type=int,
+        default=d.heldout_documents,
+        help="hold out exactly this many documents instead of --heldout-fraction",
+    )
+    p.add_argument(
+        "--cased",
+        action="store_true",
+        help="do not lowercase; only for a vocabulary folder without tokenizer_config.json, "
+        "whose do_lower_case is used otherwise",
+    )
     p.add_argument("--num-workers", type=int, default=max(1, os.cpu_count() or 1))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    lowercase = read_lowercase(args.vocab.parent)  # the vocabulary's own setting, if it has one
+    if lowercase is None or args.cased:  # --cased with an uncased vocabulary: check_inputs says
+        lowercase = not args.cased
     cfg = InstanceConfig(
         max_seq_length=args.max_seq_length,
         max_predictions_per_seq=args.max_predictions_per_seq,
@@ -579,8 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         dupe_factor=args.dupe_factor,
         random_seed=args.random_seed,
         whole_word_mask=args.whole_word_mask,
-        lowercase=not args.cased,
+        lowercase=lowercase,
         masking_recipe=args.masking_recipe,
+        heldout_fraction=args.heldout_fraction,
+        heldout_documents=args.heldout_documents,
     )
     check_inputs(args.input, args.vocab, cfg)
     from bert_core.tracking import start_run
@@ -590,12 +342,14 @@ def main(argv: list[str] | None = None) -> int:
         stats = create_instances(args.input, args.vocab, args.output, cfg, args.num_workers)
         import mlflow
 
+        numbers = {**stats, **{f"heldout_{k}": v for k, v in stats["heldout"].items()}}
         mlflow.log_metrics(
-            {k: v for k, v in stats.items() if isinstance(v, int | float)},
+            {k: v for k, v in numbers.items() if isinstance(v, int | float)},
             run_id=run.info.run_id,
         )
     print(
-        f"bert instances: {stats['instances']} instances from {stats['documents']} documents "
+        f"bert instances: {stats['instances']} instances from {stats['documents']} documents, "
+        f"{stats['heldout']['instances']} held out from {stats['heldout']['documents']} "
         f"-> {args.output}"
     )
     return 0

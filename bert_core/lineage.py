@@ -10,7 +10,10 @@ which nests under whatever parent the orchestrator exported.
   of their inputs (from dvc.lock) and `register_pretrained` logs and registers the model.
 - Kubeflow: no process lives for the whole run, so the parent is found or created by the KFP run
   id (`kfp_parent_run`), opened with the run's settings by the first task
-  (`kfp_pipeline_run`) and closed by the exit handler (`kfp_pipeline_end`).
+  (`kfp_pipeline_run`) and closed by the exit handler (`kfp_pipeline_end`). The first task
+  (`bert_core.cli.kfp_pipeline_run`) also records the content digest of each data input on the
+  parent run (`data_digests`, `log_data_inputs`: MLflow dataset inputs) and outputs the
+  digests, which the pipeline feeds into the cache keys of the steps that read the data.
 
 Running a `bert` command as a KFP step is the CLI's job (`bert_core.cli.kfp_step`): this module
 never imports the CLI, so the library has no loop back to the top.
@@ -23,8 +26,9 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from bert_core import storage
 from bert_core.tracking import default_tags, flatten, start_run, tracking_uri
 
 PIPELINE_EXPERIMENT = "bert-pipeline"
@@ -90,26 +94,78 @@ def kfp_parent_run(kfp_run_id: str, pipeline: str = PIPELINE_EXPERIMENT) -> str:
     return run.info.run_id
 
 
+class DataDigests(NamedTuple):
+    """`storage.digest` of the pipeline's data inputs: the corpus, the listed GLUE tasks' folders
+    and the listed token-level tasks' folders (the KFP `pipeline-run` task's outputs)."""
+
+    corpus_digest: str
+    glue_digest: str
+    token_digest: str
+
+
+def data_inputs(settings: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The data a run reads, by input (corpus, glue, token): the URIs of the corpus and of each
+    listed task's folder, from the run's settings (`data.*`, `finetune.tasks`, ...)."""
+    return {
+        "corpus": [str(settings["data.corpus"])],
+        "glue": [f"{settings['data.glue']}/{t}" for t in settings["finetune.tasks"]],
+        "token": [f"{settings['data.token']}/{t}" for t in settings["finetune.token_tasks"]],
+    }
+
+
+def data_digests(inputs: Mapping[str, list[str]]) -> DataDigests:
+    """The digest of each of `data_inputs` (a missing input fails here, in the first task)."""
+    return DataDigests(*(storage.digest(*inputs[name]) for name in ("corpus", "glue", "token")))
+
+
+def log_data_inputs(run_id: str, inputs: Mapping[str, list[str]], digests: DataDigests) -> None:
+    """Record each data input on a run as an MLflow dataset input (`mlflow.log_input`'s record,
+    through the client: the run is not this process's active run): name corpus / glue / token,
+    source its URI (the data folder for a task list), digest the content digest, context the
+    input's name. An input with no tasks (an empty token list) is left out."""
+    from mlflow import MlflowClient
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    records = []
+    for (name, uris), value in zip(inputs.items(), digests, strict=True):
+        if not uris:
+            continue
+        source = uris[0] if len(uris) == 1 else uris[0].rsplit("/", 1)[0]
+        dataset = MetaDataset(resolve_dataset_source(source), name=name, digest=value)
+        tags = [InputTag("mlflow.data.context", name)]
+        records.append(DatasetInput(dataset._to_mlflow_entity(), tags=tags))
+    MlflowClient(tracking_uri()).log_inputs(run_id, datasets=records)
+
+
+def parse_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A KFP run's settings typed back: KFP hands parameters over as strings ('5', or '5.0'
+    under kfp.local)."""
+    import yaml
+
+    parsed = {}
+    for key, value in settings.items():
+        value = yaml.safe_load(value) if isinstance(value, str) and value else value
+        parsed[key] = int(value) if isinstance(value, float) and value.is_integer() else value
+    return parsed
+
+
 def kfp_pipeline_run(settings: dict[str, Any], pipeline: str = PIPELINE_EXPERIMENT) -> str | None:
     """Open the MLflow parent run of this Kubeflow run and log the run's settings on it.
 
     The pipeline's first task, never cached: the parent exists before any step looks for it (no
     two fan-out steps can race to create it) and carries the settings `bert runs` compares.
-    KFP hands parameters over as strings ('5', or '5.0' under kfp.local): they are parsed back.
+    The settings are typed back first (`parse_settings`).
     """
-    import yaml
     from mlflow import MlflowClient
     from mlflow.entities import Param
 
     kfp_run_id = os.environ.get("KFP_RUN_ID", "")
     if not kfp_run_id:
         return None
-    parsed = {}
-    for key, value in settings.items():
-        value = yaml.safe_load(value) if isinstance(value, str) and value else value
-        parsed[key] = int(value) if isinstance(value, float) and value.is_integer() else value
     parent = kfp_parent_run(kfp_run_id, pipeline)
-    params = [Param(k, v) for k, v in sorted(flatten(parsed).items())]
+    params = [Param(k, v) for k, v in sorted(flatten(parse_settings(settings)).items())]
     MlflowClient(tracking_uri()).log_batch(parent, params=params)
     return parent
 

@@ -6,12 +6,12 @@ replaced by `[MASK]` 80 % of the time, by a random token 10 %, and left unchange
 of the paper ablates those three shares (100/0/0, 80/0/20, ...), so they are a setting, the
 `MaskingRecipe`, written `MASK/RANDOM/KEEP` in percent (`--masking-recipe 80/10/10`).
 
-Three callers apply the rule: `bert instances` vectorised over a shard (`instances.mask_batch`),
-one instance at a time for whole-word masking (`instances.mask_whole_words`), and pre-training's
-dynamic masking (`pretrain_data.dynamic_mask`). They draw their random numbers differently (the
-whole-word path must keep the original script's sequence of `random.Random` calls, so its output
-stays the same), but all decide through `MaskingRecipe.decide` and count through
-`num_to_predict`.
+Three callers apply the rule: `bert instances` vectorised over a shard
+(`instance_sampling.mask_batch`), one instance at a time for whole-word masking
+(`instance_sampling.mask_whole_words`), and pre-training's dynamic masking
+(`pretrain_data.dynamic_mask`). They draw their random numbers differently (the whole-word path
+must keep the original script's sequence of `random.Random` calls, so its output stays the same),
+but all decide through `MaskingRecipe.decide` and count through `num_to_predict`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# What a predicted position shows (the `decisions` of `instances.mask_batch`).
+# What a predicted position shows (the `decisions` of `instance_sampling.mask_batch`).
 MASK, RANDOM, KEEP = 0, 1, 2
 DEFAULT_RECIPE = "80/10/10"
 

@@ -35,9 +35,10 @@ from bert_core.bert_config import (
     WEIGHTS_NAME,
     BertConfig,
 )
-from bert_core.errors import atomic_dir
+from bert_core.errors import InputError, atomic_dir
 
 log = logging.getLogger(__name__)
+
 
 class BertOutput(NamedTuple):
     last_hidden_state: torch.Tensor  # [B, L, H]
@@ -194,13 +195,39 @@ def _rename_legacy(key: str) -> str:
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights of a model folder: model.safetensors, else a legacy pytorch_model.bin.
+
+    A damaged file is an error naming it, never a library traceback; a pickle that holds more
+    than tensors is refused (`weights_only`: a checkpoint from the internet must not run code).
+    """
     if (model_dir / WEIGHTS_NAME).is_file():
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(model_dir / WEIGHTS_NAME)
+        try:
+            return load_file(model_dir / WEIGHTS_NAME)
+        except (SafetensorError, OSError) as e:
+            raise InputError(
+                model_dir / WEIGHTS_NAME, f"not a readable safetensors file ({e})"
+            ) from None
     if (model_dir / LEGACY_WEIGHTS_NAME).is_file():
-        # weights_only: a pickle from the internet must not run code
-        return torch.load(model_dir / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True)
+        import pickle
+
+        try:
+            return torch.load(
+                model_dir / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True
+            )
+        except pickle.UnpicklingError:
+            raise InputError(
+                model_dir / LEGACY_WEIGHTS_NAME,
+                "holds objects other than tensors, which are not loaded (they could run code); "
+                "convert it to model.safetensors where you trust it, e.g. with transformers' "
+                "`from_pretrained(...).save_pretrained(..., safe_serialization=True)`",
+            ) from None
+        except (RuntimeError, EOFError, OSError) as e:
+            raise InputError(
+                model_dir / LEGACY_WEIGHTS_NAME, f"not a readable checkpoint ({e})"
+            ) from None
     raise FileNotFoundError(f"{model_dir}: no {WEIGHTS_NAME} or {LEGACY_WEIGHTS_NAME}")
 
 

@@ -11,11 +11,20 @@ CoNLL-2003 shared task's metric and the one the paper reports.
 Input: the task folder holds the original CoNLL-2003 files (`train.txt`/`valid.txt`, or the
 official `eng.train`/`eng.testa`): one token a line with four space-separated columns
 `token POS chunk NER`, a blank line after each sentence, `-DOCSTART-` lines between documents.
-IOB1 (the original files) and IOB2 are both accepted; tags are normalised to IOB2.
+IOB1 (the original files) and IOB2 are both accepted; tags are normalised to IOB2. When the folder
+also has the test split (`test.txt` or `eng.testb`), the kept model is scored on it too
+(`test_metrics`; never used to choose anything).
+
+Two things from the paper beside the default recipe:
+- `--document-context`: "we include the maximal document context provided by the data": each
+  window is filled up with the document's neighbouring tokens on both sides (as many left as
+  right, the rest to whichever side has more), labels only on the target sentence's words;
+- the official `conlleval` score (`bert_core.conlleval`: its tolerant chunk reading) beside
+  seqeval's strict one: `conlleval_precision/recall/f1` in the metrics.
 
 Output (atomic: all or nothing): `model/` (HF layout, label names in config.json),
-`metrics.json`, and `dev_predictions.txt`: the dev set back in CoNLL format,
-`token POS chunk gold predicted` (conlleval's input).
+`metrics.json`, and `dev_predictions.txt` (and `test_predictions.txt`): the split back in CoNLL
+format, `token POS chunk gold predicted` (conlleval's input).
 """
 
 from __future__ import annotations
@@ -28,18 +37,39 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_core.conlleval import conlleval
 from bert_core.errors import InputError
-from bert_core.finetune import FinetuneTask, pad, padding_mask, predict_batches, sample
+from bert_core.finetune import (
+    FinetuneConfig,
+    FinetuneTask,
+    option,
+    pad,
+    padding_mask,
+    predict_batches,
+    sample,
+)
 
 TASK = "conll2003"
 ENTITY_TYPES = ("PER", "ORG", "LOC", "MISC")
 LABELS = ("O",) + tuple(f"{p}-{t}" for t in ENTITY_TYPES for p in "BI")
 DOCSTART = "-DOCSTART-"
-# (train, dev) file names: the commonly distributed copies, then the original shared-task ones
-SPLIT_FILES = {"train": ("train.txt", "eng.train"), "dev": ("valid.txt", "dev.txt", "eng.testa")}
+# file names: the commonly distributed copies, then the original shared-task ones
+SPLIT_FILES = {
+    "train": ("train.txt", "eng.train"),
+    "dev": ("valid.txt", "dev.txt", "eng.testa"),
+    "test": ("test.txt", "eng.testb"),
+}
 # the copy the Hugging Face `conll2003` dataset used (train.txt, valid.txt, test.txt; IOB2)
 CONLL_URL = "https://data.deepai.org/conll2003.zip"
 _TAG = re.compile(r"^(?:O|[BI]-([A-Z]+))$")
+
+
+@dataclass
+class NerConfig(FinetuneConfig):
+    document_context: bool = option(
+        False, "fill each window with the document's neighbouring tokens (the paper's maximal "
+        "document context); labels stay on the target sentence only",
+    )  # fmt: skip
 
 
 @dataclass
@@ -49,6 +79,8 @@ class Sentence:
     chunk: list[str]
     tags: list[str]  # IOB2
     line: int  # first line in the file, for messages
+    doc: int = 0  # document number in the file (-DOCSTART- lines separate documents)
+    index: int = 0  # position in the file
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,13 +105,13 @@ def read_conll(path: str | Path) -> list[Sentence]:
     path = Path(path)
     sentences: list[Sentence] = []
     rows: list[list[str]] = []
-    first = 0
+    first = doc = 0
 
     def flush() -> None:
         if rows:
-            cols = list(zip(*rows, strict=True))
+            cols = [list(c) for c in zip(*rows, strict=True)]
             tags = iob1_to_iob2(cols[3])
-            sentences.append(Sentence(list(cols[0]), list(cols[1]), list(cols[2]), tags, first))
+            sentences.append(Sentence(*cols[:3], tags, first, doc, len(sentences)))
             rows.clear()
 
     with open(path, encoding="utf-8") as f:
@@ -90,6 +122,7 @@ def read_conll(path: str | Path) -> list[Sentence]:
                 continue
             if parts[0] == DOCSTART:
                 flush()
+                doc += 1  # a document: the sentences up to the next -DOCSTART- line
                 continue
             if len(parts) != 4:
                 raise InputError(
@@ -109,11 +142,13 @@ def read_conll(path: str | Path) -> list[Sentence]:
     return sentences
 
 
-def find_split(data_dir: str | Path, split: str) -> Path:
+def find_split(data_dir: str | Path, split: str, required: bool = True) -> Path | None:
     data_dir = Path(data_dir)
     for name in SPLIT_FILES[split]:
         if (data_dir / name).is_file():
             return data_dir / name
+    if not required:
+        return None
     raise FileNotFoundError(f"{data_dir}: no {split} file (looked for {SPLIT_FILES[split]})")
 
 
@@ -169,42 +204,95 @@ class Windows:
         return len(self.input_ids)
 
 
-def featurize(sentences: Sequence[Sentence], tokenizer, max_seq_length: int) -> Windows:
-    """Split words into WordPieces and sentences into windows of at most max_seq_length."""
-    cls_id, sep_id, unk_id = (tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[UNK]"))
-    capacity = max_seq_length - 2
+def word_pieces(sentences: Sequence[Sentence], tokenizer, capacity: int) -> list[list[list[int]]]:
+    """Each word's WordPiece ids; a word the normaliser empties is [UNK] (still predicted), one
+    longer than a window is cut to it."""
+    unk_id = tokenizer.token_to_id("[UNK]")
     encs = tokenizer.encode_batch(
         [s.words for s in sentences], is_pretokenized=True, add_special_tokens=False
     )
-    out = Windows([], [], [], [])
-
-    def emit(si: int, window: list[tuple[int, list[int]]]) -> None:
-        ids, labels, first, words = [cls_id], [-100], [], []
-        for wi, p in window:
-            first.append(len(ids))
-            words.append((si, wi))
-            labels += [LABELS.index(sentences[si].tags[wi])] + [-100] * (len(p) - 1)
-            ids += p
-        out.input_ids.append(np.asarray(ids + [sep_id], dtype=np.int64))
-        out.labels.append(np.asarray(labels + [-100], dtype=np.int64))
-        out.first.append(np.asarray(first, dtype=np.int64))
-        out.words.append(np.asarray(words, dtype=np.int64).reshape(-1, 2))
-
-    for si, (sent, enc) in enumerate(zip(sentences, encs, strict=True)):
+    out = []
+    for sent, enc in zip(sentences, encs, strict=True):
         pieces: list[list[int]] = [[] for _ in sent.words]
         for tid, wid in zip(enc.ids, enc.word_ids, strict=True):
             if wid is not None:
                 pieces[wid].append(tid)
-        window: list[tuple[int, list[int]]] = []
+        out.append([(p or [unk_id])[:capacity] for p in pieces])
+    return out
+
+
+class DocumentContext:
+    """Every document of a file as one token stream, for filling windows with context."""
+
+    def __init__(self, documents: Sequence[Sentence], pieces: Sequence[list[list[int]]]):
+        streams: dict[int, list[int]] = {}
+        self.start: dict[int, tuple[int, np.ndarray]] = {}  # sentence index -> (doc, word starts)
+        for sent, words in zip(documents, pieces, strict=True):
+            stream = streams.setdefault(sent.doc, [])
+            starts = len(stream) + np.cumsum([0] + [len(p) for p in words])
+            self.start[sent.index] = (sent.doc, starts)
+            stream.extend(t for p in words for t in p)
+        self.streams = {d: np.asarray(ids, dtype=np.int64) for d, ids in streams.items()}
+
+    def around(self, sent: Sentence, first_word: int, end_word: int, budget: int):
+        """(left, right) context token ids around words [first_word, end_word) of `sent`: up to
+        `budget` in all, as many on each side as the other side leaves room for."""
+        doc, starts = self.start[sent.index]
+        stream = self.streams[doc]
+        a, b = int(starts[first_word]), int(starts[end_word])
+        left = min(a, budget // 2)
+        right = min(len(stream) - b, budget - left)
+        left = min(a, budget - right)
+        return stream[a - left : a].tolist(), stream[b : b + right].tolist()
+
+
+def featurize(
+    sentences: Sequence[Sentence], tokenizer, max_seq_length: int,
+    documents: Sequence[Sentence] | None = None,
+) -> Windows:  # fmt: skip
+    """Split words into WordPieces and sentences into windows of at most max_seq_length.
+
+    With `documents` (every sentence of the file `sentences` were drawn from), each window is
+    filled up to max_seq_length with its document's neighbouring tokens (`DocumentContext`),
+    which carry no label."""
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    capacity = max_seq_length - 2
+    context = None
+    if documents is None:
+        pieces = word_pieces(sentences, tokenizer, capacity)
+    else:
+        every = word_pieces(documents, tokenizer, capacity)
+        context = DocumentContext(documents, every)
+        pieces = [every[s.index] for s in sentences]
+    out = Windows([], [], [], [])
+
+    def emit(si: int, window: list[int], used: int) -> None:
+        left, right = [], []
+        if context is not None:
+            sent = sentences[si]
+            left, right = context.around(sent, window[0], window[-1] + 1, capacity - used)
+        ids, labels, first, words = [cls_id, *left], [-100] * (len(left) + 1), [], []
+        for wi in window:
+            p = pieces[si][wi]
+            first.append(len(ids))
+            words.append((si, wi))
+            labels += [LABELS.index(sentences[si].tags[wi])] + [-100] * (len(p) - 1)
+            ids += p
+        out.input_ids.append(np.asarray(ids + right + [sep_id], dtype=np.int64))
+        out.labels.append(np.asarray(labels + [-100] * (len(right) + 1), dtype=np.int64))
+        out.first.append(np.asarray(first, dtype=np.int64))
+        out.words.append(np.asarray(words, dtype=np.int64).reshape(-1, 2))
+
+    for si, words in enumerate(pieces):
+        window: list[int] = []
         used = 0
-        for wi, p in enumerate(pieces):
-            p = (p or [unk_id])[:capacity]  # a word the normaliser empties is still predicted
+        for wi, p in enumerate(words):
             if used + len(p) > capacity:
-                emit(si, window)
+                emit(si, window, used)
                 window, used = [], 0
-            window.append((wi, p))
+            window.append(wi)
             used += len(p)
-        emit(si, window)
+        emit(si, window, used)
     return out
 
 
@@ -239,7 +327,8 @@ def predict(
 
 def entity_metrics(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]]) -> dict:
     """Entity-level P/R/F1 (seqeval, strict IOB2), overall (micro) and per type, plus the
-    word-level tag accuracy."""
+    word-level tag accuracy; and conlleval's P/R/F1 (`conlleval_*`, its per-type table under
+    `conlleval_per_type`)."""
     from seqeval.metrics import accuracy_score, classification_report
     from seqeval.scheme import IOB2
 
@@ -248,7 +337,10 @@ def entity_metrics(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]])
         gold, pred, mode="strict", scheme=IOB2, output_dict=True, zero_division=0
     )
     micro = report["micro avg"]
+    official = conlleval(gold, pred)
     return {
+        **{f"conlleval_{k}": official[k] for k in ("precision", "recall", "f1")},
+        "conlleval_per_type": official["per_type"],
         "precision": float(micro["precision"]),
         "recall": float(micro["recall"]),
         "f1": float(micro["f1-score"]),
@@ -282,6 +374,7 @@ def write_conll(path: Path, sentences: Sequence[Sentence], pred: Sequence[Sequen
 class NerFinetune(FinetuneTask):
     """CoNLL-2003 for the engine: windows of sentences, a tag per word, seqeval's entity F1."""
 
+    config_class = NerConfig
     model_class = "BertForTokenClassification"
     download_help = CONLL_URL
 
@@ -293,15 +386,24 @@ class NerFinetune(FinetuneTask):
         if not (Path(data_dir) / "train.txt").is_file():
             download(data_dir)
 
-    def prepare(self, data_dir: Path, tokenizer, cfg) -> dict:
-        self.files = {"train": find_split(data_dir, "train"), "dev": find_split(data_dir, "dev")}
-        train = sample(read_conll(self.files["train"]), cfg.max_train_examples, cfg.seed)
-        self.dev_sentences = sample(read_conll(self.files["dev"]), cfg.max_eval_examples, cfg.seed)
+    def prepare(self, data_dir: Path, tokenizer, cfg: NerConfig) -> dict:
+        self.files = {s: find_split(data_dir, s, s != "test") for s in SPLIT_FILES}
         tokenizer.no_truncation()  # windows, not truncation
-        self.train = featurize(train, tokenizer, cfg.max_seq_length)
-        self.dev = featurize(self.dev_sentences, tokenizer, cfg.max_seq_length)
-        self.num_train, self.num_train_examples = len(self.train), len(train)
-        return {"num_train_sentences": len(train), "num_train_windows": len(self.train)}
+        self.sentences, windows = {}, {}
+        for split, path in self.files.items():
+            if path is None:
+                continue
+            every = read_conll(path)
+            n = cfg.max_train_examples if split == "train" else cfg.max_eval_examples
+            self.sentences[split] = sample(every, n, cfg.seed)
+            documents = every if cfg.document_context else None
+            windows[split] = featurize(
+                self.sentences[split], tokenizer, cfg.max_seq_length, documents
+            )
+        self.train, self.dev, self.test = windows["train"], windows["dev"], windows.get("test")
+        self.dev_sentences = self.sentences["dev"]
+        self.num_train, self.num_train_examples = len(self.train), len(self.sentences["train"])
+        return {"num_train_sentences": self.num_train_examples, "num_train_windows": self.num_train}
 
     def train_batch(self, index):
         return collate(self.train, index)
@@ -311,14 +413,28 @@ class NerFinetune(FinetuneTask):
         metrics = entity_metrics([s.tags for s in self.dev_sentences], pred)
         return metrics, metrics["f1"], pred
 
+    def evaluate_test(self, model, device, cfg):
+        if self.test is None:
+            return None
+        sentences = self.sentences["test"]
+        self.test_pred = predict(model, self.test, sentences, device, cfg.eval_batch_size)
+        self.test_metrics = entity_metrics([s.tags for s in sentences], self.test_pred)
+        return self.test_metrics
+
     def summary(self, best: dict) -> dict:
+        test = {"test_per_type": self.test_metrics["per_type"]} if self.test else {}
         return {
             "per_type": best["metrics"]["per_type"],
+            "conlleval_per_type": best["metrics"]["conlleval_per_type"],
+            **test,
             "num_train_sentences": self.num_train_examples,
             "num_dev_sentences": len(self.dev_sentences),
+            **({"num_test_sentences": len(self.sentences["test"])} if self.test else {}),
             "num_train_windows": self.num_train,
-            "files": {k: str(v) for k, v in self.files.items()},
+            "files": {k: str(v) for k, v in self.files.items() if v},
         }
 
     def write_outputs(self, out: Path, model, predictions, device, cfg) -> None:
         write_conll(out / "dev_predictions.txt", self.dev_sentences, predictions)
+        if self.test is not None:
+            write_conll(out / "test_predictions.txt", self.sentences["test"], self.test_pred)

@@ -31,7 +31,7 @@ from typing import Any
 from bert_core.errors import BertError, InputError, atomic_dir
 from bert_core.pretrain_config import PretrainConfig, build_parser, parse_args
 from bert_core.pretrain_data import list_row_groups
-from bert_core.pretrain_state import load_state, write_metrics_csv
+from bert_core.pretrain_state import HELDOUT_COLUMNS, load_state, write_metrics_csv
 from bert_core.storage import filesystem, is_s3, preflight
 from bert_core.tokenizer import read_vocab
 
@@ -166,6 +166,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
 
         if summary["finished"]:
             mlflow.log_artifact(str(Path(cfg.output) / "pretrain_metrics.csv"))
+            mlflow.log_artifact(str(Path(cfg.output) / "heldout_metrics.csv"))
         mlflow.set_tag("bert.pretrain.step", str(summary["step"]))
     return summary
 
@@ -209,8 +210,10 @@ def _finish(cfg: PretrainConfig, checkpoint) -> dict[str, Any]:
             with atomic_dir(out / "model") as tmp:
                 shutil.copytree(Path(d) / "model", tmp, dirs_exist_ok=True)
     write_metrics_csv(out / "pretrain_metrics.csv", state["history"])
+    heldout = state.get("heldout_history", [])
+    write_metrics_csv(out / "heldout_metrics.csv", heldout, HELDOUT_COLUMNS)
     last = state["history"][-1] if state["history"] else {}
-    return {"step": state["step"], "finished": finished, "last": last}
+    return {"step": state["step"], "finished": finished, "last": last, "heldout": heldout[-1:]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,4 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         f"pretrain: step {summary['step']}/{cfg.steps}, loss {last.get('loss', math.nan):.4f}, "
         f"mlm_accuracy {last.get('mlm_accuracy', math.nan):.4f} -> {where}"
     )
+    for h in summary["heldout"]:  # the last held-out evaluation, beside its baselines
+        print(
+            f"pretrain: held-out mlm_accuracy {h['heldout_mlm_accuracy']:.4f} (most frequent "
+            f"token {h['baseline_mlm_accuracy']:.4f}), perplexity {h['heldout_perplexity']:.1f}, "
+            f"nsp_accuracy {h['heldout_nsp_accuracy']:.4f} "
+            f"(majority {h['baseline_nsp_accuracy']:.4f})"
+        )
     return 0

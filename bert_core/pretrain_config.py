@@ -16,6 +16,9 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from bert_core.errors import BertError
 from bert_core.masking import DEFAULT_RECIPE, MaskingRecipe
 
+# The paper's objective (masked LM + next sentence) and its "No NSP" ablation (Table 5).
+OBJECTIVES = ("mlm+nsp", "mlm")
+
 
 def _opt(default: typing.Any, help: str, **argparse_kw: typing.Any) -> typing.Any:
     return field(default=default, metadata={"help": help, **argparse_kw})
@@ -49,6 +52,18 @@ class PretrainConfig:
     masking_recipe: str = _opt(
         DEFAULT_RECIPE, "dynamic masking: predictions shown as [MASK]/random/unchanged, percent"
     )
+    objective: str = _opt(
+        "mlm+nsp",
+        "training loss: mlm+nsp (the paper's) or mlm (its 'No NSP' ablation, Table 5: the NSP "
+        "head and pooler are frozen; NSP accuracy is still reported)",
+        choices=OBJECTIVES,
+    )
+    eval_every: int | None = _opt(
+        None,
+        "held-out evaluation every this many steps, and at the start and end "
+        "(default: --checkpoint-every)",
+    )
+    eval_sequences: int = _opt(1024, "held-out sequences evaluated, at most (the first ones)")
     init_model: str | None = _opt(None, "start from this model (phase two)")
     compile: bool = _opt(False, "torch.compile the model")
     seed: int = _opt(12345, "seed of the initial weights, data order and dropout")
@@ -75,6 +90,16 @@ class PretrainConfig:
         return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 100)
 
     @property
+    def eval_interval(self) -> int:
+        """Steps between held-out evaluations: --eval-every, else --checkpoint-every."""
+        return self.eval_every or self.checkpoint_every
+
+    @property
+    def heldout(self) -> str:
+        """The held-out instances (`bert instances` writes them beside the training shards)."""
+        return f"{self.instances.rstrip('/')}/heldout"
+
+    @property
     def vocab_file(self) -> str:
         """The instances' vocab.txt (`bert instances` copies it there; local or s3://)."""
         return f"{self.instances.rstrip('/')}/vocab.txt"
@@ -87,9 +112,12 @@ class PretrainConfig:
                 f"--batch-size {self.batch_size} is not divisible by --num-workers x "
                 f"--grad-accum = {self.num_workers * self.grad_accum}"
             )
-        for name in ("log_every", "checkpoint_every"):
-            if getattr(self, name) < 1:
+        for name in ("log_every", "checkpoint_every", "eval_every", "eval_sequences"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
                 raise BertError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.objective not in OBJECTIVES:
+            raise BertError(f"--objective must be one of {', '.join(OBJECTIVES)}")
         MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError
 
 

@@ -65,7 +65,7 @@ def _join(base: str | Path, name: str) -> str:
     return f"{str(base).rstrip('/')}/{name}"
 
 
-def _parquet(path: str) -> pq.ParquetFile:
+def open_parquet(path: str) -> pq.ParquetFile:
     """A Parquet file from a local path or an s3:// URI (endpoint as in bert_core.storage)."""
     fs, inner = filesystem(path)
     return pq.ParquetFile(fs.open_input_file(inner))
@@ -81,7 +81,7 @@ def list_row_groups(instances_dir: str | Path) -> list[RowGroup]:
     groups = []
     for shard in (_join(instances_dir, n) for n in names):
         try:
-            meta = _parquet(shard)
+            meta = open_parquet(shard)
         except Exception as e:  # pyarrow raises several types for a corrupt footer
             raise InputError(shard, f"not a readable Parquet file ({e})") from e
         missing = set(COLUMNS + (LABEL_COLUMN,)) - set(meta.schema_arrow.names)
@@ -95,6 +95,18 @@ def list_row_groups(instances_dir: str | Path) -> list[RowGroup]:
     if not groups:
         raise InputError(instances_dir, "the shards hold no instances")
     return groups
+
+
+def read_instances_config(instances_dir: str | Path) -> dict:
+    """The settings `bert instances` made the shards with (stats.json's `config`: masking
+    recipe, sequence length, dupe factor, held-out share...); {} for shards without one."""
+    import json
+
+    fs, inner = filesystem(_join(instances_dir, "stats.json"))
+    if fs.get_file_info(inner).type != pafs.FileType.File:
+        return {}
+    with fs.open_input_stream(inner) as f:
+        return dict(json.loads(f.read().decode("utf-8")).get("config", {}))
 
 
 def masking_config_from_vocab(
@@ -158,7 +170,7 @@ class InstanceStream:
                     continue
                 table = _read_group(self.groups[g])
                 for r in rows[skip:]:
-                    yield tuple(_row(col, r) for col in table[:4]) + (table[4][r],)
+                    yield _instance(table, r)
                 skip = 0
             epoch += 1
 
@@ -174,7 +186,7 @@ class InstanceStream:
 
 def _read_group(group: RowGroup) -> list:
     """One row group as (offsets, values) per list column plus the label array."""
-    table = _parquet(group.path).read_row_group(group.index, columns=[*COLUMNS, LABEL_COLUMN])
+    table = open_parquet(group.path).read_row_group(group.index, columns=[*COLUMNS, LABEL_COLUMN])
     out = []
     for name in COLUMNS:
         arr = table.column(name).combine_chunks()
@@ -183,9 +195,27 @@ def _read_group(group: RowGroup) -> list:
     return out
 
 
+def _instance(table: list, r: int) -> tuple[np.ndarray, ...]:
+    """Row `r` of a `_read_group` table: ids, types, positions, labels, next-sentence label."""
+    return tuple(_row(col, r) for col in table[:4]) + (table[4][r],)
+
+
 def _row(col: tuple[np.ndarray, np.ndarray], r: int) -> np.ndarray:
     offsets, values = col
     return values[offsets[r] : offsets[r + 1]]
+
+
+def read_rows(groups: list[RowGroup], limit: int) -> list[tuple[np.ndarray, ...]]:
+    """The first `limit` rows of `groups` in stored order (as `collate` takes them): a fixed
+    set, for evaluation."""
+    rows: list[tuple[np.ndarray, ...]] = []
+    for group in groups:
+        table = _read_group(group)
+        take = min(group.num_rows, limit - len(rows))
+        rows += [_instance(table, r) for r in range(take)]
+        if len(rows) >= limit:
+            break
+    return rows
 
 
 def dynamic_mask(

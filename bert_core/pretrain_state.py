@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import random
+import shutil
 import threading
 import time
 from dataclasses import asdict
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 
 from bert_core.errors import atomic_file
@@ -36,6 +38,17 @@ CSV_COLUMNS = (
     "sequences_per_s",
     "data_wait_share",
     "mfu",
+)
+# `heldout_metrics.csv`: the held-out evaluations (`bert_core.pretrain_eval`), one row each.
+HELDOUT_COLUMNS = (
+    "step",
+    "heldout_mlm_loss",
+    "heldout_perplexity",
+    "heldout_mlm_accuracy",
+    "heldout_nsp_loss",
+    "heldout_nsp_accuracy",
+    "baseline_mlm_accuracy",
+    "baseline_nsp_accuracy",
 )
 # Dense bf16 peak FLOP/s for MFU; other GPUs: pass --peak-tflops.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 125.0}
@@ -106,8 +119,10 @@ def save_checkpoint(
     rngs: list[dict[str, Any]],
     *,
     final: bool,
+    heldout: list[dict] | None = None,
 ) -> None:
-    """`directory/state.pt` (everything to continue), and `directory/model/` when `final`."""
+    """`directory/state.pt` (everything to continue), and `directory/model/` when `final`,
+    with the instances' vocab.txt and tokenizer settings (casing) beside it."""
     state = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -116,19 +131,30 @@ def save_checkpoint(
         "samples_per_rank": step * cfg.grad_accum * cfg.micro_batch,
         "rng": rngs,
         "history": history,
+        "heldout_history": heldout or [],
         "config": asdict(cfg),
     }
     torch.save(state, directory / "state.pt")
     if not final:
         return
     vocab_file: str | Path = cfg.vocab_file
-    if is_s3(vocab_file):  # save_pretrained copies a local file
-        fs, inner = filesystem(vocab_file)
-        with fs.open_input_stream(inner) as f:
-            (directory / "vocab.txt").write_bytes(f.read())
-        vocab_file = directory / "vocab.txt"
+    if is_s3(vocab_file):  # save_pretrained copies local files: the vocabulary's folder
+        vocab_file = fetch_tokenizer_files(cfg.instances, directory / "tokenizer")
     model.save_pretrained(directory / "model", vocab_file=vocab_file)
-    (directory / "vocab.txt").unlink(missing_ok=True)
+    shutil.rmtree(directory / "tokenizer", ignore_errors=True)
+
+
+def fetch_tokenizer_files(instances: str, folder: Path) -> Path:
+    """vocab.txt and the tokenizer settings of instances (s3:// or local), copied into `folder`."""
+    from bert_core.model import TOKENIZER_FILES
+
+    folder.mkdir()
+    for name in TOKENIZER_FILES:
+        fs, inner = filesystem(f"{instances.rstrip('/')}/{name}")
+        if fs.get_file_info(inner).type == pafs.FileType.File:
+            with fs.open_input_stream(inner) as f:
+                (folder / name).write_bytes(f.read())
+    return folder / "vocab.txt"
 
 
 def load_state(directory: str | Path) -> dict[str, Any]:
@@ -137,8 +163,9 @@ def load_state(directory: str | Path) -> dict[str, Any]:
 
 def restore(
     state: dict[str, Any], model, optimizer, scheduler, rank: int, world: int
-) -> tuple[int, list[dict]]:
-    """Load a checkpoint into freshly built objects; returns (step, metric history).
+) -> tuple[int, list[dict], list[dict]]:
+    """Load a checkpoint into freshly built objects; returns (step, metric history, held-out
+    history).
 
     This rank's RNG states come back only when the world size is the one that saved them;
     otherwise the per-rank seeds set at start-up stay.
@@ -148,13 +175,16 @@ def restore(
     scheduler.load_state_dict(state["scheduler"])
     if len(state["rng"]) == world:
         set_rng_state(state["rng"][rank])
-    return state["step"], state["history"]
+    return state["step"], state["history"], state.get("heldout_history", [])
 
 
-def write_metrics_csv(path: Path, history: list[dict]) -> None:
-    """The metric history as `pretrain_metrics.csv` (DVC plots), written atomically."""
+def write_metrics_csv(
+    path: Path, history: list[dict], columns: tuple[str, ...] = CSV_COLUMNS
+) -> None:
+    """A metric history as CSV for DVC plots, written atomically: `pretrain_metrics.csv`
+    (`CSV_COLUMNS`), `heldout_metrics.csv` (`HELDOUT_COLUMNS`)."""
     with atomic_file(path) as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for row in history:
             writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
@@ -245,6 +275,20 @@ class MetricSink:
         self.thread = threading.Thread(target=self._run, daemon=True, name="bert-metrics")
         self.thread.start()
 
+    def log_params(self, params: dict[str, str]) -> None:
+        """Parameters of the driver's run known only here (e.g. the instances' settings); once,
+        at start, so synchronously. The same value again (a restart) is accepted by MLflow."""
+        if not self.run_id or not params:
+            return
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        try:
+            batch = [Param(k, str(v)[:6000]) for k, v in params.items()]
+            MlflowClient(self.uri).log_batch(self.run_id, params=batch)
+        except Exception as e:  # tracking must never kill training
+            print(f"[pretrain] parameter logging failed: {e}", flush=True)
+
     def put(self, metrics: dict[str, float]) -> None:
         self.queue.put(dict(metrics))
 
@@ -263,7 +307,7 @@ class MetricSink:
                 if client is not None:
                     batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
                     client.log_batch(self.run_id, metrics=batch)
-                if self.progress is not None:
+                if self.progress is not None and "loss" in metrics:  # training rows only
                     self.progress.put(metrics)
             except Exception as e:  # tracking must never kill training
                 print(f"[pretrain] metric logging failed at step {step}: {e}", flush=True)

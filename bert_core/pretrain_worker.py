@@ -30,7 +30,9 @@ from bert_core.pretrain_data import (
     list_row_groups,
     masking_config_from_vocab,
     prefetch,
+    read_instances_config,
 )
+from bert_core.pretrain_eval import HeldOutEval
 from bert_core.pretrain_state import (
     CSV_COLUMNS,
     Meter,
@@ -74,6 +76,15 @@ class Training:
     stream: InstanceStream
     step: int = 0
     history: list[dict] = field(default_factory=list)
+    heldout: list[dict] = field(default_factory=list)  # held-out evaluations (rank 0)
+
+
+def freeze_nsp_head(model: torch.nn.Module) -> None:
+    """`--objective mlm`, the paper's "No NSP" (Table 5): the NSP classifier and the pooler
+    under it (which only NSP trains) get no gradient and stay out of the optimizer, so they
+    keep their initial values; DDP skips parameters that do not require a gradient."""
+    for module in (model.cls.seq_relationship, model.bert.pooler):
+        module.requires_grad_(False)
 
 
 def setup(
@@ -98,14 +109,16 @@ def setup(
     vocab = read_vocab(cfg.vocab_file)
     seed_all(cfg.seed)  # same initial weights on every rank
     core = build_model(cfg, len(vocab))
+    if cfg.objective == "mlm":
+        freeze_nsp_head(core)
     optimizer = optim.adamw(
         core, cfg.learning_rate, cfg.weight_decay, eps=cfg.adam_eps, betas=cfg.adam_betas
     )
     scheduler = optim.linear_schedule(optimizer, cfg.warmup, cfg.steps)
     seed_all(cfg.seed + 1000 * (rank + 1))  # distinct dropout per rank
-    step, history = start_step, []
+    step, history, heldout = start_step, [], []
     if state is not None:
-        step, history = restore(state, core, optimizer, scheduler, rank, world)
+        step, history, heldout = restore(state, core, optimizer, scheduler, rank, world)
     model = prepare(core) if prepare else core.to(device)
     _optimizer_state_to(optimizer, device)
     masking = None
@@ -127,7 +140,7 @@ def setup(
         pad_id=vocab.get("[PAD]", 0),
     )
     forward = torch.compile(model) if cfg.compile else model
-    return Training(forward, core, optimizer, scheduler, stream, step, history)
+    return Training(forward, core, optimizer, scheduler, stream, step, history, heldout)
 
 
 def _optimizer_state_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -168,11 +181,13 @@ def train_step(
         with contextlib.nullcontext() if sync else model.no_sync():
             with optim.autocast(device):
                 out = model(**batch)
-            (out.loss / cfg.grad_accum).backward()
+                # NSP's loss is computed either way (for its metrics); "mlm" leaves it out
+                loss = out.loss if cfg.objective == "mlm+nsp" else out.mlm_loss
+            (loss / cfg.grad_accum).backward()
         labels = batch["masked_lm_labels"]
         predicted = labels != -100
         meter.add(
-            loss=out.loss,
+            loss=loss,
             mlm_loss=out.mlm_loss,
             nsp_loss=out.nsp_loss,
             micro=1,
@@ -211,13 +226,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             state = load_state(d)
-    training = setup(
-        cfg, rank, world, device, state=state, prepare=ray.train.torch.prepare_model
-    )
+    training = setup(cfg, rank, world, device, state=state, prepare=ray.train.torch.prepare_model)
     if state is not None and rank == 0:
         print(f"[pretrain] resumed from step {training.step} ({checkpoint.path})", flush=True)
     sink = MetricSink(loop_config) if rank == 0 else None
-    _train(cfg, training, device, rank, world, sink)
+    if sink is not None:  # what the shards were made with: recipe, length, held-out share...
+        config = read_instances_config(cfg.instances)
+        sink.log_params({f"instances.{k}": v for k, v in config.items()})
+    heldout = HeldOutEval.load(cfg, rank, world, pad_id=training.stream.pad_id)
+    if heldout is None and rank == 0:
+        print(f"[pretrain] no held-out instances in {cfg.heldout}: no held-out evaluation")
+    _train(cfg, training, device, rank, world, sink, heldout)
     if sink is not None:
         sink.close()
 
@@ -229,18 +248,24 @@ def _train(
     rank: int,
     world: int,
     sink: MetricSink | None,
+    heldout: HeldOutEval | None = None,
 ) -> None:
     """Steps until --steps (or --stop-after): metrics every --log-every steps and with every
-    checkpoint, a checkpoint every --checkpoint-every steps and at the end."""
+    checkpoint, held-out evaluation at the start and every --eval-every steps and at the end, a
+    checkpoint every --checkpoint-every steps and at the end."""
     batches = prefetch(t.stream)
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
     peak = peak_flops(cfg, device)
     meter = Meter()
     t.model.train()
+    if heldout is not None and t.step == 0:  # the untrained model: where the curves start
+        _evaluate(t, heldout, device, sink)
     while t.step < end:
         lr = train_step(t.model, batches, t.optimizer, t.scheduler, cfg, device, meter, world > 1)
         t.step += 1
         _maybe_inject_failure(cfg, t.step)
+        if heldout is not None and (t.step % cfg.eval_interval == 0 or t.step == end):
+            _evaluate(t, heldout, device, sink)
 
         save = t.step % cfg.checkpoint_every == 0 or t.step == end
         if t.step % cfg.log_every and not save:
@@ -257,6 +282,16 @@ def _train(
             sink.put(metrics)
         if save:
             _report_checkpoint(cfg, t, metrics, rank, final=t.step == cfg.steps)
+
+
+def _evaluate(
+    t: Training, heldout: HeldOutEval, device: torch.device, sink: MetricSink | None
+) -> None:
+    """Every rank evaluates its share; rank 0 keeps the row (checkpointed) and logs it."""
+    row = {"step": t.step, **heldout.evaluate(t.core, device)}
+    if sink is not None:
+        t.heldout.append(row)
+        sink.put(row)
 
 
 def _maybe_inject_failure(cfg: PretrainConfig, step: int) -> None:
@@ -282,7 +317,16 @@ def _report_checkpoint(
         return
     with tempfile.TemporaryDirectory(prefix="bert-ckpt-") as tmp:
         save_checkpoint(
-            Path(tmp), cfg, t.core, t.optimizer, t.scheduler, t.step, t.history, rngs, final=final
+            Path(tmp),
+            cfg,
+            t.core,
+            t.optimizer,
+            t.scheduler,
+            t.step,
+            t.history,
+            rngs,
+            final=final,
+            heldout=t.heldout,
         )
         ray.train.report(
             metrics,

@@ -5,6 +5,11 @@ in the pipeline's experiment; its scores are the ones its `evaluate` step logged
 pandas DataFrame, newest run first, so it also reads well in a notebook (`runs_table()`). MLflow
 holds the scores as fractions (`evaluate.mlflow_metrics`); the table shows them in percent, as
 the GLUE table does.
+
+Besides the main system's scores (`glue_score`, `{task}.score`), a run that fine-tuned other
+systems (`bert evaluate`'s rows: the random-init control, ablations) shows each one's GLUE score
+(`random_init.glue_score`, ...) and the main system's gain over the control (`gain.glue_score`,
+in points), so the control and the gain compare across runs too.
 """
 
 from __future__ import annotations
@@ -25,17 +30,27 @@ SETTINGS = (
     "instances.max_seq_length",
     "finetune.epochs",
     "finetune.max_train_examples",
+    "finetune.init",
+    "finetune.lr_sweep",
+    "finetune.restarts",
+    "pretrain.objective",
+    "instances.masking_recipe",
 )
 
 
+def _is_score(name: str) -> bool:
+    """The main system's GLUE and task scores, every system's GLUE score, the gain."""
+    return name.endswith("glue_score") or (name.endswith(".score") and name.count(".") == 1)
+
+
 def _scores(run: Any) -> dict[str, float]:
-    """GLUE scores of a pipeline run in percent: its own, else those of its newest evaluate
-    step."""
+    """GLUE scores (and gains) of a pipeline run in percent: its own, else those of its newest
+    evaluate step."""
     metrics = run.data.metrics
     if "glue_score" not in metrics:
         evaluated = child_runs(run.info.run_id, "evaluate")
         metrics = evaluated[0].data.metrics if evaluated else {}
-    return {k: 100 * v for k, v in metrics.items() if k == "glue_score" or k.endswith(".score")}
+    return {k: 100 * v for k, v in metrics.items() if _is_score(k)}
 
 
 def runs_table(experiment: str = PIPELINE_EXPERIMENT, limit: int = 10):
@@ -68,9 +83,11 @@ def runs_table(experiment: str = PIPELINE_EXPERIMENT, limit: int = 10):
         row.update(_scores(run))
         rows.append(row)
     frame = pd.DataFrame(rows)
+    glue = sorted((c for c in frame.columns if c.endswith("glue_score")),
+                  key=lambda c: (c != "glue_score", c.startswith("gain."), c))  # fmt: skip
     scores = sorted(c for c in frame.columns if c.endswith(".score"))
-    ordered = [c for c in frame.columns if c not in scores and c != "glue_score"]
-    ordered += [c for c in ["glue_score"] if c in frame.columns] + scores
+    ordered = [c for c in frame.columns if c not in scores and c not in glue]
+    ordered += glue + scores
     return frame[ordered] if rows else frame
 
 

@@ -11,9 +11,10 @@ keeps valid spans up to `max_answer_length` tokens and picks the best start+end 
 SQuAD 2.0 the null answer ([CLS] start and end) wins when its score beats the best span's by
 more than `null_score_diff_threshold`.
 
-Scores are the official evaluate-v1.1.py / evaluate-v2.0.py ones (answer normalisation:
-lower-case, no punctuation, no articles, single spaces; max over the gold answers), reported as
-fractions (x 100 for the official scale).
+Scores are the official evaluate-v1.1.py / evaluate-v2.0.py ones (`bert_core.squad_metrics`),
+as fractions; for SQuAD 2.0 also with the null threshold tuned on dev as the v2 script's
+best-threshold search does (`best_exact`, `best_f1` and their `*_thresh`), beside the untuned
+`exact_match`/`f1` (at `--null-score-diff-threshold`), which choose the best epoch.
 
 Input: a folder with the official SQuAD JSON (`train-v1.1.json`/`dev-v1.1.json`,
 `train-v2.0.json`/`dev-v2.0.json`, or `train.json`/`dev.json`). Without a dev file the train
@@ -25,12 +26,10 @@ format: question id -> answer text) and, for SQuAD 2.0, `null_odds.json`.
 from __future__ import annotations
 
 import json
-import re
-import string
+import math
 import urllib.request
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +44,15 @@ from bert_core.finetune import (
     padding_mask,
     predict_batches,
     sample,
+)
+from bert_core.squad_metrics import (  # noqa: F401 (the official scores, re-exported)
+    apply_threshold,
+    best_thresholds,
+    exact_match,
+    f1_v1,
+    f1_v2,
+    normalize_answer,
+    squad_metrics,
 )
 
 VERSIONS = {"squad": "1.1", "squad_v2": "2.0"}
@@ -340,64 +348,6 @@ def decode(
 
 
 # ---------------------------------------------------------------------------------------------
-# Official metrics (evaluate-v1.1.py, evaluate-v2.0.py)
-
-
-def normalize_answer(s: str) -> str:
-    """Lower text and remove punctuation, articles and extra whitespace (both scripts)."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s, flags=re.UNICODE)
-    return " ".join(s.split())
-
-
-def f1_v1(prediction: str, ground_truth: str) -> float:
-    pred, gold = normalize_answer(prediction).split(), normalize_answer(ground_truth).split()
-    same = sum((Counter(pred) & Counter(gold)).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(pred), same / len(gold)
-    return 2 * precision * recall / (precision + recall)
-
-
-def f1_v2(prediction: str, ground_truth: str) -> float:
-    """v2.0: an empty answer (no-answer) scores 1 only against an empty answer."""
-    pred, gold = normalize_answer(prediction).split(), normalize_answer(ground_truth).split()
-    if not pred or not gold:
-        return float(pred == gold)
-    return f1_v1(prediction, ground_truth)
-
-
-def exact_match(prediction: str, ground_truth: str) -> float:
-    return float(normalize_answer(prediction) == normalize_answer(ground_truth))
-
-
-def squad_metrics(
-    examples: Sequence[Example], predictions: dict[str, str], version: str = "1.1"
-) -> dict[str, float]:
-    """Exact match and F1 (max over gold answers, mean over questions); for 2.0 also split into
-    questions with and without an answer, as evaluate-v2.0.py reports."""
-    v2 = version == "2.0"
-    em, f1, has = [], [], []
-    for ex in examples:
-        gold = [t for t, _ in ex.answers]
-        if v2:
-            gold = [t for t in gold if normalize_answer(t)] or [""]
-        pred = predictions.get(ex.qid, "")
-        em.append(max(exact_match(pred, g) for g in gold))
-        f1.append(max((f1_v2 if v2 else f1_v1)(pred, g) for g in gold))
-        has.append(bool(ex.answers))
-    em_, f1_, has_ = np.asarray(em), np.asarray(f1), np.asarray(has)
-    out = {"exact_match": float(em_.mean()), "f1": float(f1_.mean())}
-    if v2:
-        for name, sel in (("has_ans", has_), ("no_ans", ~has_)):
-            if sel.any():
-                out[f"{name}_exact_match"] = float(em_[sel].mean())
-                out[f"{name}_f1"] = float(f1_[sel].mean())
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # The task
 
 
@@ -440,8 +390,16 @@ class SquadFinetune(FinetuneTask):
 
     def evaluate(self, model, device, cfg: SquadConfig):
         logits = predict_logits(model, self.dev, device, cfg.eval_batch_size)
-        preds, null_odds = decode(self.dev_examples, self.dev, logits, cfg, self.version == "2.0")
+        if self.version == "1.1":
+            preds, null_odds = decode(self.dev_examples, self.dev, logits, cfg, False)
+            metrics = squad_metrics(self.dev_examples, preds, self.version)
+            return metrics, metrics["f1"], (preds, null_odds)
+        # 2.0: the best spans and their null odds, then the answers at the set threshold
+        no_null = replace(cfg, null_score_diff_threshold=math.inf)
+        spans, null_odds = decode(self.dev_examples, self.dev, logits, no_null, True)
+        preds = apply_threshold(spans, null_odds, cfg.null_score_diff_threshold)
         metrics = squad_metrics(self.dev_examples, preds, self.version)
+        metrics |= best_thresholds(self.dev_examples, spans, null_odds)
         return metrics, metrics["f1"], (preds, null_odds)
 
     def summary(self, best: dict) -> dict:

@@ -1,10 +1,18 @@
-"""`s3://` paths and a pre-flight check of the services a run depends on.
+"""`s3://` paths, the one way a step reads s3:// inputs, data digests, and a pre-flight check of
+the services a run depends on.
 
 On a cluster the instance shards, Ray checkpoints and MLflow artifacts live in an S3-compatible
 object store (MinIO in infra/k8s). Every client finds it the way AWS tools do: the endpoint from
 `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` (boto3, pyarrow) or MLflow's `MLFLOW_S3_ENDPOINT_URL`,
 credentials from `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` (a Kubernetes Secret). Nothing
 here takes a credential as an argument, so none can end up in a parameter or a log line.
+
+A step whose input may be an s3:// URI (`bert clean --input`, `bert finetune --data`) reads it
+through `local_copy`, which hands local paths through untouched and downloads an s3:// object or
+prefix to a temporary folder, so the step's own code only ever sees local files. `digest` is
+the content identity of such an input (local or s3://), cheap enough for the pipeline's first
+task to compute on every run: KFP's cache key sees only the URI string, the digest sees the
+data behind it.
 
 `preflight` exists because a pre-training run that discovers an unreachable bucket or tracking
 server at its first checkpoint has already burnt GPU hours: it checks both in seconds, before
@@ -14,10 +22,15 @@ any data is read, and names what is unreachable.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
+import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
 from bert_core.errors import BertError
@@ -77,6 +90,76 @@ def filesystem(path: str | os.PathLike):
     if region:
         kwargs["region"] = region
     return pafs.S3FileSystem(**kwargs), f"{bucket}/{key}".rstrip("/")
+
+
+@contextmanager
+def local_copy(uri: str | os.PathLike) -> Iterator[Path]:
+    """A local path holding `uri`'s data for the duration: a local path itself (untouched, not
+    copied), an s3:// object or prefix downloaded to a temporary folder under its own name (so a
+    file keeps its suffix) and removed afterwards. Missing data raises FileNotFoundError."""
+    if not is_s3(uri):
+        yield Path(uri)
+        return
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(uri)
+    kind = fs.get_file_info(path).type
+    if kind == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"{uri}: no such object or prefix")
+    with tempfile.TemporaryDirectory(prefix="bert-s3-") as tmp:
+        dest = Path(tmp) / (PurePosixPath(path).name or "data")
+        if kind == pafs.FileType.Directory:
+            dest.mkdir()
+        pafs.copy_files(
+            path, str(dest), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()
+        )
+        yield dest
+
+
+def _md5(path: Path) -> str:
+    h = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _entries(uri: str | os.PathLike) -> list[tuple[str, int, str]]:
+    """(name, size, md5) of every file of `uri`, named relative to its parent (so the entries
+    start with its own name). For S3 the md5 is the listing's ETag: no object is read."""
+    if is_s3(uri):
+        bucket, key = split_s3(str(uri))
+        key = key.rstrip("/")
+        parent = key.rpartition("/")[0]
+        pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key)
+        out = [
+            (o["Key"][len(parent) :].lstrip("/"), o["Size"], o["ETag"].strip('"'))
+            for page in pages
+            for o in page.get("Contents", [])
+            if o["Key"] == key or o["Key"].startswith(f"{key}/")
+        ]
+    else:
+        path = Path(uri)
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        out = [(p.relative_to(path.parent).as_posix(), p.stat().st_size, _md5(p)) for p in files]
+    if not out:
+        raise FileNotFoundError(f"{uri}: no such file, folder, object or prefix (or it is empty)")
+    return out
+
+
+def digest(*uris: str | os.PathLike) -> str:
+    """The content digest of the data at `uris` (local or s3://; files or folders/prefixes):
+    sha256 over each file's name (relative to its uri's parent), size and md5, 32 hex digits
+    (MLflow's dataset digests hold 36). One changed byte changes it; so do a renamed or an added
+    file. No object is downloaded: S3 gives the md5 as the ETag in its listing, which is why the
+    local digest uses md5 too, and why a folder and its upload have the same digest when the
+    upload was single-part (an ETag of a multipart upload is not the file's md5). No uris: the
+    digest of nothing (an empty task list)."""
+    h = hashlib.sha256()
+    for uri in uris:
+        for name, size, md5 in sorted(_entries(uri)):
+            h.update(f"{name}\t{size}\t{md5}\n".encode())
+    return h.hexdigest()[:32]
 
 
 def check_tracking(uri: str, timeout: float = 5.0) -> None:

@@ -35,6 +35,9 @@ from bert_core.errors import InputError, atomic_dir
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MAX_INPUT_CHARS_PER_WORD = 100  # as google-research/bert's WordpieceTokenizer
+# The tokenizer settings beside vocab.txt, as transformers' BertTokenizer writes them.
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,48 @@ def read_vocab(vocab_file: str | Path, required: tuple[str, ...] = ("[UNK]",)) -
     if missing:
         raise InputError(vocab_file, f"vocabulary has no {' '.join(missing)} token")
     return vocab
+
+
+def write_tokenizer_settings(folder: Path, lowercase: bool) -> None:
+    """`tokenizer_config.json` and `special_tokens_map.json` in `folder`, beside vocab.txt.
+
+    vocab.txt alone does not say whether a vocabulary is cased, and reading a cased one with
+    lower-casing (or the reverse) silently maps most capitalised words to [UNK]. So the setting
+    travels with the vocabulary, in the files transformers' `BertTokenizer` writes
+    (`do_lower_case`; accents are stripped exactly when lower-casing, as BERT's uncased models):
+    `bert vocab` writes them, `bert instances` reads and copies them, `bert pretrain` puts them
+    in the model folder, and fine-tuning and transformers' `AutoTokenizer` read them there.
+    """
+    specials = {
+        "unk_token": "[UNK]",
+        "sep_token": "[SEP]",
+        "pad_token": "[PAD]",
+        "cls_token": "[CLS]",
+        "mask_token": "[MASK]",
+    }
+    config = {
+        "do_lower_case": lowercase,
+        **specials,
+        "tokenize_chinese_chars": True,
+        "strip_accents": None,
+        "tokenizer_class": "BertTokenizer",
+        "model_max_length": 512,
+    }
+    (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (folder / SPECIAL_TOKENS_MAP).write_text(json.dumps(specials, indent=2) + "\n")
+
+
+def read_lowercase(folder: Path) -> bool | None:
+    """`do_lower_case` of `folder/tokenizer_config.json`; None when the file is absent (or does
+    not say, as transformers then lower-cases: True)."""
+    path = Path(folder) / TOKENIZER_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(path, f"not a JSON file ({e})") from None
+    return bool(config.get("do_lower_case", True))
 
 
 def bert_tokenizer(vocab: dict[str, int] | None = None, lowercase: bool = True) -> Tokenizer:
@@ -211,7 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, type=Path, help="cleaned corpus folder")
     p.add_argument("--output", required=True, type=Path, help="output folder")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    p.add_argument("--cased", action="store_true", help="keep case and accents")
+    p.add_argument(
+        "--cased",
+        action="store_true",
+        help="keep case and accents (written to tokenizer_config.json: do_lower_case false)",
+    )
     p.add_argument("--min-frequency", type=int, default=d.min_frequency)
     p.add_argument("--limit-alphabet", type=int, default=d.limit_alphabet)
     return p
@@ -231,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         tok = train_vocab(args.input, cfg)
         with atomic_dir(args.output) as tmp:
             write_vocab(tok, tmp / "vocab.txt")
+            write_tokenizer_settings(tmp, cfg.lowercase)
             tok.save(str(tmp / "tokenizer.json"))
             stats = {"vocab_size": tok.get_vocab_size(), "config": asdict(cfg)}
             (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")

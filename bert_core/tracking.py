@@ -2,7 +2,10 @@
 
 Why one module: every step logs the same way, so experiments line up in the MLflow UI.
 The tracking URI is `MLFLOW_TRACKING_URI` when set (a shared `mlflow server`), otherwise a SQLite
-database `mlflow.db` in the current (project) folder. The experiment is `MLFLOW_EXPERIMENT_NAME`
+database `mlflow.db` in the project the command runs in (the nearest folder up from the current one
+holding `dvc.yaml` or `.git`), or, outside any project, in the user's data folder
+(`$XDG_DATA_HOME/bert`, default `~/.local/share/bert`): a step run from some other folder never
+leaves a database behind there. The experiment is `MLFLOW_EXPERIMENT_NAME`
 or "bert". When an orchestrator opened a parent run for the whole pipeline it passes its id in
 `BERT_PARENT_RUN_ID`, and each step's run is nested under it.
 
@@ -26,8 +29,22 @@ from typing import Any
 DEFAULT_EXPERIMENT = "bert"
 
 
+def default_store(cwd: Path | None = None) -> Path:
+    """Where the SQLite store lives when no tracking URI is set (see the module docstring)."""
+    cwd = (cwd or Path.cwd()).resolve()
+    for folder in (cwd, *cwd.parents):
+        if (folder / "dvc.yaml").is_file() or (folder / ".git").exists():
+            return folder / "mlflow.db"
+    data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return data / "bert" / "mlflow.db"
+
+
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    store = default_store()
+    store.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{store}"
 
 
 def flatten(params: Mapping[str, Any] | Any, prefix: str = "") -> dict[str, str]:

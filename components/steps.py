@@ -12,17 +12,25 @@ cache key, so no step could ever be reused by a later run. The pipeline hands it
 through the environment instead (`KFP_RUN_ID`, see pipelines/bert_pipeline.py).
 
 The image is the project's (infra/docker/Dockerfile), chosen at compile time with BERT_IMAGE; it
-already holds every package, so nothing is pip-installed when a step starts.
+already holds every package, so nothing is pip-installed when a step starts (the compiled
+command runs `python3 -m kfp.dsl.executor_main` straight away). The pipeline swaps in the
+`train_image` parameter for the fine-tuning tasks at run time (`set_container_image`).
+
+The data digests (`corpus_digest`, `data_digest`) are inputs a step does not read: they are
+there for KFP's cache key, which sees parameter values but never the data behind a path, so new
+data under the same s3:// URI re-runs the steps that read it instead of being a cache hit.
 """
 
 import os
-from typing import List  # noqa: UP035 - KFP reads these annotations: typing.List
+from typing import List, NamedTuple  # noqa: UP035 - KFP reads these annotations: typing.List
 
 from kfp import dsl
 from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
 
-DEFAULT_IMAGE = "bert-pipeline/bert:0.1.0"
+from pipelines.cluster import IMAGE as DEFAULT_IMAGE
+
 IMAGE = os.environ.get("BERT_IMAGE", DEFAULT_IMAGE)
+TRAIN_IMAGE = os.environ.get("BERT_TRAIN_IMAGE", IMAGE)  # default of the `train_image` parameter
 
 
 def component(func):
@@ -31,14 +39,18 @@ def component(func):
 
 
 @component
-def pipeline_run(settings: dict, tasks: list, token_tasks: list):
-    """The MLflow parent run of this KFP run, with the run's settings as its parameters; first
-    in the DAG and never cached, so it exists before any step looks for it. The two list
-    settings come as inputs of their own: inside a dict, KFP pastes a list in as broken text."""
+def pipeline_run(settings: dict, tasks: list, token_tasks: list) -> NamedTuple(
+    "Digests", [("corpus_digest", str), ("glue_digest", str), ("token_digest", str)]
+):
+    """The MLflow parent run of this KFP run, with the run's settings as its parameters and its
+    data inputs' content digests; first in the DAG and never cached, so it exists before any
+    step looks for it and the digests it outputs are always fresh (the steps reading the data
+    take them as inputs, see the module docstring). The two list settings come as inputs of
+    their own: inside a dict, KFP pastes a list in as broken text."""
     from bert_core.cli import kfp_pipeline_run
 
     lists = {"finetune.tasks": tasks, "finetune.token_tasks": token_tasks}
-    print("MLflow parent run:", kfp_pipeline_run({**settings, **lists}))
+    return kfp_pipeline_run({**settings, **lists})
 
 
 @component
@@ -50,8 +62,9 @@ def pipeline_end(status: dsl.PipelineTaskFinalStatus):
 
 
 @component
-def clean(corpus: str, cleaned: Output[Dataset]):
-    """bert clean: raw text -> sharded documents in BERT's input format."""
+def clean(corpus: str, corpus_digest: str, cleaned: Output[Dataset]):
+    """bert clean: raw text (a local path or s3:// URI) -> sharded documents in BERT's input
+    format. `corpus_digest` is for the cache key only."""
     from bert_core.cli import kfp_step
 
     kfp_step(["clean", "--input", corpus, "--output", cleaned.path])
@@ -124,15 +137,16 @@ def finetune(
     learning_rate: float,
     max_seq_length: int,
     max_train_examples: int,
-    use_gpu: bool,
+    data_digest: str,
     finetuned: Output[Model],
     metrics: Output[Metrics],
     max_eval_examples: int = 0,
 ):
     """bert finetune on one task, `{data_dir}/{task}`: a GLUE task (data_dir: the GLUE folder)
-    or a token-level one (conll2003, squad; data_dir: the folder holding it). The pipeline fans
-    this out with dsl.ParallelFor, once over the GLUE tasks and once over the token-level ones;
-    0 max_eval_examples means the whole dev set."""
+    or a token-level one (conll2003, squad; data_dir: the folder holding it), local or s3://.
+    The pipeline fans this out with dsl.ParallelFor, once over the GLUE tasks and once over the
+    token-level ones; 0 max_eval_examples means the whole dev set. The device is the pod's:
+    cuda when it was given a GPU, else cpu (`--device auto`). `data_digest`: the cache key's."""
     from bert_core.cli import kfp_metrics, kfp_step
 
     kfp_step(
@@ -140,7 +154,7 @@ def finetune(
         + ["--model", f"{pretrained.path}/model", "--output", finetuned.path]
         + ["--epochs", epochs, "--batch-size", batch_size, "--learning-rate", learning_rate]
         + ["--max-seq-length", max_seq_length, "--max-train-examples", max_train_examples]
-        + ["--device", "cuda" if use_gpu else "cpu"]
+        + ["--device", "auto"]
         + (["--max-eval-examples", max_eval_examples] if max_eval_examples > 0 else [])
     )
     for name, value in kfp_metrics(f"{finetuned.path}/metrics.json").items():

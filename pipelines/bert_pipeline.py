@@ -1,30 +1,38 @@
 """The BERT DAG as a Kubeflow Pipelines v2 pipeline: compile it, run it locally, or submit it.
 
-    clean -> vocab -> instances -> pretrain -> finetune (ParallelFor over GLUE tasks) -> evaluate
-                                             -> finetune (ParallelFor over token tasks) -^
+    pipeline-run -> clean -> vocab -> instances -> pretrain -> finetune (ParallelFor: GLUE)
+                                                          -> finetune (ParallelFor: token)
+                                                             both -> evaluate
+    pipeline-end (the exit handler, after everything)
 
 The token-level tasks (`finetune_token_tasks`: conll2003, squad) reuse the finetune component;
-the list is empty by default, so that loop runs nothing unless asked for. Before `clean`, one
-uncached task (`pipeline-run`) opens the run's MLflow parent run with its settings, and an exit
-handler (`pipeline-end`) closes it with the run's final state; the steps read the KFP run id
-from the environment, so it never enters their cache keys (see `step`).
+the list is empty by default, so that loop runs nothing unless asked for. The first task,
+`pipeline-run` (uncached), opens the run's MLflow parent run with its settings and outputs a
+content digest of each data input, which the steps reading that data take as an input, so new
+data under the same URI changes their cache keys. The exit handler (`pipeline-end`) closes the
+parent run with the run's final state. The steps read the KFP run id from the environment, so it
+never enters their cache keys (see `pod`).
 
-Every pipeline parameter's default comes from params.yaml (the file `dvc repro` reads too), so
-the KFP UI, DVC and `make run` start from the same settings. A parameter is `section_key`; its
-step's component takes it as `key`, so each params.yaml section is the keyword arguments of its
-step (`section`), and the training sub-pipeline takes the parameters under their own names.
+Every task runs as a cluster pod needs it to (`pod`): the ConfigMap `bert-pipeline-env` and the
+Secrets `bert-s3` (and, optional, `bert-mlflow-auth`) as environment variables
+(`pipelines/cluster.py` names them). The fine-tuning tasks run the `train_image` parameter's
+image with `gpus` GPUs each (both run-time parameters: `gpus=0` and the CPU image by default);
+everything else, pretrain included, runs the CPU image: pretrain submits its training to the
+RayCluster as a Ray job, whose workers use the GPUs (`pretrain_use_gpu`) there, and KFP retries
+it with backoff (it resumes from its last checkpoint).
 
-    python -m pipelines.bert_pipeline compile [--image IMAGE]     # writes bert_pipeline.yaml
+Parameter defaults come from params.yaml (the file `dvc repro` reads too), so the KFP UI, DVC
+and `make run` start from the same settings, except the data inputs, whose defaults are the
+cluster's s3:// URIs (`pipelines/cluster.py`: a pod has no workstation paths; `local` puts
+params.yaml's back). A parameter is `section_key`; its step's component takes it as `key`, so
+each params.yaml section is the keyword arguments of its step (`section`).
+
+    python -m pipelines.bert_pipeline compile [--image IMAGE] [--train-image IMAGE]
     python -m pipelines.bert_pipeline local [--set KEY=VALUE ...]  # whole DAG via kfp.local
-    python -m pipelines.bert_pipeline submit --host URL [--experiment E] [--run-name R] [--set ..]
-
-Pre-training and fine-tuning run on GPUs when `use_gpu` is true: KFP resources are fixed per
-task at compile time, so the pipeline holds the training part twice (a GPU and a CPU variant)
-and a `dsl.If`/`dsl.Else` on `use_gpu` picks one at run time.
+    python -m pipelines.bert_pipeline submit --host URL [--spec FILE] [--run-name R] [--set ..]
 """
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -35,10 +43,13 @@ from typing import Any
 
 import yaml
 
+from pipelines import cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = Path(__file__).with_name("bert_pipeline.yaml")
 NAME = "bert-pipeline"
 DESCRIPTION = "BERT: corpus -> WordPiece -> MLM/NSP -> pre-train -> GLUE (+ NER, SQuAD)"
+DATA = tuple(cluster.DATA)  # the data inputs: data_corpus, data_glue, data_token
 
 
 def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:
@@ -54,17 +65,12 @@ def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:
     return flat
 
 
-P = load_params()
+P = load_params()  # params.yaml's settings (DVC's), workstation data paths included
+DEFAULTS = {**P, **cluster.DATA}  # the pipeline's parameter defaults from params.yaml
 
-# The pipeline parameters the training half takes (a sub-pipeline declares its own inputs; they
-# keep the pipeline's names): the fine-tuning data folders and the model, pretrain and finetune
-# sections. Not `pretrain_use_gpu`: it picks the branch.
-TRAINING = tuple(
-    k
-    for k in P
-    if k in ("data_glue", "data_token")
-    or (k.startswith(("model_", "pretrain_", "finetune_")) and k != "pretrain_use_gpu")
-)
+# The pipeline's own parameters, beside params.yaml's: the fine-tuning tasks' image and GPUs.
+# Logged on the MLflow parent run under `kfp.<name>`.
+RUNTIME = ("train_image", "gpus")
 
 
 def section(settings: Mapping[str, Any], name: str, leave_out: Iterable[str] = ()) -> dict:
@@ -78,10 +84,12 @@ def section(settings: Mapping[str, Any], name: str, leave_out: Iterable[str] = (
 @dataclass(frozen=True)
 class FineTuning:
     """One fine-tuning fan-out: the tasks it loops over, the folder holding their data (one
-    sub-folder per task), the finetune component's other inputs, and its names in the KFP UI."""
+    sub-folder per task), that data's digest output of `pipeline-run`, the finetune component's
+    other inputs, and its names in the KFP UI."""
 
     tasks: Any
     data_dir: Any
+    digest: str
     inputs: dict[str, Any]
     loop: str
     display: str
@@ -94,10 +102,17 @@ def fine_tunings(s: Mapping[str, Any]) -> list[FineTuning]:
     glue = {k: v for k, v in finetune.items() if not k.startswith("token_")}
     token = {**glue, **section(s, "finetune_token", leave_out=["tasks"])}
     return [
-        FineTuning(s["finetune_tasks"], s["data_glue"], glue, "glue-tasks", "finetune"),
         FineTuning(
-            s["finetune_token_tasks"], s["data_token"], token, "token-tasks", "finetune-token"
+            s["finetune_tasks"], s["data_glue"], "glue_digest", glue, "glue-tasks", "finetune"
         ),
+        FineTuning(
+            s["finetune_token_tasks"],
+            s["data_token"],
+            "token_digest",
+            token,
+            "token-tasks",
+            "finetune-token",
+        ),  # fmt: skip
     ]
 
 
@@ -110,134 +125,132 @@ def _kfp():
     return dsl, steps
 
 
-# The pod label that carries the KFP run id (set by the KFP backend on every step's pod).
-RUN_ID_FIELD = "metadata.labels['pipeline/runid']"
+# Retries of the pretrain task: its Ray job resumes from the last checkpoint in the bucket, so a
+# lost pod or a failed job costs minutes; backoff 1, 2, 4 minutes lets a restarted head settle.
+PRETRAIN_RETRY = {"num_retries": 3, "backoff_duration": "60s", "backoff_factor": 2.0}
 
 
-def step(task, name: str, cpu: str, memory: str, gpu: bool = False):
-    """A task's display name and resources, and its KFP run id as `KFP_RUN_ID` read from the pod
-    label through the Kubernetes downward API. Passed as an input, the run id would enter every
-    step's cache key and no later run could reuse a step; an environment variable does not, so
-    caching works across runs and each step still nests its MLflow run under its pipeline run."""
+def pod(task, name: str, cpu: str, memory: str):
+    """A task as a cluster pod: its display name and resources, the ConfigMap and Secrets of
+    `pipelines/cluster.py` as environment variables (kfp-kubernetes), and the KFP run id as
+    `KFP_RUN_ID` from the pod label (downward API). Passed as an input, the run id would enter
+    every step's cache key and no later run could reuse a step; an environment variable does
+    not, so caching works across runs and each step still nests its MLflow run under its
+    pipeline run."""
     from kfp import kubernetes
 
     task.set_display_name(name).set_cpu_request(cpu).set_memory_request(memory)
-    if gpu:
-        task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
-    return kubernetes.use_field_path_as_env(task, env_name="KFP_RUN_ID", field_path=RUN_ID_FIELD)
+    kubernetes.use_config_map_as_env(
+        task, cluster.CONFIG_MAP, {key: key for key in cluster.CONFIG_KEYS}
+    )
+    kubernetes.use_secret_as_env(task, cluster.SECRET, {key: key for key in cluster.SECRET_KEYS})
+    kubernetes.use_secret_as_env(
+        task, cluster.AUTH_SECRET, {key: key for key in cluster.AUTH_KEYS}, optional=True
+    )
+    return kubernetes.use_field_path_as_env(
+        task, env_name=cluster.RUN_ID_ENV, field_path=cluster.RUN_ID_FIELD
+    )
 
 
 def build_pipeline():
-    """The pipeline function: the DAG of the module docstring, its defaults from params.yaml.
+    """The pipeline function: the DAG of the module docstring, its defaults DEFAULTS.
 
     Its parameters are what a user sets for a run (KFP UI, `--set`): one per params.yaml key,
-    `section_key`. The body is `dag`; the two training sub-pipelines are compiled before the
-    pipeline itself (KFP compiles a pipeline when it is decorated, and none inside another)."""
+    `section_key`, and RUNTIME's. The body is `dag`."""
     dsl, steps = _kfp()
-    branches: dict[bool, Any] = {}  # use_gpu -> the training half; filled before compiling
+    D = DEFAULTS
 
     def bert_pipeline(
-        data_corpus: str = P["data_corpus"],
-        data_glue: str = P["data_glue"],
-        data_token: str = P["data_token"],
-        vocab_vocab_size: int = P["vocab_vocab_size"],
-        instances_max_seq_length: int = P["instances_max_seq_length"],
-        instances_max_predictions_per_seq: int = P["instances_max_predictions_per_seq"],
-        instances_masked_lm_prob: float = P["instances_masked_lm_prob"],
-        instances_dupe_factor: int = P["instances_dupe_factor"],
-        instances_random_seed: int = P["instances_random_seed"],
-        model_preset: str = P["model_preset"],
-        pretrain_steps: int = P["pretrain_steps"],
-        pretrain_batch_size: int = P["pretrain_batch_size"],
-        pretrain_num_workers: int = P["pretrain_num_workers"],
-        pretrain_learning_rate: float = P["pretrain_learning_rate"],
-        pretrain_use_gpu: bool = P["pretrain_use_gpu"],
-        finetune_tasks: list = P["finetune_tasks"],
-        finetune_epochs: int = P["finetune_epochs"],
-        finetune_batch_size: int = P["finetune_batch_size"],
-        finetune_learning_rate: float = P["finetune_learning_rate"],
-        finetune_max_seq_length: int = P["finetune_max_seq_length"],
-        finetune_max_train_examples: int = P["finetune_max_train_examples"],
-        finetune_token_tasks: list = P["finetune_token_tasks"],
-        finetune_token_epochs: int = P["finetune_token_epochs"],
-        finetune_token_max_seq_length: int = P["finetune_token_max_seq_length"],
-        finetune_token_max_train_examples: int = P["finetune_token_max_train_examples"],
-        finetune_token_max_eval_examples: int = P["finetune_token_max_eval_examples"],
+        data_corpus: str = D["data_corpus"],
+        data_glue: str = D["data_glue"],
+        data_token: str = D["data_token"],
+        vocab_vocab_size: int = D["vocab_vocab_size"],
+        instances_max_seq_length: int = D["instances_max_seq_length"],
+        instances_max_predictions_per_seq: int = D["instances_max_predictions_per_seq"],
+        instances_masked_lm_prob: float = D["instances_masked_lm_prob"],
+        instances_dupe_factor: int = D["instances_dupe_factor"],
+        instances_random_seed: int = D["instances_random_seed"],
+        model_preset: str = D["model_preset"],
+        pretrain_steps: int = D["pretrain_steps"],
+        pretrain_batch_size: int = D["pretrain_batch_size"],
+        pretrain_num_workers: int = D["pretrain_num_workers"],
+        pretrain_learning_rate: float = D["pretrain_learning_rate"],
+        pretrain_use_gpu: bool = D["pretrain_use_gpu"],
+        finetune_tasks: list = D["finetune_tasks"],
+        finetune_epochs: int = D["finetune_epochs"],
+        finetune_batch_size: int = D["finetune_batch_size"],
+        finetune_learning_rate: float = D["finetune_learning_rate"],
+        finetune_max_seq_length: int = D["finetune_max_seq_length"],
+        finetune_max_train_examples: int = D["finetune_max_train_examples"],
+        finetune_token_tasks: list = D["finetune_token_tasks"],
+        finetune_token_epochs: int = D["finetune_token_epochs"],
+        finetune_token_max_seq_length: int = D["finetune_token_max_seq_length"],
+        finetune_token_max_train_examples: int = D["finetune_token_max_train_examples"],
+        finetune_token_max_eval_examples: int = D["finetune_token_max_eval_examples"],
+        train_image: str = steps.TRAIN_IMAGE,
+        gpus: int = 0,
     ):
-        settings = {k: v for k, v in locals().items() if k in P}  # the parameters, by name
-        dag(dsl, steps, branches, settings)
+        settings = {k: v for k, v in locals().items() if k in D or k in RUNTIME}  # by name
+        dag(dsl, steps, settings)
 
-    for gpu in (True, False):
-        branches[gpu] = train_and_evaluate(dsl, steps, gpu, inspect.signature(bert_pipeline))
     return dsl.pipeline(name=NAME, description=DESCRIPTION)(bert_pipeline)
 
 
-def dag(dsl, steps, branches: dict[bool, Any], s: dict[str, Any]) -> None:
-    """The pipeline's body: the MLflow bracket around clean -> vocab -> instances and the
-    training half on the branch `pretrain_use_gpu` picks. `s`: the pipeline parameters."""
+def dag(dsl, steps, s: dict[str, Any]) -> None:
+    """The pipeline's body: the MLflow bracket (`pipeline-run` first, `pipeline-end` as the exit
+    handler) around clean -> vocab -> instances -> pretrain -> the fine-tuning fan-outs ->
+    evaluate. `s`: the pipeline parameters."""
     # the exit handler closes the MLflow parent run, whatever becomes of the steps
-    end = step(steps.pipeline_end(), "pipeline-end", cpu="1", memory="1G")
+    end = pod(steps.pipeline_end(), "pipeline-end", cpu="1", memory="1G")
     with dsl.ExitHandler(end.set_caching_options(False), name="bert"):
-        start = step(steps.pipeline_run(**parent_run(s)), "pipeline-run", cpu="1", memory="1G")
-        start.set_caching_options(False)
-        cl = step(steps.clean(corpus=s["data_corpus"]), "clean", cpu="2", memory="4G").after(start)
+        start = pod(steps.pipeline_run(**parent_run(s)), "pipeline-run", cpu="1", memory="1G")
+        digests = start.set_caching_options(False).outputs
+        cl = steps.clean(corpus=s["data_corpus"], corpus_digest=digests["corpus_digest"])
+        pod(cl, "clean", cpu="2", memory="4G")
         vo = steps.vocab(cleaned=cl.outputs["cleaned"], **section(s, "vocab"))
-        step(vo, "vocab", cpu="2", memory="4G")
+        pod(vo, "vocab", cpu="2", memory="4G")
         ins = steps.instances(
             cleaned=cl.outputs["cleaned"],
             wordpiece=vo.outputs["wordpiece"],
             **section(s, "instances"),
         )
-        step(ins, "instances", cpu="2", memory="8G")
-        training = {"shards": ins.outputs["shards"], **{k: s[k] for k in TRAINING}}
-        with dsl.If(s["pretrain_use_gpu"] == True, name="use-gpu"):  # noqa: E712 - a KFP condition
-            branches[True](**training).set_display_name("train-and-evaluate (GPU)")
-        with dsl.Else(name="cpu-only"):
-            branches[False](**training).set_display_name("train-and-evaluate (CPU)")
+        pod(ins, "instances", cpu="2", memory="8G")
+        pretrain = {"preset": s["model_preset"], **section(s, "pretrain")}
+        pre = steps.pretrain(shards=ins.outputs["shards"], **pretrain)
+        pod(pre, "pretrain", cpu="2", memory="8G").set_retry(**PRETRAIN_RETRY)
+        results, token_results = [
+            finetune_loop(dsl, steps, pre.outputs["pretrained"], f, digests[f.digest], s)
+            for f in fine_tunings(s)
+        ]
+        ev = steps.evaluate(results=results, token_results=token_results)
+        pod(ev, "evaluate", cpu="1", memory="2G")
 
 
 def parent_run(s: Mapping[str, Any]) -> dict[str, Any]:
-    """pipeline-run's inputs: every parameter, `section_key` -> `section.key` as DVC's parent run
-    logs them; the two lists as inputs of their own (inside a dict KFP breaks them)."""
+    """pipeline-run's inputs: every params.yaml parameter, `section_key` -> `section.key` as
+    DVC's parent run logs them, RUNTIME's as `kfp.<name>`; the two lists as inputs of their
+    own (inside a dict KFP breaks them)."""
     lists = {"tasks": s["finetune_tasks"], "token_tasks": s["finetune_token_tasks"]}
-    settings = {k.replace("_", ".", 1): v for k, v in s.items()}
+    settings = {k.replace("_", ".", 1): v for k, v in s.items() if k in P}
+    settings |= {f"kfp.{k}": s[k] for k in RUNTIME}
     del settings["finetune.tasks"], settings["finetune.token_tasks"]
     return {"settings": settings, **lists}
 
 
-def train_and_evaluate(dsl, steps, gpu: bool, pipeline: inspect.Signature):
-    """The training half as a sub-pipeline: pretrain, each fine-tuning fan-out, evaluate. One
-    per value of `use_gpu` (KFP fixes a task's resources at compile time). It takes the instance
-    shards and the pipeline parameters in TRAINING, named and typed as `pipeline` has them."""
-    from kfp.dsl import Dataset, Input, Markdown
-
-    def graph(shards, *values) -> Markdown:
-        s = dict(zip(TRAINING, values, strict=True))
-        pretrain = {"preset": s["model_preset"], **section(s, "pretrain")}
-        pre = steps.pretrain(shards=shards, use_gpu=gpu, **pretrain)
-        step(pre, "pretrain", cpu="4", memory="16G", gpu=gpu)
-        results, token_results = [
-            finetune_loop(dsl, steps, pre.outputs["pretrained"], f, gpu) for f in fine_tunings(s)
-        ]
-        ev = steps.evaluate(results=results, token_results=token_results)
-        step(ev, "evaluate", cpu="1", memory="2G")
-        return ev.outputs["table"]
-
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    inputs = [inspect.Parameter("shards", kind, annotation=Input[Dataset])]
-    inputs += [pipeline.parameters[k].replace(default=inspect.Parameter.empty) for k in TRAINING]
-    graph.__signature__ = inspect.Signature(inputs, return_annotation=Markdown)
-    return dsl.pipeline(name=f"train-and-evaluate-{'gpu' if gpu else 'cpu'}")(graph)
-
-
-def finetune_loop(dsl, steps, pretrained, fine_tuning: FineTuning, gpu: bool):
-    """One `dsl.ParallelFor` of the finetune component; returns its collected models."""
+def finetune_loop(dsl, steps, pretrained, fine_tuning: FineTuning, digest, s: Mapping[str, Any]):
+    """One `dsl.ParallelFor` of the finetune component, each task in the `train_image` image
+    with `gpus` GPUs; returns its collected models."""
     f = fine_tuning
     with dsl.ParallelFor(f.tasks, name=f.loop) as task:
         ft = steps.finetune(
-            pretrained=pretrained, data_dir=f.data_dir, task=task, use_gpu=gpu, **f.inputs
+            pretrained=pretrained, data_dir=f.data_dir, task=task, data_digest=digest, **f.inputs
         )
-        step(ft, f.display, cpu="2", memory="8G", gpu=gpu)
+        pod(ft, f.display, cpu="2", memory="8G").set_container_image(s["train_image"])
+        ft.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(s["gpus"])
+        # kfp 2.17's set_accelerator_limit does not register its channel (set_container_image
+        # does), so inside a ParallelFor the loop never receives `gpus` and the backend could
+        # not resolve the GPU count: the pod harness found it. Register it by hand.
+        ft.register_pipeline_channels([s["gpus"]])
     return dsl.Collected(ft.outputs["finetuned"])
 
 
@@ -250,11 +263,11 @@ def compile_spec(path: Path = SPEC) -> Path:
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """`--set finetune_tasks='["SST-2"]' --set pretrain_steps=50`: values parsed as YAML."""
-    out = {}
+    out, names = {}, sorted([*P, *RUNTIME])
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or key not in P:
-            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE with KEY one of {sorted(P)}")
+        if not sep or key not in names:
+            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE with KEY one of {names}")
         out[key] = yaml.safe_load(value)
     return out
 
@@ -288,29 +301,40 @@ def _kfp_local_empty_loops() -> None:
 
 def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     """The whole DAG through kfp.local's SubprocessRunner in this environment (no containers;
-    resource settings are ignored). Relative data paths are made absolute first. There is no
-    pod label here, so the run id the steps read (`KFP_RUN_ID`) is made up and inherited."""
+    images, resources and the platform spec's ConfigMap / Secrets are ignored). The data
+    defaults are params.yaml's workstation paths, made absolute, not the cluster's s3:// ones.
+    There is no pod label here, so the run id the steps read (`KFP_RUN_ID`) is made up and
+    inherited, and so is the tracking URI: `MLFLOW_TRACKING_URI`, else ./mlflow.db, named
+    explicitly because a step under KFP refuses to guess one (`bert_core.cli.kfp_step`)."""
     import uuid
 
     from kfp import local
 
     args = {**P, **overrides}
-    for key in ("data_corpus", "data_glue", "data_token"):
+    for key in DATA:
         if "://" not in str(args[key]):
             args[key] = str((ROOT / args[key]).resolve())
     _kfp_local_empty_loops()
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=pipeline_root)
     os.environ["KFP_RUN_ID"] = f"local-{uuid.uuid4()}"
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{Path.cwd() / 'mlflow.db'}")
     return build_pipeline()(**args)
 
 
-def submit(host: str, experiment: str, run_name: str | None, overrides: dict[str, Any]) -> str:
-    """Upload the committed spec to a KFP endpoint and start a run; returns the run id."""
+def submit(
+    host: str,
+    experiment: str,
+    run_name: str | None,
+    overrides: dict[str, Any],
+    spec: Path = SPEC,
+) -> str:
+    """Upload a compiled spec (default: the committed one) to a KFP endpoint and start a run;
+    returns the run id."""
     import kfp
 
     client = kfp.Client(host=host)
     run = client.create_run_from_pipeline_package(
-        str(SPEC), arguments=overrides, run_name=run_name, experiment_name=experiment
+        str(spec), arguments=overrides, run_name=run_name, experiment_name=experiment
     )
     return run.run_id
 
@@ -323,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compile", help="write the pipeline spec (YAML)")
     c.add_argument("--output", type=Path, default=SPEC)
     c.add_argument("--image", help="component image (default: $BERT_IMAGE or the project's)")
+    c.add_argument(
+        "--train-image", help="default of the `train_image` parameter (default: the image)"
+    )
     lo = sub.add_parser("local", help="run the whole DAG here through kfp.local")
     lo.add_argument("--pipeline-root", default=str(ROOT / "runs" / "kfp"))
     lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -330,25 +357,21 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", required=True, help="KFP API endpoint, e.g. http://localhost:8080")
     s.add_argument("--experiment", default=NAME)
     s.add_argument("--run-name", default=None)
+    s.add_argument("--spec", type=Path, default=SPEC, help="compiled spec (default: committed)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     if args.command == "compile":
-        if args.image:
-            os.environ["BERT_IMAGE"] = args.image
-            sys.modules.pop("components.steps", None)
+        for var, value in (("BERT_IMAGE", args.image), ("BERT_TRAIN_IMAGE", args.train_image)):
+            if value:
+                os.environ[var] = value
+                sys.modules.pop("components.steps", None)  # read at import
         print(compile_spec(args.output))
     elif args.command == "local":
         run_local(parse_overrides(args.set), args.pipeline_root)
     else:
-        print(
-            json.dumps(
-                {
-                    "run_id": submit(
-                        args.host, args.experiment, args.run_name, parse_overrides(args.set)
-                    )
-                }
-            )
-        )
+        overrides = parse_overrides(args.set)
+        run_id = submit(args.host, args.experiment, args.run_name, overrides, args.spec)
+        print(json.dumps({"run_id": run_id}))
     return 0
 
 

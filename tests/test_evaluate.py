@@ -183,3 +183,74 @@ def test_every_caller_logs_the_same_metrics_at_one_scale(tmp_path, mlflow_env, m
     assert logged["STS-B.score"] == pytest.approx((0.876 + 0.865) / 2)
     for name, value in logged.items():  # accuracy, F1, MCC, correlations: all within [-1, 1]
         assert -1 <= value <= 1, name
+
+
+def _system(root, tasks: dict[str, dict], init: str) -> list[str]:
+    dirs = _results(root, tasks)
+    for d in dirs:
+        data = json.loads((root / d / "metrics.json").read_text())
+        (root / d / "metrics.json").write_text(json.dumps(data | {"init": init}))
+    return dirs
+
+
+def test_control_and_systems_are_rows_of_one_table_with_the_gain(tmp_path, mlflow_env, capsys):
+    """Pre-trained and random-init results side by side (grouped by their metrics.json `init`
+    or named with --system), the gain row, MLflow names per system, and `bert runs`."""
+    from bert_core import lineage
+
+    ours = {"SST-2": {"accuracy": 0.9}, "MRPC": {"f1": 0.8, "accuracy": 0.7},
+            "conll2003": {"f1": 0.9, "conlleval_f1": 0.91}}  # fmt: skip
+    control = {"SST-2": {"accuracy": 0.6}, "MRPC": {"f1": 0.81, "accuracy": 0.69},
+               "CoLA": {"mcc": 0.0}, "conll2003": {"f1": 0.5, "conlleval_f1": 0.52}}  # fmt: skip
+    a = _system(tmp_path / "ours", ours, "pretrained")
+    b = _system(tmp_path / "control", control, "random")
+    out = tmp_path / "eval"
+    with lineage.start_pipeline_run():
+        assert cli.main(["evaluate", "--results", *b, *a, "--output", str(out)]) == 0
+    results = json.loads((out / "glue_results.json").read_text())
+    assert results["system"] == "BERT (ours)" and results["control"] == "random init"
+    assert list(results["systems"]) == ["random init", "BERT (ours)"]
+    assert results["glue_score"] == pytest.approx((90 + 75) / 2)  # the main system's, as before
+    assert results["systems"]["random init"]["glue_score"] == pytest.approx((60 + 75 + 0) / 3)
+    # gain over the tasks both have: SST-2 +30, MRPC (75 - 75) 0
+    assert results["gain"]["glue_score"] == pytest.approx(15.0)
+    assert results["gain"]["tasks"] == {"SST-2": pytest.approx(30), "MRPC": pytest.approx(0)}
+    assert results["gain"]["token_tasks"]["conll2003"]["f1"] == pytest.approx(40)
+
+    table = (out / "glue_table.md").read_text().splitlines()
+    assert table[2:5] == [
+        "| random init | - | - | - | 60.0 | 0.0 | - | 81.0 | - | - | 45.0 (3/9 tasks) |",
+        "| BERT (ours) | - | - | - | 90.0 | - | - | 80.0 | - | - | 82.5 (2/9 tasks) |",
+        # the paper's metric per task (MRPC: F1), the GLUE score over the tasks both have
+        "| BERT (ours) gain over random init | - | - | - | +30.0 | - | - | -1.0 | - | - | +15.0 |",
+    ]
+    text = "\n".join(table)
+    assert "| System | Dev F1 | Dev F1 (conlleval) |" in text
+    assert "| BERT (ours) gain over random init | +40.0 | +39.0 |" in text
+    assert "| random init | CoLA | mcc 0.0 | 0.0 |" in text
+
+    runs = mlflow.search_runs(experiment_names=["bert-pipeline"], output_format="list")
+    (step,) = [r for r in runs if r.data.tags.get("bert.step") == "evaluate"]
+    m = step.data.metrics
+    assert m["glue_score"] == pytest.approx(0.825) and m["SST-2.score"] == pytest.approx(0.9)
+    assert m["random_init.glue_score"] == pytest.approx(0.45)
+    assert m["random_init.SST-2.accuracy"] == pytest.approx(0.6)
+    assert m["gain.glue_score"] == pytest.approx(0.15)
+    assert m["gain.SST-2.score"] == pytest.approx(0.3)
+    assert m["gain.conll2003.f1"] == pytest.approx(0.4)
+    capsys.readouterr()
+    assert cli.main(["runs"]) == 0  # the pipeline run's row: main score, control's, the gain
+    header, row = capsys.readouterr().out.splitlines()
+    columns = header.split()
+    assert columns[-5:] == ["glue_score", "random_init.glue_score", "gain.glue_score",
+                            "MRPC.score", "SST-2.score"]  # fmt: skip
+    assert row.split()[-5:] == ["82.5", "45.0", "15.0", "75.0", "90.0"]
+
+    # named systems: one --system per --results; a named group may not mix inits
+    named = evaluate([("no NSP", a), ("control", b)], tmp_path / "named")
+    assert list(named["systems"]) == ["no NSP", "control"] and named["control"] == "control"
+    with pytest.raises(ValueError, match="--system 'X' mixes --init"):
+        evaluate(a + b, tmp_path / "mixed", system="X")
+    with pytest.raises(SystemExit):  # argparse: "give one --system per --results, or none"
+        cli.main(["evaluate", "--results", *a, "--results", *b, "--system", "only one",
+                  "--output", str(tmp_path / "x")])  # fmt: skip

@@ -22,6 +22,7 @@ from bert_core.finetune import (
     build_optimizer,
     build_parser,
     config_from_args,
+    load_model,
     load_task,
     load_tokenizer,
     predict_batches,
@@ -281,7 +282,7 @@ def test_truncate_pair_from_end_pops_the_longer_tail() -> None:
 
 
 def test_task_table_covers_every_task() -> None:
-    assert set(TASKS) == set(glue.TASKS) | {"conll2003", "squad", "squad_v2"}
+    assert set(TASKS) == set(glue.TASKS) | {"conll2003", "squad", "squad_v2", "swag"}
     for name in TASKS:
         task = load_task(name)
         assert isinstance(task, FinetuneTask) and task.name == name
@@ -292,7 +293,7 @@ def test_task_table_covers_every_task() -> None:
     with pytest.raises(ValueError, match="unknown GLUE task 'SQuAD'"):
         load_task("SQuAD")  # token task names are exact, as in metrics.json
     # the engine imports no task module: they import it, and are found through the table
-    modules = "{'bert_core.finetune_glue', 'bert_core.ner', 'bert_core.squad'}"
+    modules = "{'bert_core.finetune_glue', 'bert_core.ner', 'bert_core.squad', 'bert_core.swag'}"
     code = f"import sys, bert_core.finetune; print(sorted({modules} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -314,6 +315,15 @@ def test_options_come_from_the_config_fields(tmp_path) -> None:
     assert not hasattr(args, "download") and not hasattr(args, "doc_stride")
     with pytest.raises(ValueError, match="--epochs and --batch-size must be >= 1"):
         FinetuneConfig(epochs=0)
+    sweep = ["--task", "MRPC", *run, "--lr-sweep", "paper", "--init", "random", "--restarts", "3"]
+    cfg = config_from_args(build_parser(load_task("MRPC")).parse_args(sweep), FinetuneConfig)
+    assert cfg.lr_sweep == (5e-5, 4e-5, 3e-5, 2e-5) and cfg.restarts == 3 and cfg.is_sweep
+    assert cfg.init == "random"
+    args = build_parser(load_task("MRPC")).parse_args(["--task", "MRPC", *run, "--lr-sweep", ""])
+    assert config_from_args(args, FinetuneConfig).lr_sweep is None  # an empty pipeline parameter
+    ner = build_parser(load_task("conll2003"))
+    assert ner.parse_args(["--task", "x", *run, "--document-context"]).document_context is True
+    assert ner.parse_args(["--task", "x", *run]).document_context is False
 
 
 def test_prediction_loop_returns_outputs_in_input_order(tiny_dir) -> None:
@@ -334,3 +344,123 @@ def test_prediction_loop_returns_outputs_in_input_order(tiny_dir) -> None:
     for i, logits in enumerate(alone):
         assert torch.allclose(seen[i], logits, atol=1e-5), i
     assert np.allclose(predict(model, feats, cpu, 4), torch.stack(alone).numpy(), atol=1e-5)
+
+
+def test_random_init_is_the_same_architecture_from_fresh_weights(tiny_dir) -> None:
+    """`--init random`: the folder's config and every parameter name and shape, none of its
+    weights (the control); seeded, so the control itself is reproducible."""
+    task = load_task("RTE")
+    torch.manual_seed(7)
+    pretrained = load_model(task, tiny_dir).state_dict()
+    torch.manual_seed(7)
+    control = load_model(task, tiny_dir, init="random")
+    torch.manual_seed(7)
+    again = load_model(task, tiny_dir, init="random").state_dict()
+    checkpoint = BertForSequenceClassification.from_pretrained(tiny_dir).state_dict()
+    assert control.config.to_dict() == load_model(task, tiny_dir).config.to_dict()
+    random = control.state_dict()
+    assert {k: v.shape for k, v in random.items()} == {k: v.shape for k, v in pretrained.items()}
+    for key, value in checkpoint.items():
+        if key.startswith("bert.") and value.dtype.is_floating_point and value.std() > 0:
+            assert torch.equal(pretrained[key], value), key
+            assert not torch.equal(random[key], value), key  # nothing read from the checkpoint
+    assert all(torch.equal(random[k], again[k]) for k in random)
+    with pytest.raises(ValueError, match="--init must be one of pretrained, random"):
+        FinetuneConfig(init="scratch")
+
+
+def _nested(parent_id: str):
+    return mlflow.search_runs(
+        experiment_names=["bert"], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+        output_format="list",
+    )  # fmt: skip
+
+
+def test_sweep_and_control_end_to_end(tmp_path, shared_data, tiny_dir, mlflow_env) -> None:
+    """`--lr-sweep` x `--restarts` on real STS-B: every trial a nested MLflow run, the best on
+    dev is the step's output (its parameters, metrics.json's config and sweep, the saved model);
+    the random-init control fine-tuned beside it is a different model; `bert evaluate` shows
+    both rows and the gain."""
+    data = shared_data / "glue" / "STS-B"
+    run = ["finetune", "--task", "STS-B", "--data", str(data), "--model", str(tiny_dir),
+           "--epochs", "1", "--batch-size", "16", "--seed", "3", "--max-seq-length", "32",
+           "--max-train-examples", "64", "--max-eval-examples", "48"]  # fmt: skip
+    out = tmp_path / "sweep"
+    assert cli.main([*run, "--output", str(out), "--lr-sweep", "1e-3,1e-5", "--restarts", "2"]) == 0
+    result = json.loads((out / "metrics.json").read_text())
+    sweep = result["sweep"]
+    trials = sweep["trials"]
+    assert [(t["learning_rate"], t["seed"]) for t in trials] == [
+        (1e-3, 3), (1e-3, 4), (1e-5, 3), (1e-5, 4)
+    ]  # fmt: skip
+    assert len({t["score"] for t in trials}) == 4 and sweep["data_seed"] == 3
+    best = max(trials, key=lambda t: t["score"])
+    assert sweep["chosen"] == trials.index(best) and result["score"] == best["score"]
+    assert (result["config"]["learning_rate"], result["config"]["seed"]) == (
+        best["learning_rate"], best["seed"]
+    )  # fmt: skip
+    assert result["metrics"] == best["metrics"] and result["init"] == "pretrained"
+
+    runs = mlflow.search_runs(experiment_names=["bert"], output_format="list")
+    (step,) = [r for r in runs if r.data.tags.get("bert.step") == "finetune-STS-B"
+               and r.data.params.get("lr_sweep") != "None"]  # fmt: skip
+    assert step.data.params["learning_rate"] == str(best["learning_rate"])
+    assert step.data.params["seed"] == str(best["seed"])
+    assert step.data.params["init"] == "pretrained"
+    assert step.data.tags["sweep.chosen_trial"] == str(sweep["chosen"])
+    nested = sorted(_nested(step.info.run_id), key=lambda r: int(r.data.params["trial"]))
+    params = [(float(r.data.params["learning_rate"]), int(r.data.params["seed"])) for r in nested]
+    assert params == [(t["learning_rate"], t["seed"]) for t in trials]
+    assert [r.data.metrics["best_dev_score"] for r in nested] == [t["score"] for t in trials]
+    assert step.data.tags["sweep.chosen_run_id"] == nested[sweep["chosen"]].info.run_id
+
+    # the saved model is the chosen trial's: it makes the written dev predictions
+    model = BertForSequenceClassification.from_pretrained(out / "model")
+    dev = [r[3] for r in _read_tsv(out / "dev_predictions.tsv")[1:]]
+    examples = {e.guid: e for e in read_task(get_task("STS-B"), data, "dev")["dev"]}
+    dev_examples = [examples[r[1]] for r in _read_tsv(out / "dev_predictions.tsv")[1:]]
+    feats = featurize(get_task("STS-B"), dev_examples, load_tokenizer(out / "model"), 32)
+    logits = predict(model, feats, torch.device("cpu"), 64)
+    assert np.allclose(logits[:, 0], np.array(dev, dtype=float), atol=2e-3)
+
+    control = tmp_path / "control"
+    assert cli.main([*run, "--output", str(control), "--init", "random", "--lr", "1e-3"]) == 0
+    assert json.loads((control / "metrics.json").read_text())["init"] == "random"
+    random_model = BertForSequenceClassification.from_pretrained(control / "model")
+    assert not np.allclose(predict(random_model, feats, torch.device("cpu"), 64), logits)
+    report = tmp_path / "report"
+    assert cli.main(["evaluate", "--results", str(out), str(control), "--output", str(report)]) == 0
+    table = (report / "glue_table.md").read_text().splitlines()
+    assert [line.split(" | ")[0] for line in table[2:5]] == [
+        "| BERT (ours)", "| random init", "| BERT (ours) gain over random init"
+    ]  # fmt: skip
+
+
+def test_pick_best_joins_a_fanned_out_sweep(tmp_path) -> None:
+    """One `bert finetune` per learning rate (a pipeline's fan-out), joined by pick_best: the
+    best folder by dev score, whole, with the sweep section a one-step sweep writes."""
+    from bert_core.sweep import main as sweep_main
+    from bert_core.sweep import pick_best
+
+    folders = []
+    for i, (lr, score) in enumerate([(5e-5, 0.71), (3e-5, 0.74), (2e-5, 0.74)]):
+        d = tmp_path / f"lr{i}"
+        (d / "model").mkdir(parents=True)
+        (d / "model" / "weights").write_text(str(lr))
+        metrics = {"task": "MRPC", "metrics": {"f1": score, "accuracy": score}, "score": score,
+                   "best_epoch": 2, "config": {"learning_rate": lr, "seed": 42}}  # fmt: skip
+        (d / "metrics.json").write_text(json.dumps(metrics))
+        folders.append(str(d))
+    best = pick_best(folders, tmp_path / "best")
+    assert best["sweep"]["chosen"] == 1 and best["sweep"]["learning_rate"] == 3e-5  # tie: first
+    assert (tmp_path / "best" / "model" / "weights").read_text() == "3e-05"
+    written = json.loads((tmp_path / "best" / "metrics.json").read_text())
+    assert written == best
+    assert [t["score"] for t in written["sweep"]["trials"]] == [0.71, 0.74, 0.74]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.json").write_text(json.dumps({"task": "RTE", "score": 1.0}))
+    with pytest.raises(ValueError, match="a sweep is over one task"):
+        pick_best([*folders, str(other)], tmp_path / "mixed")
+    assert not (tmp_path / "mixed").exists()
+    assert sweep_main(["--results", *folders[:1], "--output", str(tmp_path / "one")]) == 0

@@ -200,19 +200,49 @@ def test_raycluster_has_kuberay_required_fields(rendered):
         )
 
 
-def test_ray_address_points_at_the_kuberay_head_service(rendered):
+def test_pipeline_env_points_at_the_services_and_the_ray_jobs_api(rendered):
+    """The ConfigMap's addresses are the services' (RAY_ADDRESS: the head's dashboard, where
+    the Ray Jobs API lives, not a ray:// Ray Client address), checkpoints go to the bucket."""
     (ray,) = _by_kind(rendered, "RayCluster")
     (env,) = [
         d for d in _by_kind(rendered, "ConfigMap") if d["metadata"]["name"] == "bert-pipeline-env"
     ]
     ns = ray["metadata"]["namespace"]
     head_svc = f"{ray['metadata']['name']}-head-svc.{ns}.svc.cluster.local"
-    assert env["data"]["RAY_ADDRESS"] == f"ray://{head_svc}:10001"
+    assert env["data"]["RAY_ADDRESS"] == f"http://{head_svc}:8265"
+    head_ports = {p["containerPort"] for c in _containers_of(ray["spec"]["headGroupSpec"])
+                  for p in c.get("ports", [])}  # fmt: skip
+    assert 8265 in head_ports
     services = {d["metadata"]["name"]: d for d in _by_kind(rendered, "Service")}
     expected = [("MLFLOW_TRACKING_URI", "mlflow", 5000), ("AWS_ENDPOINT_URL", "minio", 9000)]
     for key, svc, port in expected:
         assert env["data"][key] == f"http://{svc}.{ns}.svc.cluster.local:{port}"
         assert port in {p["port"] for p in services[svc]["spec"]["ports"]}
+    assert env["data"]["MLFLOW_S3_ENDPOINT_URL"] == env["data"]["AWS_ENDPOINT_URL"]
+    assert env["data"]["BERT_RAY_STORAGE"] == f"{env['data']['BERT_BUCKET']}/ray"
+
+
+def test_pipeline_env_keys_are_the_ones_every_pipeline_task_loads(rendered, k8s_copy):
+    """pipelines/cluster.py names the keys the compiled spec wires into every task: the
+    ConfigMap and the S3 Secret hold exactly those (a missing one stops every pod; an extra one
+    reaches none), and the pod harness reads the manifests as kustomize renders them."""
+    from pipelines import cluster, pod_env
+
+    objects = {(d["kind"], d["metadata"]["name"]): d for d in rendered}
+    config = objects[("ConfigMap", cluster.CONFIG_MAP)]["data"]
+    assert set(config) == set(cluster.CONFIG_KEYS)  # kustomize sorts them
+    secret = objects[("Secret", cluster.SECRET)]["data"]
+    assert set(secret) == set(cluster.SECRET_KEYS)
+    assert set(_read_env(K8S / "env" / "s3.env.example")) == set(cluster.SECRET_KEYS)
+    harness_view = pod_env.manifest_objects(k8s_copy / "env")
+    assert harness_view[("ConfigMap", cluster.CONFIG_MAP)] == config
+    decoded = {k: base64.b64decode(v).decode() for k, v in secret.items()}
+    assert harness_view[("Secret", cluster.SECRET)] == decoded
+    # the KFP overlay puts the same ConfigMap and Secret where KFP runs its steps
+    kfp = {(d["kind"], d["metadata"]["name"]): d for d in render(k8s_copy / "kfp")}
+    assert kfp[("ConfigMap", cluster.CONFIG_MAP)]["data"] == config
+    assert kfp[("ConfigMap", cluster.CONFIG_MAP)]["metadata"]["namespace"] == "kubeflow"
+    assert set(kfp[("Secret", cluster.SECRET)]["data"]) == set(cluster.SECRET_KEYS)
 
 
 def test_references_resolve_and_services_select_pods(rendered):
@@ -330,6 +360,23 @@ def test_image_installs_the_package_like_make_venv(name):
     text = (DOCKER / name).read_text()
     copy_before_install = text.index("COPY . /opt/bert") < text.index(target)
     assert copy_before_install
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
+def test_image_carries_the_git_commit_and_ray_default(name, monkeypatch):
+    """`--build-arg GIT_COMMIT=...` becomes BERT_GIT_COMMIT, which every MLflow run tags as
+    mlflow.source.git.commit (the image has no .git); `ray[default]`, constrained by the lock
+    like everything else, gives the Ray head its dashboard and Jobs API and KubeRay its probes."""
+    from bert_core import tracking
+
+    parser = _parse(DOCKER / name)
+    assert "GIT_COMMIT" in parser.args
+    env = [i["value"] for i in parser.structure if i["instruction"] == "ENV"]
+    assert "BERT_GIT_COMMIT=${GIT_COMMIT}" in env
+    (pkg,) = [a for a in _pip_installs(DOCKER / name) if any(x.startswith(".[") for x in a)]
+    assert "ray[default]" in pkg and "-c" in pkg
+    monkeypatch.setenv("BERT_GIT_COMMIT", "0123abcd")  # as the image's ENV sets it
+    assert tracking.default_tags()["mlflow.source.git.commit"] == "0123abcd"
 
 
 def test_cuda_image_installs_the_pinned_torch_from_a_cuda_index():

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +14,11 @@ import pytest
 
 from bert_core import cli
 from bert_core.corpus import CleanConfig, clean_corpus
-from bert_core.instances import SCHEMA, InstanceConfig, create_instances, truncate_pair_randomly
-from bert_core.tokenizer import read_vocab
+from bert_core.instance_sampling import truncate_pair_randomly
+from bert_core.instance_shards import read_documents
+from bert_core.instances import SCHEMA, InstanceConfig, create_instances
+from bert_core.pretrain_data import list_row_groups
+from bert_core.tokenizer import load_tokenizer, read_vocab
 
 BOOKS = [
     "a_study_in_scarlet.txt",
@@ -43,8 +48,10 @@ def vocab_file(minilm_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def run(corpus, vocab_file, tmp_path_factory) -> Path:
+    """Every document in training (no held-out split), as before the split existed."""
     out = tmp_path_factory.mktemp("i") / "instances"
-    create_instances(corpus, vocab_file, out, InstanceConfig(dupe_factor=2), num_workers=2)
+    cfg = InstanceConfig(dupe_factor=2, heldout_fraction=0.0)
+    create_instances(corpus, vocab_file, out, cfg, num_workers=2)
     return out
 
 
@@ -127,13 +134,13 @@ def test_short_seq_prob_makes_short_sequences(corpus, vocab_file, tmp_path):
 
 
 def test_byte_identical_whatever_the_workers(corpus, vocab_file, run, tmp_path):
-    cfg = InstanceConfig(dupe_factor=2)
+    cfg = InstanceConfig(dupe_factor=2, heldout_fraction=0.0)
     create_instances(corpus, vocab_file, tmp_path / "one", cfg, num_workers=1)
     shards = sorted(p.name for p in run.glob("shard-*.parquet"))
     assert len(shards) == 4
     for name in shards:
         assert (tmp_path / "one" / name).read_bytes() == (run / name).read_bytes()
-    other = InstanceConfig(dupe_factor=2, random_seed=7)
+    other = InstanceConfig(dupe_factor=2, random_seed=7, heldout_fraction=0.0)
     create_instances(corpus, vocab_file, tmp_path / "seed7", other, num_workers=1)
     assert (tmp_path / "seed7" / shards[0]).read_bytes() != (run / shards[0]).read_bytes()
 
@@ -236,10 +243,15 @@ def test_cli_end_to_end(corpus, vocab_file, tmp_path, capsys, tracked):
     lengths = [len(x) for x in load(out)["input_ids"]]
     assert max(lengths) == 64
     assert sorted(p.name for p in out.iterdir()) == [
+        "heldout",
         "shard-00000.parquet",
+        "special_tokens_map.json",
         "stats.json",
+        "tokenizer_config.json",
         "vocab.txt",
     ]
+    # the vocabulary folder says uncased: so do the instances (and later the model)
+    assert json.loads((out / "tokenizer_config.json").read_text())["do_lower_case"] is True
 
 
 @pytest.mark.parametrize("recipe", ["100/0/0", "0/0/100"])
@@ -265,3 +277,117 @@ def test_masking_recipe_reaches_the_shards_and_stats(corpus, vocab_file, tmp_pat
         assert set(shown) == {mask_id} and stats["mask_token_share"] == 1.0
     else:
         assert shown == labels and stats["unchanged_share"] == 1.0
+
+
+# ---------------------------------------------------------------- held-out split
+
+# Digest of the shards' content (every column's offsets and values) that `run` wrote before the
+# held-out split existed (commit 620d64b): with --heldout-fraction 0 nothing may change.
+CONTENT_BEFORE_HELDOUT = "181b4d7b4e43bf8887cc9bb565c08fbe02b7effc80558f8f681dcfd393645020"
+
+
+def content_digest(out: Path) -> str:
+    digest = hashlib.sha256()
+    for shard in sorted(out.glob("shard-*.parquet")):
+        table = pq.read_table(shard)
+        for name in table.column_names:
+            column = table.column(name).combine_chunks()
+            if hasattr(column, "offsets"):
+                digest.update(column.offsets.to_numpy().tobytes())
+                digest.update(column.values.to_numpy().tobytes())
+            else:
+                digest.update(column.to_numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_no_heldout_split_leaves_the_shards_as_they_were(run):
+    assert content_digest(run) == CONTENT_BEFORE_HELDOUT
+    assert not (run / "heldout").exists()
+    stats = json.loads((run / "stats.json").read_text())
+    assert stats["heldout"] == {"documents": 0, "instances": 0}
+
+
+@pytest.fixture(scope="module")
+def split(corpus, vocab_file, tmp_path_factory) -> Path:
+    """The default split (2 % of the documents, at least 2) of the same books."""
+    out = tmp_path_factory.mktemp("h") / "instances"
+    create_instances(corpus, vocab_file, out, InstanceConfig(dupe_factor=1), num_workers=2)
+    return out
+
+
+def unmasked_text(data: dict[str, list]) -> str:
+    """All instances' original token ids as one searchable string, ` 12 7 9 |` per instance."""
+    rows = []
+    for ids, pos, lab in zip(
+        data["input_ids"], data["masked_lm_positions"], data["masked_lm_ids"], strict=True
+    ):
+        ids = list(ids)
+        for p, t in zip(pos, lab, strict=True):
+            ids[p] = t
+        rows.append(" " + " ".join(map(str, ids)) + " |")
+    return "".join(rows)
+
+
+def test_heldout_documents_never_reach_training(split, corpus, vocab_file):
+    stats = json.loads((split / "stats.json").read_text())
+    lines = (split / "heldout" / "documents.tsv").read_text().splitlines()
+    assert lines[0] == "shard\tdocument"
+    named = [(name, int(n)) for name, n in (line.split("\t") for line in lines[1:])]
+    documents = {f.name: read_documents(f) for f in sorted(corpus.glob("*.txt"))}
+    total = sum(map(len, documents.values()))
+    assert len(named) == len(set(named)) == max(2, round(0.02 * total)) == 5
+    assert stats["heldout"]["documents"] == len(named) and stats["heldout"]["instances"] > 20
+    assert stats["documents"] == total - len(named)
+    # held-out shards are beside the training shards, out of the trainer's sight
+    assert {Path(g.path).parent for g in list_row_groups(split)} == {split}
+    assert len(list_row_groups(split / "heldout")) >= 1
+
+    # By content: no long sentence that occurs once in the corpus shows up on the other side
+    # (held-out vs training); and such sentences do show up on their own side (all held-out
+    # ones are checked, and the first of each training document: the training text is large).
+    tokenizer = load_tokenizer(vocab_file)
+    sentences: dict[tuple[str, int], list[str]] = {}
+    for name, docs in documents.items():
+        for k, doc in enumerate(docs):
+            ids = [e.ids[1:-1] for e in tokenizer.encode_batch(doc)]
+            sentences[name, k] = [" " + " ".join(map(str, s)) + " " for s in ids if len(s) >= 20]
+    counts = Counter(s for ss in sentences.values() for s in ss)
+    heldout_shard = split / "heldout" / "shard-00000.parquet"
+    heldout_text = unmasked_text(pq.read_table(heldout_shard).to_pydict())
+    training_text = unmasked_text(load(split))
+    held, seen = set(named), {"heldout": 0, "training": 0}
+    for key, ss in sentences.items():
+        side = "heldout" if key in held else "training"
+        mine, other = (
+            (heldout_text, training_text) if key in held else (training_text, heldout_text)
+        )
+        unique = [s for s in ss if counts[s] == 1]
+        for s in unique:
+            assert s not in other, key
+        seen[side] += sum(s in mine for s in (unique if key in held else unique[:1]))
+    assert seen["heldout"] > 20 and seen["training"] > 150, seen
+
+
+def test_heldout_split_is_reproducible_for_a_seed(split, corpus, vocab_file, tmp_path):
+    create_instances(corpus, vocab_file, tmp_path / "again", InstanceConfig(dupe_factor=1))
+    for name in ("heldout/shard-00000.parquet", "heldout/documents.tsv", "shard-00002.parquet"):
+        assert (tmp_path / "again" / name).read_bytes() == (split / name).read_bytes(), name
+    other = InstanceConfig(dupe_factor=1, random_seed=99)
+    create_instances(corpus, vocab_file, tmp_path / "seed99", other, num_workers=2)
+    docs = [(p / "heldout" / "documents.tsv").read_text() for p in (split, tmp_path / "seed99")]
+    assert docs[0] != docs[1]
+    # --heldout-documents: exactly that many; more than the corpus can spare is an error
+    exact = InstanceConfig(dupe_factor=1, heldout_documents=7)
+    stats = create_instances(corpus, vocab_file, tmp_path / "seven", exact, num_workers=2)
+    assert stats["heldout"]["documents"] == 7
+    with pytest.raises(ValueError, match="--heldout-documents 100000: the corpus has"):
+        too_many = InstanceConfig(dupe_factor=1, heldout_documents=100_000)
+        create_instances(corpus, vocab_file, tmp_path / "x", too_many)
+    assert not (tmp_path / "x").exists()
+
+
+def test_casing_comes_from_the_vocabulary_folder(corpus, vocab_file, tmp_path, capsys, tracked):
+    """The bert-base-uncased folder says do_lower_case true: `--cased` contradicts it."""
+    assert cli_instances(corpus / "shard-00001.txt", vocab_file, tmp_path / "o", "--cased") == 2
+    assert "tokenizer_config.json: the vocabulary is uncased" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

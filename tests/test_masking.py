@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from bert_core import masking
-from bert_core.instances import InstanceConfig, Vocab, mask_batch, mask_whole_words
+from bert_core.instance_sampling import Vocab, mask_batch, mask_whole_words
+from bert_core.instances import InstanceConfig
 from bert_core.masking import KEEP, MASK, RANDOM, MaskingRecipe
 from bert_core.pretrain_data import MaskingConfig, dynamic_mask
 

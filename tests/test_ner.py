@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bert_core import cli
+from bert_core.conlleval import conlleval
 from bert_core.finetune import load_tokenizer
 from bert_core.model import BertConfig, BertForPreTraining
 from bert_core.ner import (
@@ -182,3 +183,115 @@ def test_tiny_model_beats_all_o_baseline(tmp_path: Path, shared_data: Path, mini
     run = mlflow.search_runs(experiment_names=["bert"], output_format="list")[0]
     assert run.data.params["task"] == "conll2003"
     assert run.data.metrics["best_dev_f1"] == pytest.approx(result["metrics"]["f1"])
+
+
+def test_conlleval_reads_chunks_tolerantly_unlike_seqeval_strict() -> None:
+    """Hand-counted: IOB1-style predictions (I- at a chunk's start) and type changes inside a
+    chunk are chunks for conlleval, and no entity for seqeval's strict IOB2 mode."""
+    gold = [["B-PER", "I-PER", "O", "B-LOC"], ["B-ORG", "I-ORG", "I-ORG", "O", "B-MISC"]]
+    pred = [["I-PER", "I-PER", "O", "I-LOC"], ["B-ORG", "I-LOC", "I-ORG", "O", "I-MISC"]]
+    c = conlleval(gold, pred)
+    # found: PER[0:2], LOC[3] | ORG[0], LOC[1], ORG[2], MISC[4]; right: PER, LOC, MISC
+    assert c["chunks"] == {"correct": 3, "found": 6, "gold": 4}
+    assert (c["precision"], c["recall"]) == (0.5, 0.75) and c["f1"] == pytest.approx(0.6)
+    assert c["accuracy"] == pytest.approx(5 / 9)
+    assert c["per_type"]["ORG"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 1,
+                                    "found": 2}  # fmt: skip
+    assert c["per_type"]["LOC"]["precision"] == 0.5 and c["per_type"]["LOC"]["recall"] == 1.0
+    strict = entity_metrics(gold, pred)  # seqeval strict: only ORG[0] is an entity, and wrong
+    assert strict["f1"] == 0.0 and strict["precision"] == 0.0
+    assert strict["conlleval_f1"] == pytest.approx(0.6)  # both scores side by side
+
+    # IOB1 gold (B- only between two adjacent chunks of one type) reads as its IOB2 form
+    iob1 = [["I-PER", "I-PER", "B-PER", "O", "I-LOC"]]
+    iob2 = [iob1_to_iob2(iob1[0])]
+    assert conlleval(iob1, iob2)["f1"] == 1.0 and conlleval(iob1, iob2)["chunks"]["gold"] == 3
+    # a sentence boundary ends a chunk: I-PER opening the next sentence is a new one
+    two = [["B-PER", "I-PER"], ["I-PER", "O"]]
+    assert conlleval(two, two)["chunks"] == {"correct": 2, "found": 2, "gold": 2}
+    # a wrong boundary is wrong for both scorers
+    assert conlleval([["B-ORG", "I-ORG"]], [["B-ORG", "O"]])["f1"] == 0.0
+
+
+CONLL_DOCS = """-DOCSTART- -X- -X- O
+
+john NNP B-NP B-PER
+lives VBZ B-VP O
+here RB B-ADVP O
+
+paris NNP B-NP B-LOC
+is VBZ B-VP O
+big JJ B-ADJP O
+
+we PRP B-NP O
+like VBP B-VP O
+tea NN B-NP O
+now RB B-ADVP O
+
+-DOCSTART- -X- -X- O
+
+rome NNP B-NP B-LOC
+is VBZ B-VP O
+old JJ B-ADJP O
+"""
+
+
+def test_document_context_fills_windows_with_neighbours(tmp_path: Path, minilm_dir: Path) -> None:
+    """The paper's maximal document context: a window is filled with its document's tokens on
+    both sides (never another document's), which carry no label."""
+    (tmp_path / "train.txt").write_text(CONLL_DOCS)
+    every = read_conll(tmp_path / "train.txt")
+    assert [s.doc for s in every] == [1, 1, 1, 2] and [s.index for s in every] == [0, 1, 2, 3]
+    tok = load_tokenizer(minilm_dir)
+    tok.no_truncation()
+    w = featurize(every[1:], tok, max_seq_length=10, documents=every)  # 8 places, 3 used
+    words = lambda i: [tok.id_to_token(int(t)) for t in w.input_ids[i]][1:-1]  # noqa: E731
+    # "paris is big": 5 places of context, 2 left (half), 3 right
+    assert words(0) == ["lives", "here", "paris", "is", "big", "we", "like", "tea"]
+    assert [LABELS[y] if y >= 0 else None for y in w.labels[0][1:-1]] == [
+        None, None, "B-LOC", "O", "O", None, None, None
+    ]  # fmt: skip
+    assert w.first[0].tolist() == [3, 4, 5] and w.words[0].tolist() == [[0, 0], [0, 1], [0, 2]]
+    # the last sentence of document 1: left context only, up to the window
+    assert words(1) == ["here", "paris", "is", "big", "we", "like", "tea", "now"]
+    assert words(2) == ["rome", "is", "old"]  # alone in its document: nothing to add
+    first = featurize(every[:1], tok, max_seq_length=10, documents=every)
+    assert [tok.id_to_token(int(t)) for t in first.input_ids[0]][1:-1] == [
+        "john", "lives", "here", "paris", "is", "big", "we", "like"
+    ]  # fmt: skip
+    plain = featurize(every[1:2], tok, max_seq_length=10)
+    assert [tok.id_to_token(int(t)) for t in plain.input_ids[0]][1:-1] == ["paris", "is", "big"]
+
+
+def test_document_context_and_test_split_end_to_end(
+    tmp_path: Path, shared_data: Path, minilm_dir: Path, monkeypatch
+) -> None:
+    """`--document-context` on real CoNLL-2003 with a test file in the folder: the test split is
+    scored and written, conlleval beside seqeval in metrics.json, recomputable from the files."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    data = tmp_path / "conll"
+    data.mkdir()
+    for name in ("train.txt", "valid.txt"):
+        (data / name).symlink_to(shared_data / "conll2003" / name)
+    valid = (shared_data / "conll2003" / "valid.txt").read_text().split("-DOCSTART-")
+    (data / "test.txt").write_text("-DOCSTART-".join(valid[:20]))  # 19 documents as a test set
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.from_preset("tiny", max_position_embeddings=64))
+    model.save_pretrained(tmp_path / "tiny", vocab_file=minilm_dir / "vocab.txt")
+    out = tmp_path / "ner"
+    argv = ["finetune", "--task", "conll2003", "--data", str(data),
+            "--model", str(tmp_path / "tiny"), "--output", str(out), "--max-seq-length", "64",
+            "--max-train-examples", "200", "--max-eval-examples", "60", "--epochs", "1",
+            "--batch-size", "16", "--learning-rate", "1e-3", "--document-context"]  # fmt: skip
+    assert cli.main(argv) == 0
+    result = json.loads((out / "metrics.json").read_text())
+    assert result["config"]["document_context"] is True and result["num_test_sentences"] == 60
+    assert result["files"]["test"].endswith("test.txt")
+    for split, metrics in (("dev", result["metrics"]), ("test", result["test_metrics"])):
+        rows = [x.split() for x in (out / f"{split}_predictions.txt").read_text().split("\n\n")]
+        sentences = [[r for r in zip(*[iter(s)] * 5, strict=True)] for s in rows if s]
+        assert len(sentences) == 60
+        gold = [[r[3] for r in s] for s in sentences]
+        pred = [[r[4] for r in s] for s in sentences]
+        assert conlleval(gold, pred)["f1"] == pytest.approx(metrics["conlleval_f1"])
+        assert entity_metrics(gold, pred)["f1"] == pytest.approx(metrics["f1"])

@@ -19,6 +19,8 @@ from bert_core.squad import (
     Example,
     SquadConfig,
     answer_tokens,
+    apply_threshold,
+    best_thresholds,
     decode,
     doc_spans,
     download,
@@ -228,3 +230,95 @@ def test_finetune_cli_writes_official_predictions(
     assert all(p and p in dev[q].context for q, p in preds.items())
     recomputed = squad_metrics([dev[q] for q in preds], preds)
     assert recomputed == pytest.approx(result["metrics"])
+
+
+def test_v2_best_threshold_on_a_hand_made_case() -> None:
+    """evaluate-v2.0.py's best-threshold search, counted by hand. Null odds (null score minus
+    best span's), sorted: q1 -3 (right), q2 -1 (half right: F1 2/3), q4 1.0 (right), q3 1.5 (no
+    answer, but a span), q5 4 (no answer). Nothing answered scores the 2 no-answer questions;
+    answering up to q4 adds 1 + 2/3 + 1 (F1) or 1 + 0 + 1 (EM), q3 and q5 then cost 1 each."""
+    examples = [
+        Example("q1", "?", "c", [("Paris", 0)]),
+        Example("q2", "?", "c", [("Rome Italy", 0)]),
+        Example("q3", "?", "c", [], is_impossible=True),
+        Example("q4", "?", "c", [("Berlin", 0)]),
+        Example("q5", "?", "c", [], is_impossible=True),
+    ]
+    spans = {"q1": "Paris", "q2": "Rome", "q3": "Madrid", "q4": "Berlin", "q5": "Oslo"}
+    odds = {"q1": -3.0, "q2": -1.0, "q3": 1.5, "q4": 1.0, "q5": 4.0}
+    best = best_thresholds(examples, spans, odds)
+    assert best["best_f1"] == pytest.approx((2 + 1 + 2 / 3 + 1) / 5)
+    assert best["best_exact"] == pytest.approx((2 + 2) / 5)
+    assert best["best_f1_thresh"] == 1.0 and best["best_exact_thresh"] == 1.0
+    # the untuned threshold 0 answers q1 and q2 only; the tuned one gives the best scores back
+    untuned = squad_metrics(examples, apply_threshold(spans, odds, 0.0), "2.0")
+    assert untuned["f1"] == pytest.approx((1 + 2 / 3 + 1 + 0 + 1) / 5)
+    tuned = squad_metrics(examples, apply_threshold(spans, odds, best["best_f1_thresh"]), "2.0")
+    assert tuned["f1"] == pytest.approx(best["best_f1"])
+    assert tuned["exact_match"] == pytest.approx(best["best_exact"])
+    # ties keep the lowest threshold (the script's strict >): q4 then only matches q2's score
+    odds["q3"] = 0.5
+    best = best_thresholds(examples, spans, odds)
+    assert best["best_exact_thresh"] == -3.0 and best["best_exact"] == pytest.approx(3 / 5)
+
+
+def squad_v2_from_v1(path: Path, out: Path, articles: int = 15) -> Path:
+    """A SQuAD 2.0-format file from the v1.1 one: every third question is moved to a paragraph
+    of the next article, where it has no answer (is_impossible)."""
+    data = json.loads(path.read_text())["data"][:articles]
+    moved: list[list[dict]] = [[] for _ in data]
+    for a, article in enumerate(data):
+        for para in article["paragraphs"]:
+            keep = []
+            for i, qa in enumerate(para["qas"]):
+                if i % 3 == 2:
+                    moved[(a + 1) % len(data)].append(
+                        {"id": qa["id"] + "-x", "question": qa["question"], "answers": [],
+                         "is_impossible": True}  # fmt: skip
+                    )
+                else:
+                    keep.append(qa | {"is_impossible": False})
+            para["qas"] = keep
+    for article, qas in zip(data, moved, strict=True):
+        article["paragraphs"][0]["qas"] += qas
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.json").write_text(json.dumps({"version": "v2.0", "data": data}))
+    return out
+
+
+@pytest.mark.slow
+def test_squad_v2_reports_the_tuned_threshold_beside_the_untuned_score(
+    tmp_path: Path, shared_data: Path, minilm_dir: Path, monkeypatch
+) -> None:
+    """A `tiny` BERT on a SQuAD 2.0-format set built from the shared file: metrics.json has the
+    untuned scores (those of predictions.json) and the best-threshold ones, which can only be
+    as good or better, at a threshold that is one of the written null odds."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    data = squad_v2_from_v1(shared_data / "squad" / "train.json", tmp_path / "v2")
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.from_preset("tiny", max_position_embeddings=128))
+    model.save_pretrained(tmp_path / "tiny", vocab_file=minilm_dir / "vocab.txt")
+    out = tmp_path / "squad_v2"
+    argv = [
+        "finetune", "--task", "squad_v2", "--data", str(data), "--model", str(tmp_path / "tiny"),
+        "--output", str(out), "--max-seq-length", "128", "--doc-stride", "64",
+        "--max-train-examples", "32", "--max-eval-examples", "40", "--epochs", "1",
+        "--batch-size", "8", "--learning-rate", "1e-3",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    result = json.loads((out / "metrics.json").read_text())
+    m = result["metrics"]
+    dev = {e.qid: e for e in read_squad(data / "train.json", "2.0", split="dev")}
+    preds = json.loads((out / "predictions.json").read_text())
+    odds = json.loads((out / "null_odds.json").read_text())
+    assert set(preds) == set(odds) and len(preds) == 40
+    assert {bool(dev[q].answers) for q in preds} == {True, False}  # both kinds sampled
+    untuned = squad_metrics([dev[q] for q in preds], preds, "2.0")
+    assert untuned == pytest.approx({k: v for k, v in m.items() if not k.startswith("best_")})
+    assert m["best_f1"] >= m["f1"] and m["best_exact"] >= m["exact_match"]
+    for name in ("best_f1_thresh", "best_exact_thresh"):
+        assert m[name] == 0.0 or m[name] in set(odds.values())
+    report = tmp_path / "report"
+    assert cli.main(["evaluate", "--results", str(out), "--output", str(report)]) == 0
+    table = (report / "glue_table.md").read_text()
+    assert "| System | Dev EM | Dev F1 | Dev EM (tuned null threshold) | Dev F1 (tuned" in table

@@ -205,3 +205,18 @@ def test_step_tracking_imports_no_lineage_and_no_cli():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["['bert_core',", "'bert_core.tracking']"]
+
+
+def test_default_store_is_the_project_or_the_user_data_folder(tmp_path, monkeypatch):
+    """No tracking URI: the project's mlflow.db, and never a stray one in an unrelated folder."""
+    project = tmp_path / "project"
+    (project / "runs" / "deep").mkdir(parents=True)
+    (project / "dvc.yaml").write_text("stages: {}\n")
+    assert tracking.default_store(project / "runs" / "deep") == project / "mlflow.db"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(elsewhere)
+    assert tracking.tracking_uri() == f"sqlite:///{tmp_path / 'data' / 'bert' / 'mlflow.db'}"
+    assert list(elsewhere.iterdir()) == []

@@ -1,0 +1,193 @@
+"""`bert evaluate`'s report: the Markdown tables and the plot of `collect_systems`' results.
+
+One row per system, as the paper's tables have one row per model: Table 1's layout for GLUE
+(the paper's metric per task, MNLI matched/mismatched, the GLUE score added), then the other
+tasks' tables (SQuAD, CoNLL-2003, SWAG). With a control (random init) each other system gets a
+gain row under the rows: the difference in points, per task and in GLUE score. Numbers are
+percent here (metrics are fractions in the results).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bert_core.glue import TASKS
+
+# BERT's Table 1 column order, with WNLI (left out of the paper's table) at the end.
+TABLE_ORDER = ["MNLI", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE", "WNLI"]
+# Other tasks (names as their task modules write them): title, table columns (metric -> header).
+# The first column is required; the others are shown when some system has them (SQuAD 2.0's
+# tuned threshold, conlleval's F1, CoNLL's test split). `test_*` come from metrics.json's
+# `test_metrics`.
+TOKEN_TASKS = {
+    "squad": ("SQuAD v1.1 (Table 2 layout)", {"exact_match": "Dev EM", "f1": "Dev F1"}),
+    "squad_v2": ("SQuAD v2.0 (Table 3 layout)", {
+        "exact_match": "Dev EM", "f1": "Dev F1",
+        "best_exact": "Dev EM (tuned null threshold)", "best_f1": "Dev F1 (tuned null threshold)",
+    }),
+    "conll2003": ("CoNLL-2003 NER", {
+        "f1": "Dev F1", "conlleval_f1": "Dev F1 (conlleval)",
+        "test_f1": "Test F1", "test_conlleval_f1": "Test F1 (conlleval)",
+    }),
+    "swag": ("SWAG (Table 4 layout)", {"accuracy": "Dev Acc"}),
+}  # fmt: skip
+REQUIRED = {"squad": ("exact_match", "f1"), "squad_v2": ("exact_match", "f1")}
+NOTE = (
+    "Dev-set metrics in percent. Table 1's metric per task: F1 for QQP and MRPC, Spearman "
+    "for STS-B, Matthews correlation for CoLA, accuracy for the others. GLUE score: mean of "
+    "the task scores, a task's score being the mean of its metrics. A gain row is a system "
+    "minus the control (random init), in points of the same cells; its GLUE score is the mean "
+    "task-score difference over the tasks both have."
+)
+
+
+def systems(results: dict) -> dict[str, dict]:
+    """{name: that system's results}, the single system's when there is one."""
+    return results.get("systems") or {results.get("system", "BERT (ours)"): results}
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def _signed(points: float) -> str:
+    return f"{points:+.1f}"
+
+
+def _paper_cell(name: str, metrics: dict[str, float]) -> str:
+    if name == "MNLI":
+        return f"{_pct(metrics['matched_accuracy'])}/{_pct(metrics['mismatched_accuracy'])}"
+    return _pct(metrics[TASKS[name].paper_metric])
+
+
+def _gain_cell(name: str, mine: dict, control: dict) -> str:
+    """A task's gain in the paper's metric (MNLI: matched/mismatched)."""
+    keys = ["matched_accuracy", "mismatched_accuracy"] if name == "MNLI" else None
+    keys = keys or [TASKS[name].paper_metric]
+    return "/".join(_signed(100 * (mine["metrics"][k] - control["metrics"][k])) for k in keys)
+
+
+def gain_rows(results: dict, cell, glue_cell) -> list[str]:
+    """`| name gain over control | ... |` for every system with a gain."""
+    rows = []
+    for name, r in systems(results).items():
+        g = r.get("gain")
+        if g:
+            control = systems(results)[g["over"]]
+            rows.append(f"| {name} gain over {g['over']} | " + cell(r, control) + glue_cell(g))
+    return rows
+
+
+def glue_table(results: dict) -> list[str]:
+    """Table 1: a row per system, the gain rows, the note, then every metric per task."""
+    heads = ["MNLI-(m/mm)" if t == "MNLI" else t for t in TABLE_ORDER]
+    lines = ["| System | " + " | ".join(heads) + " | GLUE score |", "|---" * (len(heads) + 2) + "|"]
+    for name, r in systems(results).items():
+        if not r["tasks"]:
+            continue
+        tasks = r["tasks"]
+        cells = [_paper_cell(t, tasks[t]["metrics"]) if t in tasks else "-" for t in TABLE_ORDER]
+        partial = "" if r["complete"] else f" ({r['num_tasks']}/9 tasks)"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['glue_score']:.1f}{partial} |")
+
+    def cell(mine: dict, control: dict) -> str:
+        both = lambda t: t in mine["tasks"] and t in control["tasks"]  # noqa: E731
+        return " | ".join(
+            _gain_cell(t, mine["tasks"][t], control["tasks"][t]) if both(t) else "-"
+            for t in TABLE_ORDER
+        )
+
+    def glue_cell(g: dict) -> str:
+        return f" | {_signed(g['glue_score'])} |" if g["glue_score"] is not None else " | - |"
+
+    lines += gain_rows(results, cell, glue_cell)
+    lines += ["", NOTE, ""]
+    several = len(systems(results)) > 1
+    lines += ["| System | Task | Metrics | Task score |", "|---|---|---|---|"] if several else [
+        "| Task | Metrics | Task score |", "|---|---|---|"]  # fmt: skip
+    for name, r in systems(results).items():
+        for task, t in r["tasks"].items():
+            ms = ", ".join(f"{k} {_pct(v)}" for k, v in t["metrics"].items())
+            lines.append(
+                (f"| {name} " if several else "") + f"| {task} | {ms} | {t['score']:.1f} |"
+            )
+    return lines
+
+
+def token_tables(results: dict) -> str:
+    """One small table per other task, in the paper's layout (dev columns; test when present),
+    a row per system and the gain rows."""
+    parts = []
+    for task, (title, columns) in TOKEN_TASKS.items():
+        rows = {n: r["token_tasks"][task] for n, r in systems(results).items()
+                if task in r.get("token_tasks", {})}  # fmt: skip
+        if not rows:
+            continue
+        shown = [m for m in columns if any(m in r["metrics"] for r in rows.values())]
+        lines = [f"**{title}**", "", "| System | " + " | ".join(columns[m] for m in shown) + " |",
+                 "|---" * (len(shown) + 1) + "|"]  # fmt: skip
+        for name, r in rows.items():
+            cells = [_pct(r["metrics"][m]) if m in r["metrics"] else "-" for m in shown]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        for name, r in systems(results).items():
+            g = (r.get("gain") or {}).get("token_tasks", {}).get(task)
+            if g:
+                cells = [_signed(g[m]) if m in g else "-" for m in shown]
+                lines.append(
+                    f"| {name} gain over {r['gain']['over']} | " + " | ".join(cells) + " |"
+                )
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
+
+
+def markdown_table(results: dict) -> str:
+    """Table 1 layout (the paper's metric per task) with a row per system and the gains, plus
+    every metric and each task's score; then the other tasks' tables."""
+    tokens = token_tables(results)
+    if not any(r["tasks"] for r in systems(results).values()):
+        return tokens
+    return "\n".join(glue_table(results)) + "\n" + ("\n" + tokens if tokens else "")
+
+
+def _main_metric(task: str) -> str:
+    return next(iter(TOKEN_TASKS[task][1]))
+
+
+def plot_scores(results: dict, path: Path) -> None:
+    """Grouped bars: each system's task scores (GLUE) and other tasks' main metric, its GLUE
+    score as a dashed line of its colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    every = systems(results)
+    names = [t for t in TABLE_ORDER if any(t in r["tasks"] for r in every.values())]
+    token = [t for t in TOKEN_TASKS if any(t in r.get("token_tasks", {}) for r in every.values())]
+    labels = names + [f"{t} {_main_metric(t)}" for t in token]
+    width = 0.8 / len(every)
+    fig, ax = plt.subplots(figsize=(1.5 + 0.9 * len(labels) * max(1, len(every) / 2), 4))
+    values = [0.0]
+    for k, (name, r) in enumerate(every.items()):
+        ys = [r["tasks"][t]["score"] if t in r["tasks"] else float("nan") for t in names]
+        ys += [100 * r.get("token_tasks", {}).get(t, {}).get("metrics", {}).get(
+            _main_metric(t), float("nan")) for t in token]  # fmt: skip
+        xs = [i + (k - (len(every) - 1) / 2) * width for i in range(len(labels))]
+        glue = f" (GLUE {r['glue_score']:.1f})" if r["glue_score"] is not None else ""
+        bars = ax.bar(xs, ys, width, label=name + glue, color=f"C{k}")
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        values += [y for y in ys if y == y]
+        if r["glue_score"] is not None:  # a dashed line; its value in the legend or beside it
+            ax.axhline(r["glue_score"], color=f"C{k}", linestyle="--", linewidth=1)
+            if len(every) == 1:
+                ax.text(len(names) - 0.5, r["glue_score"], f"GLUE {r['glue_score']:.1f}",
+                        color=f"C{k}", ha="right", va="bottom", fontsize=8)  # fmt: skip
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylim(min(values) - 5, 100)
+    ax.set_ylabel("task score (dev, %)")
+    ax.set_title(" vs ".join(every) + ": dev scores")
+    if len(every) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,124 @@
+"""A pipeline pod's environment as Kubernetes would build it from the compiled platform spec and
+the manifests in `infra/k8s/env`: the harness's (`pipelines/pod_harness.py`) view of the cluster.
+
+The compiled spec's second document (the kfp-kubernetes platform spec) names, per executor, the
+ConfigMaps and Secrets to load as environment variables (`configMapAsEnv`, `secretAsEnv`) and the
+pod fields to expose (`fieldPathAsEnv`). Kubernetes resolves them when it creates the container:
+a missing object or key that is not `optional` stops the pod (CreateContainerConfigError). This
+module does the same with the objects the manifests define (`manifest_objects`: the ConfigMaps
+of the kustomization and its generated Secrets, from the committed `*.example` env files), so a
+key the spec names but the manifests lack fails here as on a cluster.
+
+The manifests point at in-cluster services (`http://mlflow.bert.svc.cluster.local:5000`);
+`localize` rewrites those URLs to the servers a test started, as a cluster's DNS would resolve
+them, and refuses to leave any `*.svc.cluster.local` address unmapped: a pod that would call a
+service the test does not provide fails before it starts, not halfway through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV_DIR = ROOT / "infra" / "k8s" / "env"
+CLUSTER_DOMAIN = ".svc.cluster.local"
+
+Objects = dict[tuple[str, str], dict[str, str]]  # (kind, name) -> data
+
+
+class PodConfigError(RuntimeError):
+    """What Kubernetes reports as CreateContainerConfigError: the pod cannot be configured."""
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    pairs = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def manifest_objects(env_dir: Path = ENV_DIR) -> Objects:
+    """The ConfigMaps and Secrets the kustomization in `env_dir` creates: its ConfigMap
+    resources, and its `secretGenerator` Secrets read from the committed `<file>.example`
+    (example values: the real env files are git-ignored, and a test must not read them)."""
+    kust = yaml.safe_load((env_dir / "kustomization.yaml").read_text())
+    objects: Objects = {}
+    for resource in kust.get("resources", []):
+        for doc in yaml.safe_load_all((env_dir / resource).read_text()):
+            if doc and doc["kind"] in ("ConfigMap", "Secret"):
+                objects[(doc["kind"], doc["metadata"]["name"])] = dict(doc.get("data") or {})
+    for gen in kust.get("secretGenerator", []):
+        data: dict[str, str] = {}
+        for env_file in gen.get("envs", []):
+            data |= _read_env_file(env_dir / f"{env_file}.example")
+        objects[("Secret", gen["name"])] = data
+    return objects
+
+
+def localize(objects: Objects, services: Mapping[str, str]) -> Objects:
+    """`objects` with each in-cluster service URL (a key of `services`, e.g.
+    `http://mlflow.bert.svc.cluster.local:5000`) replaced by its value (a loopback URL, or ""
+    for "no such service here"). Fails when a value still names a cluster service."""
+    out: Objects = {}
+    for ref, data in objects.items():
+        out[ref] = {}
+        for key, value in data.items():
+            for cluster_url, local_url in services.items():
+                if value.startswith(cluster_url):
+                    value = local_url + value[len(cluster_url) :] if local_url else ""
+            if CLUSTER_DOMAIN in value:
+                raise PodConfigError(
+                    f"{ref[0]} {ref[1]}: {key}={value} is a cluster service the harness was "
+                    "not given: map it in `services`"
+                )
+            out[ref][key] = value
+    return out
+
+
+def _from_object(
+    objects: Objects, kind: str, entry: Mapping, name_key: str, key_key: str, executor: str
+) -> dict[str, str]:
+    """The variables of one `configMapAsEnv` / `secretAsEnv` entry, as the kubelet sets them."""
+    name, optional = entry[name_key], entry.get("optional", False)
+    data = objects.get((kind, name))
+    if data is None:
+        if optional:
+            return {}
+        raise PodConfigError(f"{executor}: {kind.lower()} {name!r} not found")
+    env = {}
+    for pair in entry["keyToEnv"]:
+        key = pair[key_key]
+        if key in data:
+            env[pair["envVar"]] = data[key]
+        elif not optional:
+            raise PodConfigError(f"{executor}: couldn't find key {key} in {kind} {name}")
+    return env
+
+
+def pod_env(
+    platform: Mapping, executor: str, objects: Objects, labels: Mapping[str, str]
+) -> dict[str, str]:
+    """The environment the platform spec gives `executor`'s pods: its ConfigMaps and Secrets
+    (from `objects`) and its downward-API fields (only pod labels, from `labels`)."""
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    spec = executors.get(executor, {})
+    env: dict[str, str] = {}
+    for entry in spec.get("configMapAsEnv", []):
+        env |= _from_object(objects, "ConfigMap", entry, "configMapName", "configMapKey", executor)
+    for entry in spec.get("secretAsEnv", []):
+        env |= _from_object(objects, "Secret", entry, "secretName", "secretKey", executor)
+    for field in spec.get("fieldPathAsEnv", []):
+        path = field["fieldPath"]
+        prefix, suffix = "metadata.labels['", "']"
+        if not (path.startswith(prefix) and path.endswith(suffix)):
+            raise PodConfigError(f"{executor}: field path {path} is not a pod label")
+        env[field["name"]] = labels.get(path[len(prefix) : -len(suffix)], "")
+    unknown = set(spec) - {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv"}
+    if unknown:  # volumes, node selectors, ...: not modelled, so not silently ignored either
+        raise PodConfigError(f"{executor}: platform settings the harness does not model: {unknown}")
+    return env

@@ -1,0 +1,389 @@
+"""The cluster path without a cluster: the compiled pipeline run pod by pod
+(`pipelines/pod_harness.py`) against a real S3 server and a real MLflow server, on `s3://` data,
+with the environment the platform spec takes from the manifests in infra/k8s/env; plus the
+pieces it stands on: the pods' environment (`pipelines/pod_env.py`), the refusal of
+workstation paths, and the data digests that reach the cache keys and MLflow.
+
+The servers are infra/scripts/local_services.py's (moto S3, `mlflow server`), on loopback, with
+a bucket named as the cluster's (`s3://bert`), so the pipeline's cluster defaults for its data
+(`s3://bert/data/...`) are used as they are. The Ray address of the ConfigMap is mapped to ""
+(no Ray cluster: pretrain trains inside its own pod, on a private local Ray); with a local
+`ray start --head` it could be mapped to that head's dashboard URL instead (RAY_DASHBOARD).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bert_core import storage
+from pipelines import cluster, pod_env, pod_harness
+from pipelines.bert_pipeline import DEFAULTS, P
+from tests.pipeline_helpers import ROOT, SMALL
+from tests.test_services import services
+
+SPEC = ROOT / "pipelines" / "bert_pipeline.yaml"
+BUCKET = cluster.BUCKET.removeprefix("s3://")
+GLUE_TASKS = ["SST-2", "STS-B"]
+RAY_DASHBOARD = ""  # "" = no RayCluster: pretrain runs a local Ray in its pod
+# the settings of a small whole-DAG run (tests/pipeline_helpers.py), as pipeline parameters
+SMALL_ARGS = {
+    f"{section}_{key}": value
+    for section, values in SMALL.items()
+    for key, value in values.items()
+    if section != "data"
+} | {"finetune_tasks": GLUE_TASKS}
+
+
+def _secret() -> dict[str, str]:
+    return pod_env.manifest_objects()[("Secret", cluster.SECRET)]
+
+
+def _config() -> dict[str, str]:
+    return pod_env.manifest_objects()[("ConfigMap", cluster.CONFIG_MAP)]
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """S3 with the cluster's bucket (`bert`), started with the Secret's example credentials, so
+    the pods' credentials are the server's (moto takes any)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in _secret().items():
+            mp.setenv(key, value)
+        s3 = services.start_s3(tmp_path_factory.mktemp("cluster-s3"), buckets=(BUCKET,))
+    yield s3
+    s3.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(s3_server, tmp_path_factory):
+    """(S3, MLflow): the MLflow server keeps its artifacts in s3://bert/mlflow."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in _secret().items():
+            mp.setenv(key, value)
+        mlflow = services.start_mlflow(
+            tmp_path_factory.mktemp("cluster-mlflow"), s3_server.url, f"{cluster.BUCKET}/mlflow"
+        )
+    yield s3_server, mlflow
+    mlflow.stop()
+
+
+@pytest.fixture
+def s3_client_env(monkeypatch, s3_server):
+    """This process as an S3 client of the test server (for storage.* and checks)."""
+    s3 = s3_server
+    for key, value in {**_secret(), "AWS_ENDPOINT_URL": s3.url}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", _config()["AWS_DEFAULT_REGION"])
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    return s3
+
+
+def _objects(servers) -> pod_env.Objects:
+    """The manifests' ConfigMap and Secrets, their service URLs mapped to the test servers."""
+    s3, mlflow = servers
+    config = _config()
+    return pod_env.localize(
+        pod_env.manifest_objects(),
+        {
+            config["MLFLOW_TRACKING_URI"]: mlflow.url,
+            config["AWS_ENDPOINT_URL"]: s3.url,
+            config["RAY_ADDRESS"]: RAY_DASHBOARD,
+        },
+    )
+
+
+# --------------------------------------------------------------------------- the pods' environment
+
+
+def test_pod_env_is_the_manifests_config_map_and_secret_and_the_run_id_label():
+    objects = pod_env.manifest_objects()
+    _, platform = pod_harness.load_spec(SPEC)
+    env = pod_env.pod_env(platform, "exec-clean", objects, {"pipeline/runid": "run-7"})
+    config, secret = objects[("ConfigMap", cluster.CONFIG_MAP)], objects[("Secret", cluster.SECRET)]
+    assert env == {**config, **secret, "KFP_RUN_ID": "run-7"}
+    assert set(env) == {*cluster.CONFIG_KEYS, *cluster.SECRET_KEYS, "KFP_RUN_ID"}
+    # no bert-mlflow-auth Secret in the manifests: optional, so the pod starts without it
+    assert ("Secret", cluster.AUTH_SECRET) not in objects
+    # a required key the ConfigMap lacks stops the pod, as Kubernetes does
+    uri = objects[("ConfigMap", cluster.CONFIG_MAP)].pop("MLFLOW_TRACKING_URI")
+    with pytest.raises(pod_env.PodConfigError, match="couldn't find key MLFLOW_TRACKING_URI"):
+        pod_env.pod_env(platform, "exec-clean", objects, {})
+    objects[("ConfigMap", cluster.CONFIG_MAP)]["MLFLOW_TRACKING_URI"] = uri
+    del objects[("Secret", cluster.SECRET)]
+    with pytest.raises(pod_env.PodConfigError, match="secret 'bert-s3' not found"):
+        pod_env.pod_env(platform, "exec-clean", objects, {})
+
+
+def test_localize_maps_every_cluster_service_or_fails():
+    objects = pod_env.manifest_objects()
+    config = objects[("ConfigMap", cluster.CONFIG_MAP)]
+    services = {config["MLFLOW_TRACKING_URI"]: "http://127.0.0.1:1"}
+    services[config["AWS_ENDPOINT_URL"]] = "http://127.0.0.1:2"
+    with pytest.raises(pod_env.PodConfigError, match="RAY_ADDRESS=http://bert-ray-head-svc"):
+        pod_env.localize(objects, services)
+    mapped = pod_env.localize(
+        objects,
+        {
+            config["MLFLOW_TRACKING_URI"]: "http://127.0.0.1:1",
+            config["AWS_ENDPOINT_URL"]: "http://127.0.0.1:2",
+            config["RAY_ADDRESS"]: "",
+        },
+    )[("ConfigMap", cluster.CONFIG_MAP)]
+    assert mapped["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:1"
+    assert mapped["AWS_ENDPOINT_URL"] == mapped["MLFLOW_S3_ENDPOINT_URL"] == "http://127.0.0.1:2"
+    assert mapped["RAY_ADDRESS"] == ""
+    assert mapped["BERT_RAY_STORAGE"] == config["BERT_RAY_STORAGE"] == f"{cluster.BUCKET}/ray"
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {k: P[k] for k in cluster.DATA},  # params.yaml's workstation paths
+        {"data_glue": str(ROOT.parent / "shared" / "data" / "glue")},
+        {"data_corpus": "file:///data/corpus"},
+    ],
+)
+def test_harness_refuses_workstation_paths_before_any_pod_runs(tmp_path, arguments):
+    objects = pod_env.localize(
+        pod_env.manifest_objects(),
+        {v: "" for v in _config().values() if v.startswith("http://")},
+    )
+    harness = pod_harness.Harness(SPEC, objects, tmp_path, f"{cluster.BUCKET}/kfp")
+    with pytest.raises(pod_harness.WorkstationPath, match="is a path on this machine"):
+        harness.run(arguments)
+    assert harness.tasks == []  # refused when the first task's inputs were resolved
+
+
+# ------------------------------------------------------------------------------- data identity
+
+
+def test_digest_sees_one_changed_byte_and_agrees_with_its_s3_upload(tmp_path, s3_client_env):
+    data = tmp_path / "corpus"
+    (data / "more").mkdir(parents=True)
+    (data / "a.txt").write_text("It was the best of times.\n")
+    (data / "more" / "b.txt").write_text("It was the worst of times.\n")
+    before = storage.digest(data)
+    s3 = storage.s3_client()
+    for f in (data / "a.txt", data / "more" / "b.txt"):
+        s3.upload_file(str(f), BUCKET, f"digest/corpus/{f.relative_to(data).as_posix()}")
+    assert storage.digest(f"s3://{BUCKET}/digest/corpus") == before  # ETags are the md5s
+    (data / "a.txt").write_text("It was the best of timez.\n")  # one byte
+    assert storage.digest(data) != before
+    s3.upload_file(str(data / "a.txt"), BUCKET, "digest/corpus/a.txt")
+    assert storage.digest(f"s3://{BUCKET}/digest/corpus") == storage.digest(data) != before
+    assert len(before) == 32 and storage.digest() != before  # no inputs: a digest of nothing
+    with pytest.raises(FileNotFoundError, match="no such"):
+        storage.digest(f"s3://{BUCKET}/digest/nothing-here")
+
+
+def test_local_copy_reads_s3_objects_and_prefixes_and_passes_local_paths(tmp_path, s3_client_env):
+    s3 = storage.s3_client()
+    s3.put_object(Bucket=BUCKET, Key="copy/task/train.tsv", Body=b"sentence\tlabel\n")
+    s3.put_object(Bucket=BUCKET, Key="copy/task/sub/dev.tsv", Body=b"x\t1\n")
+    s3.put_object(Bucket=BUCKET, Key="copy/book.txt", Body=b"Call me Ishmael.\n")
+    with storage.local_copy(f"s3://{BUCKET}/copy/task") as folder:
+        assert folder.name == "task"
+        assert (folder / "train.tsv").read_bytes() == b"sentence\tlabel\n"
+        assert (folder / "sub" / "dev.tsv").read_bytes() == b"x\t1\n"
+    assert not folder.exists()  # removed afterwards
+    with storage.local_copy(f"s3://{BUCKET}/copy/book.txt") as book:
+        assert book.name == "book.txt" and book.read_text() == "Call me Ishmael.\n"
+    with storage.local_copy(tmp_path) as same:
+        assert same == tmp_path
+    with pytest.raises(FileNotFoundError), storage.local_copy(f"s3://{BUCKET}/copy/none"):
+        pass
+
+
+# --------------------------------------------------------------------------- the whole pipeline
+
+
+def upload_data_slice(shared_data: Path, client) -> None:
+    """A small slice of the shared data under the cluster's data defaults: one corpus book and
+    two GLUE tasks (the first 400 training and 300 dev rows)."""
+    corpus = shared_data / "corpus" / "a_christmas_carol.txt"
+    client.upload_file(str(corpus), BUCKET, f"data/corpus/{corpus.name}")
+    for task in GLUE_TASKS:
+        for name, rows in (("train.tsv", 400), ("dev.tsv", 300)):
+            lines = (shared_data / "glue" / task / name).read_text().splitlines(keepends=True)
+            body = "".join(lines[: rows + 1]).encode()
+            client.put_object(Bucket=BUCKET, Key=f"data/glue/{task}/{name}", Body=body)
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(servers, shared_data, tmp_path_factory):
+    """The compiled pipeline, run once by the harness on the cluster defaults (s3:// data) with
+    small settings; a GPU image named for the fine-tuning tasks (resolved, not pulled)."""
+    s3, _ = servers
+    objects = _objects(servers)
+    harness = pod_harness.Harness(
+        SPEC,
+        objects,
+        tmp_path_factory.mktemp("pods"),
+        pipeline_root=f"{cluster.BUCKET}/kfp",
+        image_env={"PYTHONUNBUFFERED": "1", "BERT_GIT_COMMIT": _commit(), "OMP_NUM_THREADS": "1"},
+    )
+    upload_data_slice(shared_data, harness.s3)
+    state = harness.run({**SMALL_ARGS, "train_image": "registry.example/bert-cuda:ci"})
+    logs = "\n".join(f"--- {t.path}\n{t.log.read_text()[-3000:]}" for t in harness.tasks)
+    return harness, state, logs
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+@pytest.mark.slow
+def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run):
+    harness, state, logs = pipeline_run
+    assert state == pod_harness.SUCCEEDED, logs
+    ran = [(t.path, t.state) for t in harness.tasks]
+    assert ran == [
+        ("/exit-handler-1/pipeline-run", "SUCCEEDED"),
+        ("/exit-handler-1/clean", "SUCCEEDED"),
+        ("/exit-handler-1/vocab", "SUCCEEDED"),
+        ("/exit-handler-1/instances", "SUCCEEDED"),
+        ("/exit-handler-1/pretrain", "SUCCEEDED"),
+        ("/exit-handler-1/for-loop-2[0]/finetune", "SUCCEEDED"),
+        ("/exit-handler-1/for-loop-2[1]/finetune", "SUCCEEDED"),
+        ("/exit-handler-1/evaluate", "SUCCEEDED"),
+        ("/pipeline-end", "SUCCEEDED"),
+    ]  # the token-level loop has no tasks by default: evaluate got an empty collection
+    by_path = {t.path: t for t in harness.tasks}
+    for task in harness.tasks:
+        # every pod: the ConfigMap and the Secret, the run id from the label; nothing else
+        assert set(task.env) >= {*cluster.CONFIG_KEYS, *cluster.SECRET_KEYS}, task.path
+        assert task.env["KFP_RUN_ID"] == harness.run_id
+        assert task.env["MLFLOW_TRACKING_URI"].startswith("http://127.0.0.1:")
+        assert not set(task.env) & set(cluster.AUTH_KEYS)
+        finetune = task.path.endswith("/finetune")
+        assert task.image == ("registry.example/bert-cuda:ci" if finetune else cluster.IMAGE)
+        assert (task.accelerator or {}).get("resourceCount") == ("0" if finetune else None)
+    clean = by_path["/exit-handler-1/clean"].parameters
+    assert clean["corpus"] == f"{cluster.BUCKET}/data/corpus"
+    glue = by_path["/exit-handler-1/for-loop-2[0]/finetune"].parameters
+    assert (glue["data_dir"], glue["task"]) == (f"{cluster.BUCKET}/data/glue", "SST-2")
+    # the digests the first task output are the data's, and reached the cache-keyed inputs
+    assert clean["corpus_digest"] == _digest(harness, f"{cluster.BUCKET}/data/corpus")
+    glue_uris = [f"{cluster.BUCKET}/data/glue/{t}" for t in GLUE_TASKS]
+    assert glue["data_digest"] == _digest(harness, *glue_uris)
+
+
+def _digest(harness, *uris: str) -> str:
+    """storage.digest with the pods' S3 settings (this process has none of its own)."""
+    with pytest.MonkeyPatch.context() as mp:
+        env: dict[str, str] = {}
+        for data in harness.objects.values():
+            env |= data
+        for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            mp.setenv(key, env[key])
+        mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+        return storage.digest(*uris)
+
+
+@pytest.mark.slow
+def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
+    pipeline_run, servers, monkeypatch
+):
+    from mlflow import MlflowClient
+
+    from bert_core import lineage
+
+    harness, state, logs = pipeline_run
+    assert state == pod_harness.SUCCEEDED, logs
+    _, mlflow = servers
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow.url)  # for lineage.child_runs
+    client = MlflowClient(mlflow.url)
+    experiment = client.get_experiment_by_name(lineage.PIPELINE_EXPERIMENT)
+    (parent,) = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`kfp.run_id` = '{harness.run_id}' and tags.`bert.step` = 'pipeline'",
+    )
+    assert parent.info.status == "FINISHED"  # closed by the exit handler
+    assert parent.data.tags["mlflow.source.git.commit"] == _commit()  # the image's commit
+    params = parent.data.params
+    assert params["data.corpus"] == f"{cluster.BUCKET}/data/corpus"
+    assert params["pretrain.steps"] == "20" and params["kfp.gpus"] == "0"
+    assert params["kfp.train_image"] == "registry.example/bert-cuda:ci"
+    # the data inputs, with their content digests (mlflow.log_input's records)
+    inputs = {d.dataset.name: d for d in parent.inputs.dataset_inputs}
+    assert set(inputs) == {"corpus", "glue"}  # no token-level tasks: no token input
+    clean = next(t for t in harness.tasks if t.path.endswith("/clean"))
+    assert inputs["corpus"].dataset.digest == clean.parameters["corpus_digest"]
+    assert f"{cluster.BUCKET}/data/corpus" in inputs["corpus"].dataset.source
+    assert {t.key: t.value for t in inputs["glue"].tags} == {"mlflow.data.context": "glue"}
+    steps = {r.data.tags["bert.step"]: r for r in lineage.child_runs(parent.info.run_id)}
+    assert set(steps) == {
+        "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B", "evaluate",
+    }  # fmt: skip
+    for run in steps.values():
+        assert run.info.status == "FINISHED" and run.data.tags["kfp.run_id"] == harness.run_id
+        assert run.data.tags["mlflow.source.git.commit"] == _commit()
+    assert steps["clean"].data.params["input"] == f"{cluster.BUCKET}/data/corpus"
+    assert steps["finetune-SST-2"].data.params["data"] == f"{cluster.BUCKET}/data/glue/SST-2"
+    evaluate = steps["evaluate"]
+    assert -1 <= evaluate.data.metrics["glue_score"] <= 1
+    table = client.download_artifacts(evaluate.info.run_id, "glue/glue_table.md")
+    markdown = Path(table).read_text()
+    assert all(f"| {task} |" in markdown for task in GLUE_TASKS), markdown
+    (version,) = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
+    assert version.run_id == steps["pretrain"].info.run_id
+
+
+@pytest.mark.slow
+def test_outputs_are_artifacts_in_the_bucket_under_the_pipeline_root(pipeline_run):
+    harness, state, logs = pipeline_run
+    assert state == pod_harness.SUCCEEDED, logs
+    prefix = f"kfp/{harness.run_id}/"
+    pages = harness.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    keys = {o["Key"][len(prefix) :] for page in pages for o in page.get("Contents", [])}
+    for key in (
+        "exit-handler-1/clean/cleaned/stats.json",
+        "exit-handler-1/vocab/wordpiece/vocab.txt",
+        "exit-handler-1/pretrain/pretrained/model/model.safetensors",
+        "exit-handler-1/for-loop-2[1]/finetune/finetuned/metrics.json",
+        "exit-handler-1/evaluate/table",
+    ):
+        assert key in keys, sorted(keys)[:50]
+    body = harness.s3.get_object(Bucket=BUCKET, Key=f"{prefix}exit-handler-1/evaluate/table")
+    assert "| STS-B |" in body["Body"].read().decode()
+    # every pod ran in an empty working folder of its own, and no parameter named a local path
+    for task in harness.tasks:
+        pod_harness.reject_workstation_paths(task.path, task.parameters)
+
+
+def test_the_harness_runs_the_committed_spec_defaults():
+    """The run above uses the spec's defaults for the data: the cluster's, not params.yaml's."""
+    pipeline, _ = pod_harness.load_spec(SPEC)
+    inputs = pipeline["root"]["inputDefinitions"]["parameters"]
+    for key, uri in cluster.DATA.items():
+        assert inputs[key]["defaultValue"] == uri == DEFAULTS[key]
+        assert uri.startswith(f"{cluster.BUCKET}/")
+
+
+@pytest.mark.slow
+def test_missing_data_fails_the_first_task_and_the_exit_handler_marks_the_run_failed(
+    servers, tmp_path
+):
+    """Data that is not there fails `pipeline-run` (its digest) before any step starts; the
+    steps are skipped, and the exit handler still runs and closes the parent run as FAILED."""
+    from mlflow import MlflowClient
+
+    _, mlflow = servers
+    harness = pod_harness.Harness(SPEC, _objects(servers), tmp_path, f"{cluster.BUCKET}/kfp")
+    state = harness.run({"data_corpus": f"{cluster.BUCKET}/data/no-such-corpus"})
+    assert state == pod_harness.FAILED
+    ran = [(t.path, t.state) for t in harness.tasks]
+    assert ran == [("/exit-handler-1/pipeline-run", "FAILED"), ("/pipeline-end", "SUCCEEDED")]
+    assert (
+        "no-such-corpus: no such file, folder, object or prefix" in harness.tasks[0].log.read_text()
+    )
+    client = MlflowClient(mlflow.url)
+    (parent,) = client.search_runs(
+        [client.get_experiment_by_name("bert-pipeline").experiment_id],
+        filter_string=f"tags.`kfp.run_id` = '{harness.run_id}'",
+    )
+    assert parent.info.status == "FAILED"

@@ -170,7 +170,7 @@ def _array(values, type_):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert embed", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a BERT folder, runs:/..., models:/...")
-    p.add_argument("--input", required=True, type=Path, help=".txt, .tsv, .jsonl or .parquet")
+    p.add_argument("--input", required=True, help=".txt, .tsv, .jsonl or .parquet; or s3://...")
     p.add_argument("--output", required=True, type=Path, help="a .parquet file")
     layers = "last, last4, second-to-last, embeddings or indices: --layers=-2, --layers=0,6"
     p.add_argument("--layers", default="last", help=f"{layers} (default: last)")
@@ -189,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from bert_core.predict import parse_columns
     from bert_core.serving import local_model
+    from bert_core.storage import local_copy
     from bert_core.tracking import start_run
 
     args = build_parser().parse_args(argv)
@@ -201,9 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
         with local_model(args.model) as (folder, _):
             embedder = Embedder(folder, settings, layers, args.combine, args.pooling)
-        rows = embed_file(
-            embedder, args.input, args.output, args.chunk_size, rename, args.id_column
-        )
+        with local_copy(args.input) as path:  # an s3:// input is downloaded first
+            rows = embed_file(embedder, path, args.output, args.chunk_size, rename, args.id_column)
         mlflow.log_metrics({"rows": rows, "dim": embedder.dim})
     print(json.dumps({"rows": rows, "dim": embedder.dim, "output": str(args.output)}))
     return 0

@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert predict", description=__doc__.split("\n")[0])
     where = "a `bert finetune` output or model folder, runs:/<run>/model, models:/<name>@<alias>"
     p.add_argument("--model", required=True, help=where)
-    p.add_argument("--input", required=True, type=Path, help=".txt, .tsv, .jsonl or .parquet")
+    p.add_argument("--input", required=True, help=".txt, .tsv, .jsonl or .parquet; or s3://...")
     p.add_argument("--output", required=True, type=Path, help=".jsonl or .parquet")
     p.add_argument("--column", action="append", default=[], metavar="MODEL=FILE",
                    help="read the model's column MODEL from the file's column FILE")  # fmt: skip
@@ -114,16 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rename = parse_columns(args.column)
+    from bert_core.storage import local_copy
     from bert_core.tracking import start_run
 
-    params = {"model": args.model, "input": str(args.input), "output": str(args.output)}
+    params = {"model": args.model, "input": args.input, "output": str(args.output)}
     with start_run("predict", params | {"chunk_size": args.chunk_size}):
         import mlflow
 
         predictor = load(args.model, {k: getattr(args, k) for k in OVERRIDES})
         start = time.perf_counter()
-        rows = predict_file(predictor, args.input, args.output, args.chunk_size, rename,
-                            args.id_column)  # fmt: skip
+        with local_copy(args.input) as path:  # an s3:// input is downloaded first
+            rows = predict_file(predictor, path, args.output, args.chunk_size, rename,
+                                args.id_column)  # fmt: skip
         seconds = time.perf_counter() - start
         mlflow.log_metrics({"rows": rows, "rows_per_second": rows / max(seconds, 1e-9)})
     summary = {"rows": rows, "kind": predictor.kind, "output": str(args.output),

@@ -14,8 +14,10 @@ did during fine-tuning:
   its character offsets and probability (SQuAD 2.0 models may answer "").
 - `MaskFiller` (the pre-trained `BertForPreTraining`): `text` with `[MASK]`s -> the `top_k`
   tokens of every mask, and the text with each mask filled by its best token.
+- `ChoiceRanker` (SWAG, `BertForMultipleChoice`): `context` [+ `start`] + `ending0..3` -> the
+  chosen `label` (0-3), its probability `score` and every choice's `scores`.
 
-A new kind (e.g. multiple choice) is one subclass (its head class, input columns,
+A new kind is one subclass (its head class, input columns,
 `output_types`, `example` and `answer`) and one `PREDICTORS` entry: the head class name that
 config.json's `architectures` records -> the subclass. The span-level kinds (offsets into the
 input) are in `bert_core.predictors_span`.
@@ -36,7 +38,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from bert_core import finetune, finetune_glue, optim
+from bert_core import finetune, finetune_glue, optim, swag
 from bert_core.bert_config import CONFIG_NAME, BertConfig
 from bert_core.errors import InputError
 from bert_core.glue import Example, get_task
@@ -296,12 +298,49 @@ class MaskFiller(Predictor):
         return {"filled": filled, "masks": masks}
 
 
+class ChoiceRanker(Predictor):
+    """Multiple choice (SWAG, `BertForMultipleChoice`), featurised as SWAG fine-tuning does:
+    `context` [+ the next sentence's `start`] and four `ending0..3` -> the chosen `label`
+    (0-3), its probability `score` and every choice's `scores`."""
+
+    kind = "multiple-choice"
+    head = "BertForMultipleChoice"
+    inputs = ("context", *swag.ENDINGS)
+    optional = ("start",)
+
+    @classmethod
+    def output_types(cls, config: dict) -> dict[str, Any]:
+        return {"label": "long", "score": "double", "scores": ["double"]}
+
+    @classmethod
+    def example(cls, config: dict) -> dict[str, str]:
+        endings = ("pours it into a cup.", "eats the kettle.", "flies away.", "sings loudly.")
+        return {"context": "A man fills a kettle with water.", "start": "He",
+                **dict(zip(swag.ENDINGS, endings, strict=True))}  # fmt: skip
+
+    def answer(self, columns: dict[str, list]) -> list[dict]:
+        starts = columns.get("start") or [None] * len(columns["context"])
+        examples = [
+            swag.SwagExample(str(i), c, starts[i] or "",
+                             tuple(columns[e][i] for e in swag.ENDINGS), None)
+            for i, c in enumerate(columns["context"])
+        ]  # fmt: skip
+        features = swag.featurize(examples, self.tokenizer, self.max_seq_length)
+        logits = swag.predict(self.model, features, self.device, self.settings.batch_size)
+        out = []
+        for p in softmax(logits.astype(np.float64)):
+            best = int(p.argmax())
+            out.append({"label": best, "score": float(p[best]), "scores": p.tolist()})
+        return out
+
+
 # config.json's head class -> "module:class" of its predictor, imported only when used. A new
 # kind is one entry here and one `Predictor` subclass.
 PREDICTORS: dict[str, str] = {
     "BertForSequenceClassification": "bert_core.predictors:TextClassifier",
     "BertForTokenClassification": "bert_core.predictors_span:EntityTagger",
     "BertForQuestionAnswering": "bert_core.predictors_span:QuestionAnswerer",
+    "BertForMultipleChoice": "bert_core.predictors:ChoiceRanker",
     "BertForPreTraining": "bert_core.predictors:MaskFiller",
     "BertForMaskedLM": "bert_core.predictors:MaskFiller",
 }

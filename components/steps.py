@@ -193,9 +193,9 @@ def predict(
     columns: str = "",
 ):
     """bert predict: a fine-tuned model's answers for a file of inputs (`inputs`: .txt, .tsv,
-    .jsonl or .parquet, a path the pod can read) into `predictions`/predictions.jsonl. The model
-    is a `finetune` step's output (`finetuned`) or an MLflow model URI (`model_uri`, e.g.
-    models:/bert-sst2@champion, from the MLflow server). `columns`: space-separated
+    .jsonl or .parquet, s3://... or a path the pod can read) into predictions/predictions.jsonl.
+    The model is a `finetune` step's output (`finetuned`) or an MLflow model URI (`model_uri`,
+    e.g. models:/bert-sst2@champion, from the MLflow server). `columns`: space-separated
     MODEL=FILE column mappings (text=sentence)."""
     from bert_core.cli import kfp_step
 

@@ -43,6 +43,7 @@ KINDS = {
         {"num_labels": 2, "finetuning_task": "squad"},
     ),
     "fill-mask": (BertForPreTraining, {}),
+    "multiple-choice": (heads.BertForMultipleChoice, {"num_labels": 1, "finetuning_task": "swag"}),
 }
 
 

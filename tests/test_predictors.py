@@ -32,7 +32,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, minilm_dir):
     root = tmp_path_factory.mktemp("models")
-    kinds = ("classification", "pair", "regression", "ner", "question-answering", "fill-mask")
+    kinds = ("classification", "pair", "regression", "ner", "question-answering", "fill-mask",
+             "multiple-choice")  # fmt: skip
     return {kind: build(kind, minilm_dir, root / kind) for kind in kinds}
 
 
@@ -140,6 +141,31 @@ def test_fill_mask_equals_transformers(folders):
     for mask, want in zip(ours[1]["masks"], both, strict=True):
         assert mask["scores"] == pytest.approx([x["score"] for x in want], abs=1e-6)
         assert np.all(np.diff(mask["scores"]) <= 0)
+
+
+def test_choices_equal_swag_finetuning_predictions(folders):
+    from bert_core import swag
+
+    examples = [
+        swag.SwagExample("0", "A man fills a kettle with water.", "He",
+                         ("pours it into a cup.", "eats the kettle.", "flies.", "sings."), None),
+        swag.SwagExample("1", "The crowd cheers as the runner", "",
+                         ("crosses the line.", "a", "bakes bread in the rain today", "x y"), None),
+    ]  # fmt: skip
+    rows = [{"context": e.context, "start": e.start or None} for e in examples]
+    for row, e in zip(rows, examples, strict=True):
+        row |= dict(zip(swag.ENDINGS, e.endings, strict=True))
+    frame = pd.DataFrame(rows)
+    predictor = load_predictor(folders["multiple-choice"])
+    answers = predictor.predict(frame)
+    tokenizer = load_tokenizer(folders["multiple-choice"])
+    features = swag.featurize(examples, tokenizer, 128)
+    logits = swag.predict(predictor.model, features, torch.device("cpu"), 8)
+    for a, row in zip(answers, logits, strict=True):
+        p = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+        assert a["scores"] == pytest.approx(p.tolist(), abs=1e-6)
+        assert a["label"] == int(row.argmax()) and a["score"] == max(a["scores"])
+    assert len({round(s, 4) for s in answers[0]["scores"]}) == 4  # the choices differ
 
 
 def test_bad_input_names_the_row_and_the_problem(folders):

@@ -50,7 +50,7 @@ def logged(tracking, minilm_dir):
     """One logged MLflow model per kind: kind -> (model folder, ModelInfo)."""
     out = {}
     with mlflow.start_run():
-        for kind in ("classification", "ner", "question-answering", "fill-mask"):
+        for kind in ("classification", "ner", "question-answering", "fill-mask", "multiple-choice"):
             folder = build(kind, minilm_dir, tracking / "folders" / kind)
             out[kind] = folder, serving.log_model(folder, {"max_seq_length": 64, "epochs": 3})
     return out

@@ -38,6 +38,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "finetune": ("bert_core.finetune", "fine-tune on one GLUE task"),
     "evaluate": ("bert_core.evaluate", "collect GLUE metrics into one table, plot and MLflow run"),
     "runs": ("bert_core.runs", "compare recent pipeline runs: GLUE scores and settings (MLflow)"),
+    "predict": ("bert_core.predict", "answers of a fine-tuned model for a file of inputs"),
+    "promote": ("bert_core.registry", "move a task's `champion` alias to a better version"),
+    "embed": ("bert_core.embed", "per-token or pooled vectors from chosen layers, to Parquet"),
 }
 
 

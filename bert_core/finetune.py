@@ -46,6 +46,7 @@ from bert_core.finetune_config import (  # noqa: F401 (re-exported: the engine's
     config_options,
     option,
 )
+from bert_core.registry import log_finetuned
 from bert_core.storage import local_copy
 
 # Every task `bert finetune` runs: exact name -> "module:class" of its `FinetuneTask`, imported
@@ -416,6 +417,7 @@ def finish(out: Path, result: dict) -> None:
     mlflow.log_metrics({"best_epoch": result["best_epoch"], "best_dev_score": result["score"]})
     mlflow.log_metrics({f"best_dev_{k}": v for k, v in result["metrics"].items()})
     mlflow.log_artifact(str(out / "metrics.json"))
+    log_finetuned(out, result)  # the model as an MLflow model, registered (bert_core.registry)
 
 
 def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:

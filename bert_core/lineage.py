@@ -263,13 +263,16 @@ def child_runs(parent_run_id: str, step: str | None = None) -> list[Any]:
 def register_pretrained(
     model_dir: str | os.PathLike, parent_run_id: str | None = None, name: str = REGISTERED_MODEL
 ) -> Any:
-    """Log the pre-trained model (HF layout) on its pretrain run and register a new version.
+    """Log the pre-trained model (HF layout) on its pretrain run as an MLflow model (the pyfunc
+    flavor of `bert_core.serving`: masked-token filling) and register a new version.
 
     The pretrain run is the latest `bert.step = pretrain` child of the pipeline run; without one
     (a step run alone) a `register` run holds the files. Returns the MLflow ModelVersion.
     """
     import mlflow
     from mlflow import MlflowClient
+
+    from bert_core.serving import log_model
 
     client = MlflowClient(tracking_uri())
     runs = child_runs(parent_run_id, "pretrain") if parent_run_id else []
@@ -278,12 +281,11 @@ def register_pretrained(
     else:
         with start_run("register", {"model_dir": str(model_dir)}) as run:
             run_id = run.info.run_id
-    client.log_artifacts(run_id, str(model_dir), artifact_path="model")
+    info = log_model(model_dir, run_id=run_id)
     try:
         client.create_registered_model(name, description="BERT pre-trained by this pipeline")
     except mlflow.exceptions.MlflowException:  # already registered: add a version
         pass
-    source = f"{client.get_run(run_id).info.artifact_uri}/model"
     config = json.loads((Path(model_dir) / "config.json").read_text())
     tags = {f"bert.{k}": str(config.get(k)) for k in ("hidden_size", "num_hidden_layers")}
-    return client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+    return client.create_model_version(name, source=info.model_uri, run_id=run_id, tags=tags)

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 class BertOutput(NamedTuple):
     last_hidden_state: torch.Tensor  # [B, L, H]
     pooler_output: torch.Tensor  # [B, H]
+    # with output_hidden_states: the embeddings' output then every layer's, [B, L, H] each
+    hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 class PreTrainingOutput(NamedTuple):
@@ -152,9 +154,16 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None, states: list | None = None
+    ) -> torch.Tensor:
+        """The last layer's output; `states`, when given, collects the input and every layer's."""
         for layer in self.layer:
+            if states is not None:
+                states.append(x)
             x = layer(x, mask)
+        if states is not None:
+            states.append(x)
         return x
 
 
@@ -370,12 +379,17 @@ class BertModel(BertPreTrainedModel):
         input_ids: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
     ) -> BertOutput:
+        """`output_hidden_states`: also every layer's output (the feature-based approach of
+        section 5.3 reads e.g. the last four, `bert embed`)."""
         self.check_inputs(input_ids)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        x = self.encoder(self.embeddings(input_ids, token_type_ids), _padding_mask(attention_mask))
-        return BertOutput(x, self.pooler(x))
+        states = [] if output_hidden_states else None
+        x = self.embeddings(input_ids, token_type_ids)
+        x = self.encoder(x, _padding_mask(attention_mask), states)
+        return BertOutput(x, self.pooler(x), tuple(states) if states is not None else None)
 
 
 # ----------------------------------------------------------------------------- heads

@@ -192,3 +192,26 @@ def evaluate(
     shutil.copyfile(f"{glue.path}/glue_table.md", table.path)
     for name, value in kfp_metrics(f"{glue.path}/glue_results.json").items():
         metrics.log_metric(name, value)
+
+
+@component
+def predict(
+    inputs: str,
+    predictions: Output[Dataset],
+    finetuned: Input[Model] = None,
+    model_uri: str = "",
+    columns: str = "",
+):
+    """bert predict: a fine-tuned model's answers for a file of inputs (`inputs`: .txt, .tsv,
+    .jsonl or .parquet, s3://... or a path the pod can read) into predictions/predictions.jsonl.
+    The model is a `finetune` step's output (`finetuned`) or an MLflow model URI (`model_uri`,
+    e.g. models:/bert-sst2@champion, from the MLflow server). `columns`: space-separated
+    MODEL=FILE column mappings (text=sentence)."""
+    from bert_core.cli import kfp_step
+
+    if not model_uri and finetuned is None:
+        raise ValueError("predict needs a finetuned model or a model_uri")
+    model = model_uri or finetuned.path
+    argv = ["predict", "--model", model, "--input", inputs]
+    argv += ["--output", f"{predictions.path}/predictions.jsonl"]
+    kfp_step(argv + [arg for c in columns.split() for arg in ("--column", c)])

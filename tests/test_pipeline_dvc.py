@@ -191,7 +191,11 @@ def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch)
 
     (version,) = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
     assert version.run_id == children["pretrain"].info.run_id
-    files = {Path(f.path).name for f in client.list_artifacts(version.run_id, "model")}
+    from bert_core.serving import local_model
+
+    # an MLflow model (pyfunc: masked-token filling) holding the HF-layout folder
+    with local_model(f"models:/{lineage.REGISTERED_MODEL}/1") as (folder, _):
+        files = {f.name for f in folder.iterdir()}
     assert {"config.json", "model.safetensors", "vocab.txt"} <= files
 
     table = subprocess.run(

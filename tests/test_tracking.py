@@ -130,9 +130,16 @@ def test_register_pretrained_logs_and_versions_the_model(uri, tmp_path):
     assert first.run_id == pretrain.info.run_id
     assert first.tags == {"bert.hidden_size": "128", "bert.num_hidden_layers": "2"}
     import mlflow
+    import pandas as pd
 
-    local = mlflow.artifacts.download_artifacts(f"models:/{lineage.REGISTERED_MODEL}/1")
-    loaded = BertForPreTraining.from_pretrained(local)
+    from bert_core.serving import local_model
+
+    # an MLflow model (pyfunc flavor: masked-token filling) holding the HF-layout folder
+    uri = f"models:/{lineage.REGISTERED_MODEL}/1"
+    (answer,) = mlflow.pyfunc.load_model(uri).predict(pd.DataFrame({"text": ["a [MASK] c"]}))
+    assert len(answer["masks"]) == 1 and len(answer["masks"][0]["tokens"]) == 5
+    with local_model(uri) as (folder, _):
+        loaded = BertForPreTraining.from_pretrained(folder)
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 

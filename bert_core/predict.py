@@ -1,0 +1,134 @@
+"""`bert predict`: a model's answers for a file of inputs (batch inference).
+
+The model is any reference a user holds: a `bert finetune` output folder (its settings, e.g.
+`max_seq_length`, come from its metrics.json), a model folder, or an MLflow model
+(`runs:/<run>/model`, `models:/bert-sst2@champion`: downloaded, settings from the MLflow model).
+Answers are those of `bert_core.predictors`, the code the MLflow model and
+`mlflow models serve` run, so a file's answers equal the served ones.
+
+Inputs and outputs are `bert_core.records`': `.txt`, `.tsv`, `.jsonl` or `.parquet` in (the
+model's columns: `text` [+ `text_pair`], or `question` + `context`; `--column text=sentence`
+reads another column), `.jsonl` or `.parquet` out, written atomically: one row per input row,
+`row` (its 0-based number), `id` when the input has one (as text), then the answer's fields.
+The input is streamed `--chunk-size` rows at a time, so memory stays bounded on any input; within
+a chunk the rows go through the model in length-sorted batches (`finetune.predict_batches`: the
+least padding), on the GPU when there is one. A bad row stops the run with its file and line,
+leaving no output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+from bert_core import records
+from bert_core.predictors import BadInput, Predictor, Settings, load_predictor
+
+OVERRIDES = ("batch_size", "device", "max_seq_length", "max_chars", "top_k")
+
+
+def load(model: str | Path, overrides: dict | None = None) -> Predictor:
+    """The predictor for any model reference (see the module doc); `overrides` win over the
+    model's own settings (None values ignored)."""
+    from bert_core.serving import local_model
+
+    with local_model(model) as (folder, settings):
+        settings |= {k: v for k, v in (overrides or {}).items() if v is not None}
+        return load_predictor(folder, Settings.from_dict(settings))
+
+
+def output_schema(predictor: Predictor, with_id: bool):
+    import pyarrow as pa
+
+    fields = [("row", pa.int64())] + ([("id", pa.string())] if with_id else [])
+    types = type(predictor).output_types(predictor.config.to_dict())
+    return pa.schema(fields + [(k, records.arrow_type(t)) for k, t in types.items()])
+
+
+def predict_file(
+    predictor: Predictor, input: str | Path, output: str | Path, chunk_size: int = 2048,
+    rename: dict[str, str] | None = None, id_column: str = "id", progress: bool = True,
+) -> int:  # fmt: skip
+    """Answer every row of `input` into `output`; returns the number of rows."""
+    from tqdm import tqdm
+
+    input = Path(input)
+    chunks = records.read_chunks(input, chunk_size, rename)
+    first = next(chunks)
+    with_id = id_column in first.frame.columns
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=records.count_rows(input), desc="predict", unit="row", disable=not progress,
+               ascii=not interactive, mininterval=0.1 if interactive else 30.0)  # fmt: skip
+    rows = 0
+    with records.writer(output, output_schema(predictor, with_id)) as write:
+        for chunk in itertools.chain([first], chunks):
+            try:
+                answers = predictor.predict(chunk.frame)
+            except BadInput as e:
+                hint = " (`--column MODEL=FILE` reads another column)" if e.row is None else ""
+                raise chunk.error(e.reason + hint, e.row) from None
+            ids = [str(v) for v in chunk.frame[id_column]] if with_id else None
+            write([
+                {"row": chunk.start + i, **({"id": ids[i]} if with_id else {}), **answer}
+                for i, answer in enumerate(answers)
+            ])  # fmt: skip
+            rows += len(answers)
+            bar.update(len(answers))
+    bar.close()
+    return rows
+
+
+def parse_columns(pairs: list[str]) -> dict[str, str]:
+    """`--column text=sentence` -> {"text": "sentence"}."""
+    out = {}
+    for pair in pairs:
+        model, sep, file = pair.partition("=")
+        if not sep or not model or not file:
+            raise ValueError(f"--column {pair!r}: expected MODEL_COLUMN=FILE_COLUMN")
+        out[model] = file
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bert predict", description=__doc__.split("\n")[0])
+    where = "a `bert finetune` output or model folder, runs:/<run>/model, models:/<name>@<alias>"
+    p.add_argument("--model", required=True, help=where)
+    p.add_argument("--input", required=True, help=".txt, .tsv, .jsonl or .parquet; or s3://...")
+    p.add_argument("--output", required=True, type=Path, help=".jsonl or .parquet")
+    p.add_argument("--column", action="append", default=[], metavar="MODEL=FILE",
+                   help="read the model's column MODEL from the file's column FILE")  # fmt: skip
+    p.add_argument("--id-column", default="id", help="copied to the output when present")
+    p.add_argument("--chunk-size", type=int, default=2048, help="rows read at a time")
+    p.add_argument("--batch-size", type=int, help="rows per forward pass (default: 64)")
+    p.add_argument("--device", help="auto (cuda > mps > cpu), cpu, cuda, ...")
+    p.add_argument("--max-seq-length", type=int, help="default: the fine-tuning run's")
+    p.add_argument("--max-chars", type=int, help="longer text is an error (default: 20000)")
+    p.add_argument("--top-k", type=int, help="fill-mask: candidates per [MASK] (default: 5)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rename = parse_columns(args.column)
+    from bert_core.storage import local_copy
+    from bert_core.tracking import start_run
+
+    params = {"model": args.model, "input": args.input, "output": str(args.output)}
+    with start_run("predict", params | {"chunk_size": args.chunk_size}):
+        import mlflow
+
+        predictor = load(args.model, {k: getattr(args, k) for k in OVERRIDES})
+        start = time.perf_counter()
+        with local_copy(args.input) as path:  # an s3:// input is downloaded first
+            rows = predict_file(predictor, path, args.output, args.chunk_size, rename,
+                                args.id_column)  # fmt: skip
+        seconds = time.perf_counter() - start
+        mlflow.log_metrics({"rows": rows, "rows_per_second": rows / max(seconds, 1e-9)})
+    summary = {"rows": rows, "kind": predictor.kind, "output": str(args.output),
+               "seconds": round(seconds, 3), "device": str(predictor.device)}  # fmt: skip
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,163 @@
+"""Our models as MLflow models: a pyfunc flavor that answers raw text, with a signature.
+
+Why pyfunc `PythonModel` with the model folder as an artifact (not `mlflow.pytorch`): what a user
+calls is not the network but tokenisation + network + decoding (labels, entity spans, answer
+offsets); `mlflow.pytorch` would hand out a module that needs our tokenizer and task code beside
+it. The pyfunc model carries all of it: the HF-layout folder (weights, config.json with the label
+names, vocab.txt and tokenizer_config.json: the casing) as the artifact `model`, this package as
+its code (`code_paths`, so loading needs no install of the project), the inference settings of
+the training run as `model_config`, an input/output signature and an input example, and pinned
+requirements of our model code only (no `transformers`). `mlflow.pyfunc.load_model`,
+`mlflow models serve` and `bert predict` then all answer through `bert_core.predictors`.
+
+`log_model` logs one onto a run (the open one, or `run_id`'s): `bert finetune` calls it through
+`bert_core.registry.log_finetuned`, the pipeline's `lineage.register_pretrained` for the
+pre-trained model (masked-token filling). `resolve` turns any model reference a user may hold
+(a folder, `runs:/...`, `models:/name@alias`) into a local folder and its settings
+(`local_model`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+from bert_core.errors import BertError
+from bert_core.predictors import BadInput, Settings, load_predictor, predictor_class, read_config
+
+ARTIFACT = "model"  # the artifacts key (and folder name) of the HF-layout model folder
+# what `bert_core.predictors` imports at inference; pinned to the versions that logged the model
+REQUIREMENTS = ("mlflow", "torch", "numpy", "pandas", "pyarrow", "safetensors", "tokenizers")
+# model_config = {"inference": settings}: MLflow also logs it as run parameters, flattened with
+# "/", so the key keeps them apart from the training run's own (`batch_size` is both)
+CONFIG_KEY = "inference"
+RUNTIME = ("batch_size", "device")  # settings of where a model runs, not of the model
+
+
+class BertPyfunc(mlflow.pyfunc.PythonModel):
+    """The flavor: a `bert_core.predictors` predictor behind MLflow's pyfunc interface.
+
+    Bad input raises `MlflowException(INVALID_PARAMETER_VALUE)`, which the scoring server
+    answers with HTTP 400 and the message (any other exception would be a 400 with only a
+    generic message and a traceback)."""
+
+    def load_context(self, context) -> None:
+        settings = Settings.from_dict((context.model_config or {}).get(CONFIG_KEY))
+        self.predictor = load_predictor(context.artifacts[ARTIFACT], settings)
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> list[dict]:
+        # the DataFrame hint: MLflow checks input against the signature, not the hint
+        frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+        try:
+            return self.predictor.predict(frame)
+        except BadInput as e:
+            raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from None
+
+
+def mlflow_type(t: Any):
+    """`Predictor.output_types` notation -> an MLflow signature type."""
+    from mlflow.types.schema import Array, Object, Property
+
+    if isinstance(t, list):
+        return Array(mlflow_type(t[0]))
+    if isinstance(t, dict):
+        return Object([Property(k, mlflow_type(v)) for k, v in t.items()])
+    return t  # "string", "double", "long": MLflow's own names
+
+
+def signature(config: dict):
+    """The input columns (required and optional) and the answer's fields of a model."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, Schema
+
+    cls = predictor_class(config)
+    inputs = [ColSpec("string", c) for c in cls.inputs]
+    inputs += [ColSpec("string", c, required=False) for c in cls.optional]
+    outputs = [ColSpec(mlflow_type(t), k) for k, t in cls.output_types(config).items()]
+    return ModelSignature(inputs=Schema(inputs), outputs=Schema(outputs))
+
+
+def requirements() -> list[str]:
+    """Pinned requirements (local version labels such as `+cpu` dropped: pip cannot resolve
+    them from an index)."""
+    return [f"{p}=={version(p).split('+')[0]}" for p in REQUIREMENTS]
+
+
+def log_model(
+    model_dir: str | os.PathLike, settings: dict | None = None, run_id: str | None = None,
+    name: str = "model",
+):  # fmt: skip
+    """Log an HF-layout model folder as an MLflow pyfunc model on the open run (or `run_id`'s);
+    returns MLflow's ModelInfo (`.model_uri` to register or load it)."""
+    from mlflow.models import Model
+
+    import bert_core
+
+    config = read_config(model_dir)
+    cls = predictor_class(config, Path(model_dir) / "config.json")
+    # how text is cut, windowed and decoded; batch size and device are the server's business
+    kept = {k: v for k, v in vars(Settings.from_dict(settings)).items() if k not in RUNTIME}
+    return Model.log(
+        artifact_path=None, name=name, flavor=mlflow.pyfunc, run_id=run_id,
+        python_model=str(Path(__file__).with_name("pyfunc_model.py")),  # no pickle
+        artifacts={ARTIFACT: str(model_dir)}, code_paths=[str(Path(bert_core.__file__).parent)],
+        signature=signature(config), input_example=pd.DataFrame([cls.example(config)]),
+        pip_requirements=requirements(), model_config={CONFIG_KEY: kept},
+        metadata={"bert_kind": cls.kind, "bert_task": config.get("finetuning_task") or ""},
+    )  # fmt: skip
+
+
+def is_uri(source: str | os.PathLike) -> bool:
+    return "://" in str(source) or str(source).startswith(("models:", "runs:"))
+
+
+@contextmanager
+def local_model(source: str | os.PathLike) -> Iterator[tuple[Path, dict]]:
+    """(local HF-layout model folder, settings) for a model reference: a `bert finetune`
+    output folder (model/ + metrics.json: the run's settings), a model folder, an MLflow model
+    folder (MLmodel) or URI (`runs:/<id>/model`, `models:/<name>@<alias>`: downloaded, and
+    removed again when the block ends, so load what you need inside it)."""
+    if not is_uri(source):
+        yield _layout(Path(source))
+        return
+    from bert_core.tracking import tracking_uri
+
+    mlflow.set_tracking_uri(tracking_uri())
+    tmp = tempfile.mkdtemp(prefix="bert-model-")
+    try:
+        try:
+            local = mlflow.artifacts.download_artifacts(str(source), dst_path=tmp)
+        except MlflowException as e:  # no such model, version or alias: the user's to fix
+            raise BertError(f"{source}: {e.message} (tracking URI {tracking_uri()})") from None
+        yield _layout(Path(local))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _layout(path: Path) -> tuple[Path, dict]:
+    if (path / "MLmodel").is_file():
+        from mlflow.models import Model
+
+        flavor = Model.load(str(path / "MLmodel")).flavors.get("python_function", {})
+        artifact = (flavor.get("artifacts") or {}).get(ARTIFACT)
+        if artifact is None:
+            raise FileNotFoundError(f"{path}: an MLflow model, but not one of `bert_core.serving`")
+        return path / artifact["path"], dict((flavor.get("config") or {}).get(CONFIG_KEY) or {})
+    if (path / "model" / "config.json").is_file() and (path / "metrics.json").is_file():
+        config = json.loads((path / "metrics.json").read_text()).get("config") or {}
+        return path / "model", {k: v for k, v in config.items() if k not in RUNTIME}
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such model folder")
+    return path, {}

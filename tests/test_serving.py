@@ -1,0 +1,166 @@
+"""The MLflow flavor (`bert_core.serving`) and the registry (`bert_core.registry`): logged models
+load with `mlflow.pyfunc`, answer as the predictors do, need neither transformers nor the
+project installed; `bert finetune` registers its model and `bert promote` moves `champion` only
+to a better version."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlflow
+import pandas as pd
+import pytest
+import torch
+from mlflow import MlflowClient
+from mlflow.models import Model
+
+from bert_core import cli, registry, serving
+from bert_core.predictors import load_predictor
+from tests.serving_helpers import build
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tracking(tmp_path_factory):
+    """One MLflow database for the module (creating its tables takes seconds)."""
+    root = tmp_path_factory.mktemp("mlflow")
+    with pytest.MonkeyPatch.context() as mp:
+        uri = f"sqlite:///{root / 'mlflow.db'}"
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        for key in ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME", registry.NAME_ENV):
+            mp.delenv(key, raising=False)
+        mp.chdir(root)  # the sqlite store keeps artifacts under the cwd
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment("serving")  # not an earlier module's, of another store
+        yield root
+
+
+@pytest.fixture(scope="module")
+def logged(tracking, minilm_dir):
+    """One logged MLflow model per kind: kind -> (model folder, ModelInfo)."""
+    out = {}
+    with mlflow.start_run():
+        for kind in ("classification", "ner", "question-answering", "fill-mask", "multiple-choice"):
+            folder = build(kind, minilm_dir, tracking / "folders" / kind)
+            out[kind] = folder, serving.log_model(folder, {"max_seq_length": 64, "epochs": 3})
+    return out
+
+
+def test_every_kind_loads_with_pyfunc_and_answers_as_its_predictor(logged):
+    for kind, (folder, info) in logged.items():
+        model = mlflow.pyfunc.load_model(info.model_uri)
+        assert model.metadata.metadata["bert_kind"] == kind
+        signature = model.metadata.signature
+        local = mlflow.artifacts.download_artifacts(info.model_uri)
+        example = Model.load(local).load_input_example(local)
+        assert isinstance(example, pd.DataFrame) and len(example) == 1
+        assert set(example.columns) <= set(signature.inputs.input_names())
+        answers = model.predict(example)
+        assert set(answers[0]) == set(signature.outputs.input_names())
+        # the logged settings reach the predictor: max_seq_length 64, not the default
+        assert model.unwrap_python_model().predictor.max_seq_length == 64
+        assert answers == load_predictor(folder, serving.Settings(max_seq_length=64)).predict(
+            example
+        )
+    reqs = serving.requirements()
+    assert not any(r.startswith("transformers") for r in reqs)
+    assert {r.split("==")[0] for r in reqs} >= {"torch", "tokenizers", "safetensors", "mlflow"}
+
+
+def test_model_needs_neither_transformers_nor_the_project_installed(logged, tmp_path):
+    """A fresh process that cannot import transformers, and no PYTHONPATH: the model's own
+    copy of bert_core (code_paths) answers."""
+    _, info = logged["question-answering"]
+    local = mlflow.artifacts.download_artifacts(info.model_uri, dst_path=str(tmp_path))
+    script = (
+        "import json, sys; sys.modules['transformers'] = None\n"
+        "import mlflow, pandas as pd\n"
+        f"m = mlflow.pyfunc.load_model({local!r})\n"
+        "a = m.predict(pd.DataFrame({'question': ['Who?'], 'context': ['Ada wrote it.']}))\n"
+        "import bert_core\n"
+        "print(json.dumps({'answer': a[0], 'code': bert_core.__file__}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["code"].startswith(str(local)), out["code"]  # the model's copy, not ours
+    assert out["answer"]["answer"] == "Ada wrote it."[out["answer"]["start"] : out["answer"]["end"]]
+
+
+def test_bad_input_is_an_invalid_parameter_error(logged):
+    from mlflow.exceptions import MlflowException
+
+    model = mlflow.pyfunc.load_model(logged["classification"][1].model_uri)
+    with pytest.raises(MlflowException, match="row 1: 'text' is empty") as e:
+        model.predict(pd.DataFrame({"text": ["fine", ""]}))
+    assert e.value.error_code == "INVALID_PARAMETER_VALUE"
+    with pytest.raises(MlflowException, match="missing inputs \\['text'\\]"):
+        model.predict(pd.DataFrame({"sentence": ["fine"]}))
+
+
+def test_finetune_registers_its_model_and_promote_moves_champion_only_when_better(
+    tracking, shared_data, minilm_dir, monkeypatch, capsys
+):
+    tiny = build("classification", minilm_dir, tracking / "sst2-init")
+    monkeypatch.setenv(registry.ALIAS_ENV, "candidate")
+    out = tracking / "sst2"
+    argv = ["finetune", "--task", "SST-2", "--data", str(shared_data / "glue" / "SST-2")]
+    argv += ["--model", str(tiny), "--output", str(out), "--epochs", "1", "--batch-size", "8"]
+    assert cli.main([*argv, "--max-train-examples", "8", "--max-eval-examples", "16"]) == 0
+    record = json.loads((out / registry.RECORD).read_text())
+    assert (record["registered_model"], record["version"]) == ("bert-sst2", 1)
+    client = MlflowClient()
+    v1 = client.get_model_version_by_alias("bert-sst2", "candidate")
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert str(v1.version) == "1" and v1.run_id == record["run_id"]
+    assert float(v1.tags[registry.SCORE_TAG]) == metrics["score"]
+    assert v1.tags[registry.TASK_TAG] == "SST-2"
+    run = client.get_run(record["run_id"])
+    assert run.data.tags["bert.registered_model"] == "bert-sst2"
+    # the model's inference settings beside, not over, the run's training parameters
+    assert (run.data.params["batch_size"], run.data.params["inference/max_seq_length"]) == (
+        "8", "128",
+    )  # fmt: skip
+
+    capsys.readouterr()
+    assert cli.main(["promote", "sst2"]) == 0  # the candidate, no champion yet
+    assert json.loads(capsys.readouterr().out)["promoted"] is True
+    score = metrics["score"]
+    for delta in (-1.0, +1.0):  # a worse version, then a better one
+        result = {"task": "SST-2", "score": score + delta}
+        registry.register(record["model_uri"], "bert-sst2", result)
+    worse = registry.promote("bert-sst2", 2)
+    assert (worse["promoted"], worse["champion"]) == (False, 1)
+    assert (
+        "not promoted: dev score"
+        in client.get_model_version("bert-sst2", "2").tags[registry.PROMOTION_TAG]
+    )
+    better = registry.promote("bert-sst2", "3")
+    assert (better["promoted"], better["champion"]) == (True, 3)
+    assert registry.promote("bert-sst2", 3)["reason"] == "already the champion"
+    assert registry.promote("bert-sst2", 2, force=True)["champion"] == 2
+    assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "2"
+
+    champion = mlflow.pyfunc.load_model("models:/bert-sst2@champion")
+    texts = pd.DataFrame({"text": ["a gripping , funny film", "dull"]})
+    assert champion.predict(texts) == load_predictor(out / "model").predict(texts)
+
+
+def test_registered_model_names():
+    assert registry.model_name("SST-2") == "bert-sst2"
+    assert registry.model_name("squad_v2") == "bert-squadv2"
+    assert registry.model_name("STS-B", "team-{task}-bert") == "team-stsb-bert"
+    assert registry.model_name("SST-2", "none") is None

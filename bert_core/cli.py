@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bert_core import lineage
 from bert_core.errors import BertError
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -84,16 +83,19 @@ def require_tracking_server() -> None:
         )
 
 
-def kfp_step(argv: list[Any], pipeline: str = lineage.PIPELINE_EXPERIMENT) -> None:
+def kfp_step(argv: list[Any], pipeline: str | None = None) -> None:
     """Run one `bert` command as a Kubeflow step, its MLflow run nested under the pipeline's.
 
     The components in `components/` are this one call: all logic stays in the `bert` commands.
     The KFP run id comes from `KFP_RUN_ID` (the pod's `pipeline/runid` label under Kubeflow, set
     by the local runner under kfp.local); without it the step logs a standalone run.
     """
+    from bert_core import lineage
+
     require_tracking_server()
     kfp_run_id = os.environ.get("KFP_RUN_ID", "")  # empty where the pod has no such label
     if kfp_run_id:
+        pipeline = pipeline or lineage.PIPELINE_EXPERIMENT
         os.environ["BERT_PARENT_RUN_ID"] = lineage.kfp_parent_run(kfp_run_id, pipeline)
     try:
         code = main([str(a) for a in argv])
@@ -103,10 +105,13 @@ def kfp_step(argv: list[Any], pipeline: str = lineage.PIPELINE_EXPERIMENT) -> No
         raise RuntimeError(f"bert {argv[0]} exited with code {code}")
 
 
-def kfp_pipeline_run(settings: dict[str, Any]) -> lineage.DataDigests:
+def kfp_pipeline_run(settings: dict[str, Any]) -> Any:
     """The first task: open this KFP run's MLflow parent run with its settings, record the
     content digest of each data input on it (`mlflow.log_input`) and return the digests, the
-    task's outputs (`lineage`). Missing data fails here, before any step starts."""
+    task's outputs (a `lineage.DataDigests`). Missing data fails here, before any step starts.
+    lineage is imported in each KFP helper, not at the top: `bert clean` never loads it."""
+    from bert_core import lineage
+
     require_tracking_server()
     parent = lineage.kfp_pipeline_run(settings)
     inputs = lineage.data_inputs(lineage.parse_settings(settings))
@@ -119,6 +124,8 @@ def kfp_pipeline_run(settings: dict[str, Any]) -> lineage.DataDigests:
 
 def kfp_pipeline_end(state: str) -> str | None:
     """The exit handler: close this KFP run's MLflow parent run with its final state."""
+    from bert_core import lineage
+
     require_tracking_server()
     return lineage.kfp_pipeline_end(state)
 
@@ -127,6 +134,8 @@ def kfp_register_pretrained(output: str | os.PathLike) -> dict[str, float]:
     """After `bert pretrain --output OUTPUT` ran as a KFP step: log and register its model in
     MLflow (on the step's run under the pipeline run) and return the last logged pre-training
     metrics, for the step's KFP Metrics output."""
+    from bert_core import lineage
+
     require_tracking_server()
     output = Path(output)
     lineage.register_pretrained(output / "model", os.environ.get("BERT_PARENT_RUN_ID"))

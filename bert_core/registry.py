@@ -46,7 +46,8 @@ def model_name(task: str, template: str | None = None) -> str | None:
 def log_finetuned(out: Path, result: dict) -> dict:
     """The end of `bert finetune`, in its open MLflow run: log `out/model` as an MLflow model
     with the run's inference settings, register it (see the module doc), record both in
-    `out/mlflow_model.json`. Returns that record."""
+    `out/mlflow_model.json`. Returns that record. A random-init control is logged, never
+    registered: it is a measurement, not a candidate for the task's model."""
     import mlflow
 
     from bert_core.serving import log_model
@@ -54,7 +55,7 @@ def log_finetuned(out: Path, result: dict) -> dict:
     info = log_model(out / "model", result.get("config"))
     record: dict[str, Any] = {"model_uri": info.model_uri, "run_id": info.run_id}
     name, alias = model_name(result["task"]), os.environ.get(ALIAS_ENV) or None
-    if name is not None:
+    if name is not None and result.get("init", "pretrained") != "random":
         version = register(info.model_uri, name, result, alias)
         record |= {"registered_model": name, "version": int(version.version), "alias": alias}
         mlflow.set_tags({"bert.registered_model": name, "bert.model_version": version.version})

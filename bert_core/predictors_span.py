@@ -168,21 +168,13 @@ def best_spans(
         log_z = _logsumexp(sl) + _logsumexp(el)
         if i not in null or sl[0] + el[0] < null[i][0]:
             null[i] = (float(sl[0] + el[0]), math.exp(sl[0] + el[0] - log_z))
-        k = min(cfg.n_best_size, len(sl))
-        S, E = np.meshgrid(np.argsort(-sl)[:k], np.argsort(-el)[:k], indexing="ij")
-        in_context = f.offsets[w][:, 0] >= 0
-        valid = (
-            in_context[S] & in_context[E] & f.max_context[w][S]
-            & (E >= S) & (E - S + 1 <= cfg.max_answer_length)
-        )  # fmt: skip
-        if not valid.any():
+        span = squad.best_span(sl, el, f.offsets[w], f.max_context[w], cfg)
+        if span is None:
             continue
-        score = np.where(valid, sl[S] + el[E], -np.inf)
-        j = np.unravel_index(int(score.argmax()), score.shape)
-        s, e = int(S[j]), int(E[j])
-        if i not in best or score[j] > best[i][0]:
+        score, s, e = span
+        if i not in best or score > best[i][0]:
             start, end = int(f.offsets[w][s, 0]), int(f.offsets[w][e, 1])
-            best[i] = (float(score[j]), start, end, math.exp(sl[s] + el[e] - log_z))
+            best[i] = (score, start, end, math.exp(sl[s] + el[e] - log_z))
     out = []
     for i, context in enumerate(contexts):
         score, start, end, prob = best.get(i, (-math.inf, 0, 0, 0.0))

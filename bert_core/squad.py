@@ -311,6 +311,27 @@ def predict_logits(model, f: Features, device, batch_size: int) -> list[tuple[np
     return out
 
 
+def best_span(
+    sl: np.ndarray, el: np.ndarray, offsets: np.ndarray, max_context: np.ndarray, cfg: SquadConfig
+) -> tuple[float, int, int] | None:
+    """The best answer span of one window: (start + end logit, start, end) over the n-best
+    starts and ends that lie in the context, start in its max-context part, end >= start and
+    at most max_answer_length tokens long (`run_squad.py`'s rules); None when no span is valid.
+    The one search of the training-time `decode` and the served predictor."""
+    k = min(cfg.n_best_size, len(sl))
+    S, E = np.meshgrid(np.argsort(-sl)[:k], np.argsort(-el)[:k], indexing="ij")
+    in_context = offsets[:, 0] >= 0
+    valid = (
+        in_context[S] & in_context[E] & max_context[S]
+        & (E >= S) & (E - S + 1 <= cfg.max_answer_length)
+    )  # fmt: skip
+    if not valid.any():
+        return None
+    score = np.where(valid, sl[S] + el[E], -np.inf)
+    j = np.unravel_index(int(score.argmax()), score.shape)
+    return float(score[j]), int(S[j]), int(E[j])
+
+
 def decode(
     examples: Sequence[Example], f: Features, logits: Sequence[tuple[np.ndarray, np.ndarray]],
     cfg: SquadConfig, version_2: bool,
@@ -321,21 +342,13 @@ def decode(
     for w, (sl, el) in enumerate(logits):
         i = int(f.example_index[w])
         null[i] = min(null.get(i, np.inf), float(sl[0] + el[0]))
-        k = min(cfg.n_best_size, len(sl))
-        S, E = np.meshgrid(np.argsort(-sl)[:k], np.argsort(-el)[:k], indexing="ij")
-        in_context = f.offsets[w][:, 0] >= 0
-        valid = (
-            in_context[S] & in_context[E] & f.max_context[w][S]
-            & (E >= S) & (E - S + 1 <= cfg.max_answer_length)
-        )  # fmt: skip
-        if not valid.any():
+        span = best_span(sl, el, f.offsets[w], f.max_context[w], cfg)
+        if span is None:
             continue
-        score = np.where(valid, sl[S] + el[E], -np.inf)
-        j = np.unravel_index(int(score.argmax()), score.shape)
-        s, e = int(S[j]), int(E[j])
-        if i not in best or score[j] > best[i][0]:
+        score, s, e = span
+        if i not in best or score > best[i][0]:
             ctx = examples[i].context
-            best[i] = (float(score[j]), ctx[f.offsets[w][s, 0] : f.offsets[w][e, 1]])
+            best[i] = (score, ctx[f.offsets[w][s, 0] : f.offsets[w][e, 1]])
     preds, null_odds = {}, {}
     for i, ex in enumerate(examples):
         score, text = best.get(i, (-np.inf, ""))

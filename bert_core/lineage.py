@@ -288,4 +288,8 @@ def register_pretrained(
         pass
     config = json.loads((Path(model_dir) / "config.json").read_text())
     tags = {f"bert.{k}": str(config.get(k)) for k in ("hidden_size", "num_hidden_layers")}
-    return client.create_model_version(name, source=info.model_uri, run_id=run_id, tags=tags)
+    # the logged model's id too: a tracking server (unlike a local store) refuses a
+    # `models:/m-...` source without it
+    return client.create_model_version(
+        name, source=info.model_uri, run_id=run_id, tags=tags, model_id=info.model_id
+    )

@@ -76,8 +76,12 @@ def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
         assert copied == (repo / "runs/dvc/glue" / task / "metrics.json").read_text()
         assert files[f"runs/dvc/metrics/{task}.json"]["task"] == task
     assert set(files) == {"runs/dvc/evaluate/glue_results.json"} | {
-        f"runs/dvc/metrics/{t}.json" for t in ("SST-2", "MRPC", "STS-B")
+        f"runs/dvc/metrics/{p}{t}.json" for t in ("SST-2", "MRPC", "STS-B") for p in ("", "random-")
     }
+    # the random-init control ran beside each task and is a row of its own, with the gain
+    for task in ("SST-2", "MRPC", "STS-B"):
+        assert files[f"runs/dvc/metrics/random-{task}.json"]["init"] == "random"
+    assert "random init" in first and set(results["systems"]) == {"BERT (ours)", "random init"}
     # the GLUE chart is a DVC plot (an image), beside the pre-training curves
     plots = json.loads(_dvc(repo, env, "plots", "show", "--json"))
     (image,) = plots["data"]["runs/dvc/evaluate/glue_scores.png"]
@@ -103,8 +107,11 @@ def test_params_are_wired_to_their_stages(dvc_run):
         ("model", "preset", "mini", {"pretrain"}),
         ("vocab", "vocab_size", 1200, {"vocab"}),
         ("instances", "dupe_factor", 2, {"instances"}),
-        ("finetune", "epochs", 2, {"finetune@SST-2", "finetune@MRPC", "finetune@STS-B"}),
-        ("finetune", "tasks", ["SST-2", "MRPC", "STS-B", "CoLA"], {"evaluate", "finetune@CoLA"}),
+        ("finetune", "epochs", 2, {f"{s}@{t}" for s in FINETUNES for t in GLUE_TASKS}),
+        (
+            "finetune", "tasks", [*GLUE_TASKS, "CoLA"],
+            {"evaluate", "finetune@CoLA", "finetune-control@CoLA"},
+        ),
     ]
     try:
         for section, key, value, stages in cases:
@@ -118,12 +125,16 @@ def test_params_are_wired_to_their_stages(dvc_run):
     assert json.loads(_dvc(repo, env, "status", "--json")) == {}
 
 
+GLUE_TASKS = ("SST-2", "MRPC", "STS-B")
+FINETUNES = ("finetune", "finetune-control")  # the pre-trained model and the control
+
+
 @pytest.mark.slow
 def test_a_code_change_marks_the_stages_running_that_code(dvc_run):
     """Editing a bert_core module makes `dvc status` report exactly the stages whose command
     imports it (the stages after them change once those re-run and their outputs change)."""
     repo, env, _ = dvc_run
-    glue = {"finetune@SST-2", "finetune@MRPC", "finetune@STS-B"}
+    glue = {f"{s}@{t}" for s in FINETUNES for t in GLUE_TASKS}
     cases = [
         ("corpus.py", {"clean"}),
         ("pretrain_worker.py", {"pretrain"}),

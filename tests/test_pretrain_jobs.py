@@ -327,7 +327,8 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
     }
     # the instances went to the bucket once; the job got no credential and no Ray token
     n_files = sum(1 for f in tiny_instances.rglob("*") if f.is_file())  # held-out split too
-    assert f"copied {n_files} instance files to s3://bert-jobs/ray/kfp-retry/instances" in first.text
+    remote = "s3://bert-jobs/ray/kfp-retry/instances"
+    assert f"copied {n_files} instance files to {remote}" in first.text
     assert "instance files" not in second.text + third.text
     keys = _s3_keys("ray/kfp-retry/")
     assert "ray/kfp-retry/instances/shard-00000.parquet" in keys

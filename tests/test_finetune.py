@@ -39,14 +39,7 @@ from bert_core.glue import Example, compute_metrics, get_task, read_task
 from bert_core.heads import BertForSequenceClassification
 from bert_core.model import BertConfig
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A 2-layer, 128-wide model gains nothing from a second thread; a shared CI machine loses."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

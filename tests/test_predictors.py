@@ -20,13 +20,7 @@ from bert_core.predictors import BadInput, Settings, load_predictor, predictor_c
 from bert_core.predictors_span import EntityTagger, entities
 from tests.serving_helpers import build
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import sys
 import mlflow
 import pandas as pd
 import pytest
-import torch
 from mlflow import MlflowClient
 from mlflow.models import Model
 
@@ -21,13 +20,7 @@ from bert_core import cli, registry, serving
 from bert_core.predictors import load_predictor
 from tests.serving_helpers import build
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

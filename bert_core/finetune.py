@@ -372,7 +372,10 @@ def finetune(
     params |= counts | {"device": str(device)}
     if cfg.is_sweep:  # logged at the end: the chosen trial's (MLflow parameters are write-once)
         del params["learning_rate"], params["seed"]
-    with start_run(f"finetune-{task.name}", params), atomic_dir(output) as tmp:
+    # the control's run is named apart from the pre-trained model's, so one pipeline run's
+    # step runs stay one per (task, init) in the MLflow UI and in lineage.child_runs
+    step = f"finetune-{task.name}" + ("-random" if cfg.init == "random" else "")
+    with start_run(step, params), atomic_dir(output) as tmp:
         import mlflow
 
         if cfg.is_sweep:

@@ -39,17 +39,21 @@ def component(func):
 
 
 @component
-def pipeline_run(settings: dict, tasks: list, token_tasks: list) -> NamedTuple(
+def pipeline_run(settings: dict, tasks: list, control_tasks: list, token_tasks: list) -> NamedTuple(
     "Digests", [("corpus_digest", str), ("glue_digest", str), ("token_digest", str)]
 ):
     """The MLflow parent run of this KFP run, with the run's settings as its parameters and its
     data inputs' content digests; first in the DAG and never cached, so it exists before any
     step looks for it and the digests it outputs are always fresh (the steps reading the data
-    take them as inputs, see the module docstring). The two list settings come as inputs of
-    their own: inside a dict, KFP pastes a list in as broken text."""
+    take them as inputs, see the module docstring). The list settings come as inputs of their
+    own: inside a dict, KFP pastes a list in as broken text."""
     from bert_core.cli import kfp_pipeline_run
 
-    lists = {"finetune.tasks": tasks, "finetune.token_tasks": token_tasks}
+    lists = {
+        "finetune.tasks": tasks,
+        "finetune.control_tasks": control_tasks,
+        "finetune.token_tasks": token_tasks,
+    }
     return kfp_pipeline_run({**settings, **lists})
 
 
@@ -88,6 +92,7 @@ def instances(
     masked_lm_prob: float,
     dupe_factor: int,
     random_seed: int,
+    masking_recipe: str,
     shards: Output[Dataset],
 ):
     """bert instances: MLM/NSP pre-training instances as Parquet shards."""
@@ -98,7 +103,7 @@ def instances(
         + ["--output", shards.path, "--max-seq-length", max_seq_length]
         + ["--max-predictions-per-seq", max_predictions_per_seq]
         + ["--masked-lm-prob", masked_lm_prob, "--dupe-factor", dupe_factor]
-        + ["--random-seed", random_seed]
+        + ["--random-seed", random_seed, "--masking-recipe", masking_recipe]
     )
 
 
@@ -111,6 +116,7 @@ def pretrain(
     num_workers: int,
     learning_rate: float,
     use_gpu: bool,
+    objective: str,
     pretrained: Output[Model],
     metrics: Output[Metrics],
 ):
@@ -129,7 +135,7 @@ def pretrain(
     kfp_step(
         ["pretrain", "--instances", shards.path, "--output", pretrained.path, "--preset", preset]
         + ["--steps", steps, "--batch-size", batch_size, "--num-workers", num_workers]
-        + ["--learning-rate", learning_rate]
+        + ["--learning-rate", learning_rate, "--objective", objective]
         + (["--use-gpu"] if use_gpu else [])
         + (["--run-name", f"kfp-{kfp_run}"] if kfp_run else [])
     )
@@ -147,16 +153,22 @@ def finetune(
     learning_rate: float,
     max_seq_length: int,
     max_train_examples: int,
+    lr_sweep: str,
+    restarts: int,
     data_digest: str,
     finetuned: Output[Model],
     metrics: Output[Metrics],
     max_eval_examples: int = 0,
+    init: str = "pretrained",
 ):
     """bert finetune on one task, `{data_dir}/{task}`: a GLUE task (data_dir: the GLUE folder)
     or a token-level one (conll2003, squad; data_dir: the folder holding it), local or s3://.
-    The pipeline fans this out with dsl.ParallelFor, once over the GLUE tasks and once over the
-    token-level ones; 0 max_eval_examples means the whole dev set. The device is the pod's:
-    cuda when it was given a GPU, else cpu (`--device auto`). `data_digest`: the cache key's."""
+    The pipeline fans this out with dsl.ParallelFor over the GLUE tasks, over them again with
+    `init=random` (the control) and over the token-level ones; 0 max_eval_examples means the
+    whole dev set. `lr_sweep` ('none', 'paper' or a comma list) and `restarts`: the paper's
+    protocol, every trial a nested MLflow run, the best on dev kept (bert_core.sweep). The
+    device is the pod's: cuda when it was given a GPU, else cpu (`--device auto`).
+    `data_digest`: the cache key's."""
     from bert_core.cli import kfp_metrics, kfp_step
 
     kfp_step(
@@ -164,7 +176,7 @@ def finetune(
         + ["--model", f"{pretrained.path}/model", "--output", finetuned.path]
         + ["--epochs", epochs, "--batch-size", batch_size, "--learning-rate", learning_rate]
         + ["--max-seq-length", max_seq_length, "--max-train-examples", max_train_examples]
-        + ["--device", "auto"]
+        + ["--device", "auto", "--init", init, "--lr-sweep", lr_sweep, "--restarts", restarts]
         + (["--max-eval-examples", max_eval_examples] if max_eval_examples > 0 else [])
     )
     for name, value in kfp_metrics(f"{finetuned.path}/metrics.json").items():
@@ -174,20 +186,24 @@ def finetune(
 @component
 def evaluate(
     results: Input[List[Model]],  # noqa: UP006
+    control_results: Input[List[Model]],  # noqa: UP006
     token_results: Input[List[Model]],  # noqa: UP006
     glue: Output[Dataset],
     table: Output[Markdown],
     metrics: Output[Metrics],
 ):
     """bert evaluate: the GLUE table (rendered by the KFP UI as Markdown) and the GLUE score,
-    with NER / SQuAD rows when token-level tasks ran (token_results may be empty). The metrics
-    are the evaluate step's MLflow metrics (fractions)."""
+    a "random init" row and the gain when the control ran, NER / SQuAD rows when token-level
+    tasks ran (control_results and token_results may be empty; evaluate groups the folders
+    into systems by their init). The metrics are the evaluate step's MLflow metrics
+    (fractions)."""
     import shutil
 
     from bert_core.cli import kfp_metrics, kfp_step
 
     # an empty loop's Collected outputs may arrive as None rather than []
-    folders = [r.path for r in [*(results or []), *(token_results or [])]]
+    collected = [*(results or []), *(control_results or []), *(token_results or [])]
+    folders = [r.path for r in collected]
     kfp_step(["evaluate", "--results", *folders, "--output", glue.path])
     shutil.copyfile(f"{glue.path}/glue_table.md", table.path)
     for name, value in kfp_metrics(f"{glue.path}/glue_results.json").items():

@@ -1,12 +1,15 @@
 """The BERT DAG as a Kubeflow Pipelines v2 pipeline: compile it, run it locally, or submit it.
 
     pipeline-run -> clean -> vocab -> instances -> pretrain -> finetune (ParallelFor: GLUE)
+                                                          -> finetune (ParallelFor: control)
                                                           -> finetune (ParallelFor: token)
-                                                             both -> evaluate
+                                                             all -> evaluate
     pipeline-end (the exit handler, after everything)
 
-The token-level tasks (`finetune_token_tasks`: conll2003, squad) reuse the finetune component;
-the list is empty by default, so that loop runs nothing unless asked for. The first task,
+The random-init control (`finetune_control_tasks`: the GLUE tasks fine-tuned from random weights,
+the "random init" row and the gain of evaluate's table) and the token-level tasks
+(`finetune_token_tasks`: conll2003, squad) reuse the finetune component; an empty list runs
+nothing (the token list is empty by default). The first task,
 `pipeline-run` (uncached), opens the run's MLflow parent run with its settings and outputs a
 content digest of each data input, which the steps reading that data take as an input, so new
 data under the same URI changes their cache keys. The exit handler (`pipeline-end`) closes the
@@ -96,15 +99,25 @@ class FineTuning:
 
 
 def fine_tunings(s: Mapping[str, Any]) -> list[FineTuning]:
-    """GLUE (`finetune.*`) and the token-level tasks (`finetune.token_*`; batch size and learning
-    rate are the GLUE ones), in this order: evaluate's `results`, then its `token_results`."""
-    finetune = section(s, "finetune", leave_out=["tasks"])
+    """GLUE (`finetune.*`), its random-init control (`finetune.control_tasks`, the same settings
+    with `init=random`) and the token-level tasks (`finetune.token_*`; batch size, learning rate
+    and sweep are the GLUE ones), in this order: evaluate's `results`, `control_results`,
+    `token_results`."""
+    finetune = section(s, "finetune", leave_out=["tasks", "control_tasks"])
     glue = {k: v for k, v in finetune.items() if not k.startswith("token_")}
     token = {**glue, **section(s, "finetune_token", leave_out=["tasks"])}
     return [
         FineTuning(
             s["finetune_tasks"], s["data_glue"], "glue_digest", glue, "glue-tasks", "finetune"
         ),
+        FineTuning(
+            s["finetune_control_tasks"],
+            s["data_glue"],
+            "glue_digest",
+            {**glue, "init": "random"},
+            "control-tasks",
+            "finetune-control",
+        ),  # fmt: skip
         FineTuning(
             s["finetune_token_tasks"],
             s["data_token"],
@@ -170,18 +183,23 @@ def build_pipeline():
         instances_masked_lm_prob: float = D["instances_masked_lm_prob"],
         instances_dupe_factor: int = D["instances_dupe_factor"],
         instances_random_seed: int = D["instances_random_seed"],
+        instances_masking_recipe: str = D["instances_masking_recipe"],
         model_preset: str = D["model_preset"],
         pretrain_steps: int = D["pretrain_steps"],
         pretrain_batch_size: int = D["pretrain_batch_size"],
         pretrain_num_workers: int = D["pretrain_num_workers"],
         pretrain_learning_rate: float = D["pretrain_learning_rate"],
         pretrain_use_gpu: bool = D["pretrain_use_gpu"],
+        pretrain_objective: str = D["pretrain_objective"],
         finetune_tasks: list = D["finetune_tasks"],
         finetune_epochs: int = D["finetune_epochs"],
         finetune_batch_size: int = D["finetune_batch_size"],
         finetune_learning_rate: float = D["finetune_learning_rate"],
         finetune_max_seq_length: int = D["finetune_max_seq_length"],
         finetune_max_train_examples: int = D["finetune_max_train_examples"],
+        finetune_control_tasks: list = D["finetune_control_tasks"],
+        finetune_lr_sweep: str = D["finetune_lr_sweep"],
+        finetune_restarts: int = D["finetune_restarts"],
         finetune_token_tasks: list = D["finetune_token_tasks"],
         finetune_token_epochs: int = D["finetune_token_epochs"],
         finetune_token_max_seq_length: int = D["finetune_token_max_seq_length"],
@@ -218,22 +236,29 @@ def dag(dsl, steps, s: dict[str, Any]) -> None:
         pretrain = {"preset": s["model_preset"], **section(s, "pretrain")}
         pre = steps.pretrain(shards=ins.outputs["shards"], **pretrain)
         pod(pre, "pretrain", cpu="2", memory="8G").set_retry(**PRETRAIN_RETRY)
-        results, token_results = [
+        results, control_results, token_results = [
             finetune_loop(dsl, steps, pre.outputs["pretrained"], f, digests[f.digest], s)
             for f in fine_tunings(s)
         ]
-        ev = steps.evaluate(results=results, token_results=token_results)
+        ev = steps.evaluate(
+            results=results, control_results=control_results, token_results=token_results
+        )
         pod(ev, "evaluate", cpu="1", memory="2G")
+
+
+# The list parameters, `finetune_<name>`: pipeline-run takes each as an input of its own.
+LISTS = ("tasks", "control_tasks", "token_tasks")
 
 
 def parent_run(s: Mapping[str, Any]) -> dict[str, Any]:
     """pipeline-run's inputs: every params.yaml parameter, `section_key` -> `section.key` as
-    DVC's parent run logs them, RUNTIME's as `kfp.<name>`; the two lists as inputs of their
+    DVC's parent run logs them, RUNTIME's as `kfp.<name>`; the task lists as inputs of their
     own (inside a dict KFP breaks them)."""
-    lists = {"tasks": s["finetune_tasks"], "token_tasks": s["finetune_token_tasks"]}
+    lists = {name: s[f"finetune_{name}"] for name in LISTS}
     settings = {k.replace("_", ".", 1): v for k, v in s.items() if k in P}
     settings |= {f"kfp.{k}": s[k] for k in RUNTIME}
-    del settings["finetune.tasks"], settings["finetune.token_tasks"]
+    for name in LISTS:
+        del settings[f"finetune.{name}"]
     return {"settings": settings, **lists}
 
 

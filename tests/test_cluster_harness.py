@@ -34,7 +34,7 @@ SMALL_ARGS = {
     for section, values in SMALL.items()
     for key, value in values.items()
     if section != "data"
-} | {"finetune_tasks": GLUE_TASKS}
+} | {"finetune_tasks": GLUE_TASKS, "finetune_control_tasks": GLUE_TASKS[:1]}
 
 
 def _secret() -> dict[str, str]:
@@ -249,6 +249,7 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run):
         ("/exit-handler-1/pretrain", "SUCCEEDED"),
         ("/exit-handler-1/for-loop-2[0]/finetune", "SUCCEEDED"),
         ("/exit-handler-1/for-loop-2[1]/finetune", "SUCCEEDED"),
+        ("/exit-handler-1/for-loop-3[0]/finetune-2", "SUCCEEDED"),  # the random-init control
         ("/exit-handler-1/evaluate", "SUCCEEDED"),
         ("/pipeline-end", "SUCCEEDED"),
     ]  # the token-level loop has no tasks by default: evaluate got an empty collection
@@ -259,13 +260,16 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run):
         assert task.env["KFP_RUN_ID"] == harness.run_id
         assert task.env["MLFLOW_TRACKING_URI"].startswith("http://127.0.0.1:")
         assert not set(task.env) & set(cluster.AUTH_KEYS)
-        finetune = task.path.endswith("/finetune")
+        finetune = task.path.rsplit("/", 1)[1].startswith("finetune")  # the control's too
         assert task.image == ("registry.example/bert-cuda:ci" if finetune else cluster.IMAGE)
         assert (task.accelerator or {}).get("resourceCount") == ("0" if finetune else None)
     clean = by_path["/exit-handler-1/clean"].parameters
     assert clean["corpus"] == f"{cluster.BUCKET}/data/corpus"
     glue = by_path["/exit-handler-1/for-loop-2[0]/finetune"].parameters
     assert (glue["data_dir"], glue["task"]) == (f"{cluster.BUCKET}/data/glue", "SST-2")
+    assert "init" not in glue  # the component's default: pretrained
+    control = by_path["/exit-handler-1/for-loop-3[0]/finetune-2"].parameters
+    assert (control["task"], control["init"]) == ("SST-2", "random")
     # the digests the first task output are the data's, and reached the cache-keyed inputs
     assert clean["corpus_digest"] == _digest(harness, f"{cluster.BUCKET}/data/corpus")
     glue_uris = [f"{cluster.BUCKET}/data/glue/{t}" for t in GLUE_TASKS]
@@ -317,8 +321,10 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     assert {t.key: t.value for t in inputs["glue"].tags} == {"mlflow.data.context": "glue"}
     steps = {r.data.tags["bert.step"]: r for r in lineage.child_runs(parent.info.run_id)}
     assert set(steps) == {
-        "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B", "evaluate",
+        "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B",
+        "finetune-SST-2-random", "evaluate",
     }  # fmt: skip
+    assert steps["finetune-SST-2-random"].data.params["init"] == "random"
     for run in steps.values():
         assert run.info.status == "FINISHED" and run.data.tags["kfp.run_id"] == harness.run_id
         assert run.data.tags["mlflow.source.git.commit"] == _commit()
@@ -329,6 +335,8 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     table = client.download_artifacts(evaluate.info.run_id, "glue/glue_table.md")
     markdown = Path(table).read_text()
     assert all(f"| {task} |" in markdown for task in GLUE_TASKS), markdown
+    assert "| random init |" in markdown and "gain" in markdown, markdown  # the control's row
+    assert "random_init.SST-2.score" in evaluate.data.metrics
     (version,) = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
     assert version.run_id == steps["pretrain"].info.run_id
 

@@ -108,10 +108,15 @@ def test_params_are_wired_to_their_stages(dvc_run):
         ("vocab", "vocab_size", 1200, {"vocab"}),
         ("instances", "dupe_factor", 2, {"instances"}),
         ("finetune", "epochs", 2, {f"{s}@{t}" for s in FINETUNES for t in GLUE_TASKS}),
+        ("finetune", "tasks", [*GLUE_TASKS, "CoLA"], {"evaluate", "finetune@CoLA"}),
+        # the ablations and the control are settings, not forks (the paper's Tables 5 and 8)
+        ("instances", "masking_recipe", "100/0/0", {"instances"}),
+        ("pretrain", "objective", "mlm", {"pretrain"}),
         (
-            "finetune", "tasks", [*GLUE_TASKS, "CoLA"],
-            {"evaluate", "finetune@CoLA", "finetune-control@CoLA"},
+            "finetune", "control_tasks", [*GLUE_TASKS, "CoLA"],
+            {"evaluate", "finetune-control@CoLA"},
         ),
+        ("finetune", "lr_sweep", "paper", {f"{s}@{t}" for s in FINETUNES for t in GLUE_TASKS}),
     ]
     try:
         for section, key, value, stages in cases:

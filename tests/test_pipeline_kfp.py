@@ -82,16 +82,18 @@ def test_parameter_defaults_are_params_yaml_but_the_data_is_the_clusters():
 
 
 def test_settings_reach_each_step_grouped_by_params_yaml_section():
-    """A params.yaml section is its step's inputs (`section_key` -> `key`); the token-level
-    fine-tuning takes the GLUE batch size and learning rate, and its own slice sizes."""
+    """A params.yaml section is its step's inputs (`section_key` -> `key`); the control is the
+    GLUE fine-tuning with `init=random` over its own task list; the token-level fine-tuning
+    takes the GLUE batch size, learning rate and sweep, and its own slice sizes."""
     assert section(P, "instances") == {
         "max_seq_length": P["instances_max_seq_length"],
         "max_predictions_per_seq": P["instances_max_predictions_per_seq"],
         "masked_lm_prob": P["instances_masked_lm_prob"],
         "dupe_factor": P["instances_dupe_factor"],
         "random_seed": P["instances_random_seed"],
+        "masking_recipe": P["instances_masking_recipe"],
     }
-    glue, token = fine_tunings(P)
+    glue, control, token = fine_tunings(P)
     assert (glue.tasks, glue.data_dir, glue.digest) == (
         P["finetune_tasks"], P["data_glue"], "glue_digest"
     )  # fmt: skip
@@ -99,8 +101,13 @@ def test_settings_reach_each_step_grouped_by_params_yaml_section():
         P["finetune_token_tasks"], P["data_token"], "token_digest"
     )  # fmt: skip
     own = ["epochs", "max_seq_length", "max_train_examples"]
-    shared = {k: P[f"finetune_{k}"] for k in ("batch_size", "learning_rate")}
+    shared_keys = ("batch_size", "learning_rate", "lr_sweep", "restarts")
+    shared = {k: P[f"finetune_{k}"] for k in shared_keys}
     assert glue.inputs == {**shared, **{k: P[f"finetune_{k}"] for k in own}}
+    assert (control.tasks, control.data_dir, control.digest) == (
+        P["finetune_control_tasks"], P["data_glue"], "glue_digest"
+    )  # fmt: skip
+    assert control.inputs == {**glue.inputs, "init": "random"}
     own.append("max_eval_examples")
     assert token.inputs == {**shared, **{k: P[f"finetune_token_{k}"] for k in own}}
 
@@ -113,7 +120,7 @@ def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
     tasks = _container_tasks(spec)
     assert set(tasks) == {
         "pipeline-run", "clean", "vocab", "instances", "pretrain", "finetune", "finetune-2",
-        "evaluate", "pipeline-end",
+        "finetune-3", "evaluate", "pipeline-end",
     }  # fmt: skip
     assert set(env) == {t["executor"] for t in tasks.values()}
     for name, task in tasks.items():
@@ -144,7 +151,7 @@ def test_one_branch_the_training_image_and_gpus_are_run_time_parameters(tmp_path
                              "reg.example/bert-cuda:1.2"))  # fmt: skip
     executors = spec["deploymentSpec"]["executors"]
     tasks = _container_tasks(spec)
-    training = {"finetune", "finetune-2"}
+    training = {"finetune", "finetune-2", "finetune-3"}  # GLUE, the control, token-level
     for name, task in tasks.items():
         container = executors[task["executor"]]["container"]
         accelerator = container.get("resources", {}).get("accelerator")
@@ -182,7 +189,7 @@ def test_every_input_a_task_reads_is_declared_by_its_dag():
                     if ref in src:
                         assert src[ref] in declared.get(kind, {}), (name, task_name, key)
     loops = [c for n, c in spec["components"].items() if n.startswith("comp-for-loop")]
-    assert len(loops) == 2
+    assert len(loops) == 3
     for loop in loops:
         assert "pipelinechannel--gpus" in loop["inputDefinitions"]["parameters"]
 
@@ -242,12 +249,51 @@ def test_caching_is_on_and_the_run_id_reaches_steps_outside_the_cache_key():
     assert body in root and len(root) == 2
     inputs = named["pipeline-run"]["inputs"]["parameters"]
     settings = set(inputs["settings"]["runtimeValue"]["constant"])
-    lists = {"finetune.tasks", "finetune.token_tasks"}  # their own inputs, not inside the dict
+    lists = {"finetune.tasks", "finetune.control_tasks", "finetune.token_tasks"}  # own inputs
     expected = {k.replace("_", ".", 1) for k in P} | {f"kfp.{k}" for k in RUNTIME}
     assert settings | lists == expected and not settings & lists
     assert inputs["tasks"]["componentInputParameter"] == "pipelinechannel--finetune_tasks"
     text = yaml.safe_dump(spec)
     assert "pipeline_job" not in text and "run_id" not in text
+
+
+def _loop(spec: dict, tasks: str, display: str) -> tuple[dict, str, dict]:
+    """The ParallelFor over the list parameter `tasks`: the graph holding it, its name, and its
+    one task, a finetune component."""
+    components = spec["components"]
+    graph = components["comp-exit-handler-1"]["dag"]["tasks"]
+    (loop_name,) = [
+        name
+        for name, task in graph.items()
+        if task.get("parameterIterator", {}).get("items", {}).get("inputParameter")
+        == f"pipelinechannel--{tasks}"
+    ]
+    assert graph[loop_name]["taskInfo"]["name"] == display
+    loop = components[graph[loop_name]["componentRef"]["name"]]["dag"]["tasks"]
+    (finetune,) = loop.values()
+    assert components[finetune["componentRef"]["name"]]["executorLabel"].startswith("exec-finetune")
+    return graph, loop_name, finetune
+
+
+def test_the_random_init_control_fans_out_into_evaluate():
+    """`finetune_control_tasks` (params.yaml's, the GLUE tasks by default) drives a ParallelFor
+    over the same finetune component with `init=random`, collected into evaluate, which makes
+    it the "random init" row; the sweep settings reach both GLUE loops."""
+    spec, _ = _load(SPEC)
+    root = spec["root"]["inputDefinitions"]["parameters"]
+    assert root["finetune_control_tasks"]["defaultValue"] == P["finetune_control_tasks"]
+    graph, loop_name, finetune = _loop(spec, "finetune_control_tasks", "control-tasks")
+    inputs = finetune["inputs"]["parameters"]
+    assert inputs["init"]["runtimeValue"]["constant"] == "random"
+    assert inputs["data_dir"]["componentInputParameter"] == "pipelinechannel--data_glue"
+    _, _, glue = _loop(spec, "finetune_tasks", "glue-tasks")
+    assert "init" not in glue["inputs"]["parameters"]  # the default: pretrained
+    for task in (finetune, glue):
+        for key in ("lr_sweep", "restarts"):
+            source = task["inputs"]["parameters"][key]["componentInputParameter"]
+            assert source == f"pipelinechannel--finetune_{key}"
+    evaluate = graph["evaluate"]["inputs"]["artifacts"]
+    assert evaluate["control_results"]["taskOutputArtifact"]["producerTask"] == loop_name
 
 
 def test_token_tasks_fan_out_into_evaluate():
@@ -257,18 +303,7 @@ def test_token_tasks_fan_out_into_evaluate():
     root = spec["root"]["inputDefinitions"]["parameters"]
     assert root["finetune_token_tasks"]["parameterType"] == "LIST"
     assert root["finetune_token_tasks"]["defaultValue"] == []
-    components = spec["components"]
-    graph = components["comp-exit-handler-1"]["dag"]["tasks"]
-    (loop_name,) = [
-        name
-        for name, task in graph.items()
-        if task.get("parameterIterator", {}).get("items", {}).get("inputParameter")
-        == "pipelinechannel--finetune_token_tasks"
-    ]
-    assert graph[loop_name]["taskInfo"]["name"] == "token-tasks"
-    loop = components[graph[loop_name]["componentRef"]["name"]]["dag"]["tasks"]
-    (finetune,) = loop.values()
-    assert components[finetune["componentRef"]["name"]]["executorLabel"].startswith("exec-finetune")
+    graph, loop_name, finetune = _loop(spec, "finetune_token_tasks", "token-tasks")
     inputs = finetune["inputs"]["parameters"]
     assert inputs["data_dir"]["componentInputParameter"] == "pipelinechannel--data_token"
     assert inputs["task"]["componentInputParameter"] == (
@@ -312,6 +347,7 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
         "data_corpus": str(shared_data / "corpus" / "a_christmas_carol.txt"),
         "data_glue": str(shared_data / "glue"),
         "finetune_tasks": ["SST-2", "STS-B"],  # a fan-out of two keeps CI time down
+        "finetune_control_tasks": ["SST-2"],  # and one random-init control
         **{
             f"{section}_{key}": value
             for section, values in SMALL.items()
@@ -357,7 +393,8 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     assert inputs["glue"].digest == storage.digest(*glue_dirs) and "token" not in inputs
     steps = {r.data.tags["bert.step"]: r for r in lineage.child_runs(parent.info.run_id)}
     assert set(steps) == {
-        "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B", "evaluate",
+        "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B",
+        "finetune-SST-2-random", "evaluate",
     }  # fmt: skip
     for run in steps.values():
         assert run.data.tags["kfp.run_id"] == kfp_run_id

@@ -30,7 +30,7 @@ SETTINGS = (
     "instances.max_seq_length",
     "finetune.epochs",
     "finetune.max_train_examples",
-    "finetune.init",
+    "finetune.control_tasks",
     "finetune.lr_sweep",
     "finetune.restarts",
     "pretrain.objective",

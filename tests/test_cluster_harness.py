@@ -267,7 +267,7 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run):
     assert clean["corpus"] == f"{cluster.BUCKET}/data/corpus"
     glue = by_path["/exit-handler-1/for-loop-2[0]/finetune"].parameters
     assert (glue["data_dir"], glue["task"]) == (f"{cluster.BUCKET}/data/glue", "SST-2")
-    assert "init" not in glue  # the component's default: pretrained
+    assert glue["init"] == "pretrained"  # the component's default
     control = by_path["/exit-handler-1/for-loop-3[0]/finetune-2"].parameters
     assert (control["task"], control["init"]) == ("SST-2", "random")
     # the digests the first task output are the data's, and reached the cache-keyed inputs

@@ -9,7 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +193,19 @@ def cluster_objects(objects, s3_url: str, mlflow_url: str, ray_dashboard: str = 
             config["RAY_ADDRESS"]: ray_dashboard,
         },
     )
+
+
+@contextmanager
+def pods_s3_env(objects) -> Iterator[None]:
+    """This process as an S3 client with the pods' settings (endpoint and keys from the
+    localized `objects`), for `bert_core.storage` calls of a test; restored afterwards."""
+    import pytest
+
+    env: dict[str, str] = {}
+    for data in objects.values():
+        env |= data
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            mp.setenv(key, env[key])
+        mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+        yield

@@ -28,6 +28,7 @@ from tests.pipeline_helpers import (
     cluster_objects,
     git_head,
     pipeline_args,
+    pods_s3_env,
     start_cluster_mlflow,
     start_cluster_s3,
     upload_data_slice,
@@ -245,13 +246,7 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run):
 
 def _digest(harness, *uris: str) -> str:
     """storage.digest with the pods' S3 settings (this process has none of its own)."""
-    with pytest.MonkeyPatch.context() as mp:
-        env: dict[str, str] = {}
-        for data in harness.objects.values():
-            env |= data
-        for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-            mp.setenv(key, env[key])
-        mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    with pods_s3_env(harness.objects):
         return storage.digest(*uris)
 
 

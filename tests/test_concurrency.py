@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from bert_core import storage
 from pipelines import cluster, pod_env, pod_harness
 from tests.pipeline_helpers import (
     ROOT,
@@ -37,6 +38,7 @@ from tests.pipeline_helpers import (
     cluster_objects,
     git_head,
     pipeline_args,
+    pods_s3_env,
     start_cluster_mlflow,
     start_cluster_s3,
     upload_data_slice,
@@ -153,14 +155,6 @@ def _keys(client, prefix: str = "") -> list[str]:
     return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
 
-def _download(client, prefix: str, dest: Path) -> Path:
-    for key in _keys(client, f"{prefix}/"):
-        target = dest / key[len(prefix) + 1 :]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        client.download_file(BUCKET, key, str(target))
-    return dest
-
-
 # ------------------------------------------------------------ two pipelines, one server, one bucket
 
 
@@ -169,7 +163,7 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(concurren
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
-    from bert_core import lineage
+    from bert_core import lineage, registry
     from bert_core.heads import BertForSequenceClassification
     from bert_core.model import BertForPreTraining
 
@@ -178,6 +172,8 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(concurren
         assert state == pod_harness.SUCCEEDED, c.logs(name)
     ids = {name: h.run_id for name, h in c.harnesses.items()}
     assert len(set(ids.values())) == len(RUNS)
+    # at the same time: one after the other, they would take longer than their pods together
+    assert c.seconds < sum(t.seconds for h in c.harnesses.values() for t in h.tasks)
     for name, h in c.harnesses.items():
         loop = [f"/exit-handler-1/for-loop-2[{i}]/finetune" for i in range(len(tasks_of(name)))]
         assert [t.path for t in h.tasks] == [
@@ -218,6 +214,9 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(concurren
             # fine-tuned from its own pipeline's pre-trained model, on its own task's data
             assert params["model"].endswith(f"/{prefix}/pretrain/pretrained/model"), params
             assert params["data"] == f"{cluster.BUCKET}/data/glue/{task}"
+            # its task's registered model: one version, from this run's fine-tuning
+            (tuned,) = client.search_model_versions(f"name='{registry.model_name(task)}'")
+            assert tuned.run_id == own[f"finetune-{task}"].info.run_id
         # its GLUE table: a row for each of its own tasks, with its own score, and no other
         table = client.download_artifacts(
             own["evaluate"].info.run_id, "glue/glue_table.md", str(tmp_path)
@@ -232,8 +231,9 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(concurren
                     "pretrain_metrics.csv"):  # fmt: skip
             assert f"{pretrained}/{key}" in keys, sorted(keys)
         assert f"{prefix}/evaluate/table" in keys
-        model = _download(s3, f"{pretrained}/model", tmp_path / name / "pretrained")
-        BertForPreTraining.from_pretrained(model)
+        with pods_s3_env(c.harnesses[name].objects):
+            with storage.local_copy(f"{cluster.BUCKET}/{pretrained}/model") as model:
+                BertForPreTraining.from_pretrained(model)
         csv = s3.get_object(Bucket=BUCKET, Key=f"{pretrained}/pretrain_metrics.csv")
         last = csv["Body"].read().decode().strip().splitlines()[-1]
         assert last.split(",")[0] == str(args["pretrain_steps"])  # trained its own steps
@@ -243,9 +243,9 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(concurren
             metrics = json.loads(body)
             assert metrics["task"] == task
             assert rows[task].endswith(f"| {metrics['score']:.1f} |"), rows[task]
-            loaded = BertForSequenceClassification.from_pretrained(
-                _download(s3, f"{out}/model", tmp_path / name / task)
-            )
+            with pods_s3_env(c.harnesses[name].objects):
+                with storage.local_copy(f"{cluster.BUCKET}/{out}/model") as model:
+                    loaded = BertForSequenceClassification.from_pretrained(model)
             assert loaded.config.num_labels == (1 if task == "STS-B" else 2)
         assert _keys(s3, f"ray/kfp-{kfp_id}/"), "no Ray checkpoints of its own"
         assert version.status == "READY"
@@ -327,9 +327,9 @@ def outputs(c: Concurrent, fresh_spec: Path) -> dict[str, Items]:
         # mlflow.db and its journals), the local Rays' session folders
         "files": lambda: _files(c.root, *c.ray_sessions),
         "metrics.json": lambda: (
-            item for item in [*_files(*pods), *_bucket(s3, _keys(s3))]
-            if item[0].endswith("/metrics.json")
-        ),
+            item for item in [*_files(*pods), *_bucket(s3, [k for k in _keys(s3) if k.endswith(
+                "/metrics.json")])] if item[0].endswith("/metrics.json")
+        ),  # fmt: skip
         "bucket objects": lambda: _bucket(s3, _keys(s3)),  # data, KFP artifacts, MLflow, Ray
         "MLflow records": lambda: _mlflow_records(MlflowClient(c.mlflow.url)),
         "compiled pipeline": lambda: _files(SPEC, fresh_spec),
@@ -365,12 +365,10 @@ def test_no_planted_credential_reaches_any_output_of_the_runs(concurrent, tmp_pa
     c = concurrent
     for name, state in c.states.items():
         assert state == pod_harness.SUCCEEDED, c.logs(name)
-    planted = c.planted.secrets()
-    # the pods did hold them: the Secret's keys, the auth Secret's, the image's token
-    held = {*planted, c.planted.mlflow_username, c.planted.s3_key_id}
-    for task in (t for h in c.harnesses.values() for t in h.tasks):
-        assert held <= set(task.env.values()), task.path
-    # the pipeline compiled afresh in an environment holding them (an image named on purpose)
+    secrets, user, key_id = c.planted.secrets(), c.planted.mlflow_username, c.planted.s3_key_id
+    for task in (t for h in c.harnesses.values() for t in h.tasks):  # the pods did hold them
+        assert {*secrets, user, key_id} <= set(task.env.values()), task.path
+    # the pipeline compiled afresh in an environment holding them, its image named on purpose
     control = f"planted-CONTROL-{uuid.uuid4().hex}"
     fresh = tmp_path / "bert_pipeline.yaml"
     env = {**os.environ, "PYTHONPATH": str(ROOT), **c.planted.s3(), **c.planted.mlflow_auth(),
@@ -381,52 +379,48 @@ def test_no_planted_credential_reaches_any_output_of_the_runs(concurrent, tmp_pa
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert compiled.returncode == 0, compiled.stderr
-    places = outputs(c, fresh)
+    # the positive control: the marker, written on purpose into one output of each kind
+    a = c.harnesses["a"]
+    with a.tasks[-1].log.open("a") as log:
+        log.write(f"\n{control}\n")
+    finetuned = next(a.workdir.glob("pod-*-finetune/s3/**/finetuned/metrics.json"))
+    finetuned.write_text(finetuned.read_text() + control)
+    a.s3.put_object(Bucket=BUCKET, Key="control/marker.txt", Body=control.encode())
+    client = MlflowClient(c.mlflow.url)
+    experiment = client.get_experiment_by_name("bert-pipeline").experiment_id
+    (parent,) = client.search_runs(
+        [experiment], f"tags.`kfp.run_id` = '{a.run_id}' and tags.`bert.step` = 'pipeline'"
+    )
+    client.set_tag(parent.info.run_id, "control", control)
 
-    hits, counts = search(places, planted)
-    hits += git_grep(planted)
-    print(f"\nsearched for {len(planted)} planted values: {counts}, git; {len(c.ray_sessions)} "
-          f"Ray session folders")  # fmt: skip
-    assert hits == []
+    places = outputs(c, fresh)
+    hits, counts = search(places, [*secrets, user, key_id, control])
+    hits += git_grep([*secrets, user, key_id, GIT_CONTROL])
+    print(f"\nsearched {counts} and git for {len(secrets)} secrets, 2 identities, 2 controls; "
+          f"{len(c.ray_sessions)} Ray session folders")  # fmt: skip
+    found = {n: [(place, where) for place, where, needle in hits if needle == n]
+             for n in [*secrets, user, key_id, control, GIT_CONTROL]}  # fmt: skip
+    assert {place for place, _ in found[control]} == set(places), found[control]
+    assert found[GIT_CONTROL] == [("git", "tests/test_concurrency.py")]
+    assert counts["step logs"] == sum(len(h.tasks) for h in c.harnesses.values())
+    assert counts["metrics.json"] >= 2 * sum(len(tasks_of(n)) for n in RUNS)  # pod + bucket
+    assert len(c.ray_sessions) >= len(RUNS)  # each pretrain pod's local Ray
+    # no secret anywhere
+    assert [hit for n in secrets for hit in found[n]] == []
     # The auth user name is an identity: MLflow records it as the runs' user (`mlflow.user`, as
     # it records the login name without auth), in its store and nowhere else.
-    user = c.planted.mlflow_username
-    named, _ = search(places, [user])
-    assert {place for place, _, _ in named} == {"files", "MLflow records"} and not git_grep([user])
-    stores = {Path(where) for place, where, _ in named if place == "files"}
-    assert {p.parent for p in stores} == {c.mlflow.log.parent}, stores  # the backend store only
-    records = places["MLflow records"]()
-    runs = [json.loads(content) for where, content in records if where.startswith("run ")]
+    assert {place for place, _ in found[user]} == {"files", "MLflow records"}
+    stores = {Path(where).parent for place, where in found[user] if place == "files"}
+    assert stores == {c.mlflow.log.parent}, found[user]  # mlflow.db (and its journal)
+    runs = [json.loads(body) for where, body in places["MLflow records"]() if where[:4] == "run "]
     users = [r["data"]["tags"].get("mlflow.user") for r in runs]
     assert set(users) == {user, None}  # the parents, made by MlflowClient.create_run, have none
     # The S3 access key id is an identity too (SigV4 sends it with every request): it may show
     # only in the S3 server's own request log, as the credential scope of the presigned URLs
     # the MLflow server hands its clients for downloads (the test above downloads a table).
-    key_id = c.planted.s3_key_id
-    named, _ = search(places, [key_id])
-    assert {where for _, where, _ in named} <= {str(c.s3.log)} and not git_grep([key_id])
+    assert {where for _, where in found[key_id]} <= {str(c.s3.log)}, found[key_id]
     for line in c.s3.log.read_text(errors="replace").splitlines():
         assert line.count(key_id) == line.count(f"X-Amz-Credential={key_id}/"), line
-    assert counts["step logs"] == sum(len(h.tasks) for h in c.harnesses.values())
-    assert counts["metrics.json"] >= 2 * sum(len(tasks_of(n)) for n in RUNS)  # pod + bucket
-    assert len(c.ray_sessions) >= len(RUNS)  # each pretrain pod's local Ray
-
-    # positive control: the same search finds a marker written on purpose into each place
-    a = c.harnesses["a"]
-    with a.tasks[-1].log.open("a") as log:
-        log.write(f"\n{control}\n")
-    finetuned = next((a.workdir).glob("pod-*-finetune/s3/**/finetuned/metrics.json"))
-    finetuned.write_text(finetuned.read_text() + control)
-    a.s3.put_object(Bucket=BUCKET, Key="control/marker.txt", Body=control.encode())
-    client = MlflowClient(c.mlflow.url)
-    (parent,) = client.search_runs(
-        [client.get_experiment_by_name("bert-pipeline").experiment_id],
-        filter_string=f"tags.`kfp.run_id` = '{a.run_id}' and tags.`bert.step` = 'pipeline'",
-    )
-    client.set_tag(parent.info.run_id, "control", control)
-    found, _ = search(places, [control])
-    assert {place for place, _, _ in found} == set(places), found
-    assert [path for _, path, _ in git_grep([GIT_CONTROL])] == ["tests/test_concurrency.py"]
 
 
 # ---------------------------------------------------------- two fine-tunings, one new SQLite store

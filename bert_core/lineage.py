@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +34,9 @@ from bert_core.tracking import default_tags, flatten, start_run, tracking_uri
 
 PIPELINE_EXPERIMENT = "bert-pipeline"
 REGISTERED_MODEL = "bert-pretrained"
+# A unique key broken by a concurrent insert, as the tracking server reports it (SQLAlchemy's
+# message for SQLite, PostgreSQL, MySQL): the row exists now, so the write can be retried.
+LOST_INSERT_RACE = re.compile(r"IntegrityError|UniqueViolation|UNIQUE constraint|Duplicate entry")
 
 
 @contextmanager
@@ -79,8 +83,7 @@ def kfp_parent_run(kfp_run_id: str, pipeline: str = PIPELINE_EXPERIMENT) -> str:
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri())
-    experiment = client.get_experiment_by_name(pipeline)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(pipeline)
+    experiment_id = _experiment_id(client, pipeline)
     found = client.search_runs(
         [experiment_id],
         filter_string=f"tags.`kfp.run_id` = '{kfp_run_id}' and tags.`bert.step` = 'pipeline'",
@@ -92,6 +95,23 @@ def kfp_parent_run(kfp_run_id: str, pipeline: str = PIPELINE_EXPERIMENT) -> str:
     tags["bert.step"] = "pipeline"
     run = client.create_run(experiment_id, tags=tags, run_name=f"kfp-{kfp_run_id[:8]}")
     return run.info.run_id
+
+
+def _experiment_id(client: Any, name: str) -> str:
+    """The id of experiment `name`, created when missing. Two pipeline runs starting at once on
+    a new server both find no experiment and both create it: the loser's RESOURCE_ALREADY_EXISTS
+    means it is there now, so it is looked up again rather than failing the run."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id
 
 
 class DataDigests(NamedTuple):
@@ -127,6 +147,7 @@ def log_data_inputs(run_id: str, inputs: Mapping[str, list[str]], digests: DataD
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
+    from mlflow.exceptions import MlflowException
 
     records = []
     for (name, uris), value in zip(inputs.items(), digests, strict=True):
@@ -136,7 +157,16 @@ def log_data_inputs(run_id: str, inputs: Mapping[str, list[str]], digests: DataD
         dataset = MetaDataset(resolve_dataset_source(source), name=name, digest=value)
         tags = [InputTag("mlflow.data.context", name)]
         records.append(DatasetInput(dataset._to_mlflow_entity(), tags=tags))
-    MlflowClient(tracking_uri()).log_inputs(run_id, datasets=records)
+    client = MlflowClient(tracking_uri())
+    try:
+        client.log_inputs(run_id, datasets=records)
+    except MlflowException as e:
+        # Two runs reading the same data, started together: the store keeps one dataset
+        # record per (experiment, name, digest), and both found none and inserted it. The
+        # loser's insert broke that unique key; the record exists now, so the retry links it.
+        if not LOST_INSERT_RACE.search(str(e)):
+            raise
+        client.log_inputs(run_id, datasets=records)
 
 
 def parse_settings(settings: Mapping[str, Any]) -> dict[str, Any]:

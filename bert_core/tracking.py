@@ -9,6 +9,12 @@ leaves a database behind there. The experiment is `MLFLOW_EXPERIMENT_NAME`
 or "bert". When an orchestrator opened a parent run for the whole pipeline it passes its id in
 `BERT_PARENT_RUN_ID`, and each step's run is nested under it.
 
+Several steps may start at once on one SQLite store (two `bert finetune` side by side, a DVC
+stage beside `bert runs`). MLflow creates a new store's tables in whichever process opens it
+first, with no lock, so `tracking_uri` opens a SQLite store itself first, one process at a time
+(`ready_sqlite_store`); once the tables exist, SQLite's own locking (MLflow sets a 20 s busy
+timeout) serialises the writes.
+
 Only explicit settings are logged as parameters: never the environment, so credentials in it
 cannot leak into MLflow.
 
@@ -40,11 +46,40 @@ def default_store(cwd: Path | None = None) -> Path:
 
 
 def tracking_uri() -> str:
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    store = default_store()
-    store.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{store}"
+    """MLFLOW_TRACKING_URI, else the default store's SQLite URI; a SQLite store is ready (its
+    tables created) before the URI is handed out."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{default_store()}"
+    db = sqlite_file(uri)
+    if db is not None:
+        ready_sqlite_store(uri, db)
+    return uri
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a `sqlite:///` URI; None for a server or an in-memory database."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    name = uri[len("sqlite:///") :].split("?", 1)[0]
+    return None if name in ("", ":memory:") else Path(name)
+
+
+def ready_sqlite_store(uri: str, db: Path) -> None:
+    """Open the SQLite store `uri` (file `db`) under an exclusive lock on `<db>.lock`, so that
+    exactly one process creates a new store's tables and runs MLflow's schema migrations.
+
+    Why: MLflow does both in whichever process opens the store first, unlocked; two steps
+    starting together on a new file both migrate, and one dies with alembic's "Online
+    migration expected to match one row ... 0 found" (tests/test_concurrency.py). The others
+    wait here for the lock, then find the tables. Later calls take the lock for a moment only:
+    MLflow caches the opened store per URI."""
+    import fcntl
+
+    from mlflow import MlflowClient
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        MlflowClient(uri).search_experiments(max_results=1)
 
 
 def flatten(params: Mapping[str, Any] | Any, prefix: str = "") -> dict[str, str]:

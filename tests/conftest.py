@@ -28,6 +28,23 @@ def minilm_dir() -> Path:
     return Path(spec.origin).parent / "model"
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, minilm_dir) -> Path:
+    """A randomly initialised `tiny` BERT (2 layers, 128 wide) with bert-base-uncased's vocab:
+    a model folder to fine-tune in seconds."""
+    import torch
+
+    from bert_core.heads import BertForSequenceClassification
+    from bert_core.model import BertConfig
+
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig.from_preset("tiny")).save_pretrained(
+        path, vocab_file=minilm_dir / "vocab.txt"
+    )
+    return path
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Small models gain nothing from a second thread; a shared 2-core CI machine loses. Modules

@@ -1,6 +1,7 @@
 """Shared by the pipeline tests: the small settings a whole DAG runs on in CI, a throwaway
 copy of the project (the tracked files, as a fresh clone has them) with ../shared beside it,
-and small pre-training instances made by the real data stages."""
+small pre-training instances made by the real data stages, and what the compiled pipeline's
+pod-harness runs stand on (the cluster's servers on loopback, its data slice, its settings)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "pipelines" / "bert_pipeline.yaml"  # the committed compiled pipeline
+GLUE_TASKS = ["SST-2", "STS-B"]
 
 # a few thousand sentences, a 1,000-piece vocabulary, 20 tiny-model steps, 200 examples a task
 SMALL = {
@@ -111,3 +117,98 @@ def local_services():
         sys.modules[spec.name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
     return sys.modules["local_services"]
+
+
+# ------------------------------------------------------- the compiled pipeline on the pod harness
+
+
+def pipeline_args(tasks: list[str], **overrides: Any) -> dict[str, Any]:
+    """SMALL as the compiled pipeline's parameters (`section_key`; the data stay the spec's
+    cluster defaults), fine-tuning `tasks` and the random-init control of the first of them (one
+    more task: the control's loop runs, at little cost), then `overrides` (e.g.
+    pretrain_steps=10)."""
+    args = {
+        f"{section}_{key}": value
+        for section, values in SMALL.items()
+        for key, value in values.items()
+        if section != "data"
+    }
+    lists = {"finetune_tasks": list(tasks), "finetune_control_tasks": list(tasks[:1])}
+    return args | lists | overrides
+
+
+def git_head() -> str:
+    """This checkout's commit: the one the harness's stand-in image reports (BERT_GIT_COMMIT)."""
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def upload_data_slice(
+    shared_data: Path, client, bucket: str, tasks: list[str] = GLUE_TASKS
+) -> None:
+    """A small slice of the shared data under the cluster's data defaults (`s3://<bucket>/data`):
+    one corpus book and the GLUE `tasks` (the first 400 training and 300 dev rows)."""
+    corpus = shared_data / "corpus" / "a_christmas_carol.txt"
+    client.upload_file(str(corpus), bucket, f"data/corpus/{corpus.name}")
+    for task in tasks:
+        for name, rows in (("train.tsv", 400), ("dev.tsv", 300)):
+            lines = (shared_data / "glue" / task / name).read_text().splitlines(keepends=True)
+            body = "".join(lines[: rows + 1]).encode()
+            client.put_object(Bucket=bucket, Key=f"data/glue/{task}/{name}", Body=body)
+
+
+def _with_env(env: Mapping[str, str], start, *args: Any):
+    """`start(*args)` with `env` added to this process's environment for the call: the servers
+    of local_services take their credentials from the environment they are started in."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        return start(*args)
+
+
+def start_cluster_s3(workdir: Path, bucket: str, credentials: Mapping[str, str]):
+    """S3 (moto) with the cluster's bucket, started with `credentials` (the Secret's S3 keys:
+    moto takes any, so the pods' keys are the server's)."""
+    return _with_env(credentials, local_services().start_s3, workdir, None, (bucket,))
+
+
+def start_cluster_mlflow(
+    workdir: Path, s3_url: str, artifacts: str, credentials: Mapping[str, str]
+):
+    """`mlflow server` keeping its artifacts at `artifacts` (s3://...), with `credentials`."""
+    return _with_env(credentials, local_services().start_mlflow, workdir, s3_url, artifacts)
+
+
+def cluster_objects(objects, s3_url: str, mlflow_url: str, ray_dashboard: str = ""):
+    """The manifests' ConfigMap and Secrets (`objects`, pod_env.manifest_objects or a variant),
+    their service URLs mapped to the test servers; the Ray address to `ray_dashboard` ("": no
+    RayCluster, pretrain runs a local Ray in its pod)."""
+    from pipelines import cluster, pod_env
+
+    config = objects[("ConfigMap", cluster.CONFIG_MAP)]
+    return pod_env.localize(
+        objects,
+        {
+            config["MLFLOW_TRACKING_URI"]: mlflow_url,
+            config["AWS_ENDPOINT_URL"]: s3_url,
+            config["RAY_ADDRESS"]: ray_dashboard,
+        },
+    )
+
+
+@contextmanager
+def pods_s3_env(objects) -> Iterator[None]:
+    """This process as an S3 client with the pods' settings (endpoint and keys from the
+    localized `objects`), for `bert_core.storage` calls of a test; restored afterwards."""
+    import pytest
+
+    env: dict[str, str] = {}
+    for data in objects.values():
+        env |= data
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            mp.setenv(key, env[key])
+        mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+        yield

@@ -8,12 +8,12 @@ The servers are infra/scripts/local_services.py's (moto S3, `mlflow server`), on
 a bucket named as the cluster's (`s3://bert`), so the pipeline's cluster defaults for its data
 (`s3://bert/data/...`) are used as they are. The Ray address of the ConfigMap is mapped to ""
 (no Ray cluster: pretrain trains inside its own pod, on a private local Ray); with a local
-`ray start --head` it could be mapped to that head's dashboard URL instead (RAY_DASHBOARD).
+`ray start --head` it could be mapped to that head's dashboard URL instead
+(`cluster_objects(..., ray_dashboard=...)` in tests/pipeline_helpers.py).
 """
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,20 +21,22 @@ import pytest
 from bert_core import storage
 from pipelines import cluster, pod_env, pod_harness
 from pipelines.bert_pipeline import DEFAULTS, P
-from tests.pipeline_helpers import ROOT, SMALL
-from tests.test_services import services
+from tests.pipeline_helpers import (
+    GLUE_TASKS,
+    ROOT,
+    SPEC,
+    cluster_objects,
+    git_head,
+    pipeline_args,
+    pods_s3_env,
+    start_cluster_mlflow,
+    start_cluster_s3,
+    upload_data_slice,
+)
 
-SPEC = ROOT / "pipelines" / "bert_pipeline.yaml"
 BUCKET = cluster.BUCKET.removeprefix("s3://")
-GLUE_TASKS = ["SST-2", "STS-B"]
-RAY_DASHBOARD = ""  # "" = no RayCluster: pretrain runs a local Ray in its pod
 # the settings of a small whole-DAG run (tests/pipeline_helpers.py), as pipeline parameters
-SMALL_ARGS = {
-    f"{section}_{key}": value
-    for section, values in SMALL.items()
-    for key, value in values.items()
-    if section != "data"
-} | {"finetune_tasks": GLUE_TASKS, "finetune_control_tasks": GLUE_TASKS[:1]}
+SMALL_ARGS = pipeline_args(GLUE_TASKS)
 
 
 def _secret() -> dict[str, str]:
@@ -49,10 +51,7 @@ def _config() -> dict[str, str]:
 def s3_server(tmp_path_factory):
     """S3 with the cluster's bucket (`bert`), started with the Secret's example credentials, so
     the pods' credentials are the server's (moto takes any)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in _secret().items():
-            mp.setenv(key, value)
-        s3 = services.start_s3(tmp_path_factory.mktemp("cluster-s3"), buckets=(BUCKET,))
+    s3 = start_cluster_s3(tmp_path_factory.mktemp("cluster-s3"), BUCKET, _secret())
     yield s3
     s3.stop()
 
@@ -60,12 +59,10 @@ def s3_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(s3_server, tmp_path_factory):
     """(S3, MLflow): the MLflow server keeps its artifacts in s3://bert/mlflow."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in _secret().items():
-            mp.setenv(key, value)
-        mlflow = services.start_mlflow(
-            tmp_path_factory.mktemp("cluster-mlflow"), s3_server.url, f"{cluster.BUCKET}/mlflow"
-        )
+    mlflow = start_cluster_mlflow(
+        tmp_path_factory.mktemp("cluster-mlflow"), s3_server.url, f"{cluster.BUCKET}/mlflow",
+        _secret(),
+    )  # fmt: skip
     yield s3_server, mlflow
     mlflow.stop()
 
@@ -84,15 +81,7 @@ def s3_client_env(monkeypatch, s3_server):
 def _objects(servers) -> pod_env.Objects:
     """The manifests' ConfigMap and Secrets, their service URLs mapped to the test servers."""
     s3, mlflow = servers
-    config = _config()
-    return pod_env.localize(
-        pod_env.manifest_objects(),
-        {
-            config["MLFLOW_TRACKING_URI"]: mlflow.url,
-            config["AWS_ENDPOINT_URL"]: s3.url,
-            config["RAY_ADDRESS"]: RAY_DASHBOARD,
-        },
-    )
+    return cluster_objects(pod_env.manifest_objects(), s3.url, mlflow.url)
 
 
 # --------------------------------------------------------------------------- the pods' environment
@@ -200,18 +189,6 @@ def test_local_copy_reads_s3_objects_and_prefixes_and_passes_local_paths(tmp_pat
 # --------------------------------------------------------------------------- the whole pipeline
 
 
-def upload_data_slice(shared_data: Path, client) -> None:
-    """A small slice of the shared data under the cluster's data defaults: one corpus book and
-    two GLUE tasks (the first 400 training and 300 dev rows)."""
-    corpus = shared_data / "corpus" / "a_christmas_carol.txt"
-    client.upload_file(str(corpus), BUCKET, f"data/corpus/{corpus.name}")
-    for task in GLUE_TASKS:
-        for name, rows in (("train.tsv", 400), ("dev.tsv", 300)):
-            lines = (shared_data / "glue" / task / name).read_text().splitlines(keepends=True)
-            body = "".join(lines[: rows + 1]).encode()
-            client.put_object(Bucket=BUCKET, Key=f"data/glue/{task}/{name}", Body=body)
-
-
 @pytest.fixture(scope="module")
 def pipeline_run(servers, shared_data, tmp_path_factory):
     """The compiled pipeline, run once by the harness on the cluster defaults (s3:// data) with
@@ -223,17 +200,12 @@ def pipeline_run(servers, shared_data, tmp_path_factory):
         objects,
         tmp_path_factory.mktemp("pods"),
         pipeline_root=f"{cluster.BUCKET}/kfp",
-        image_env={"PYTHONUNBUFFERED": "1", "BERT_GIT_COMMIT": _commit(), "OMP_NUM_THREADS": "1"},
+        image_env={"PYTHONUNBUFFERED": "1", "BERT_GIT_COMMIT": git_head(), "OMP_NUM_THREADS": "1"},
     )
-    upload_data_slice(shared_data, harness.s3)
+    upload_data_slice(shared_data, harness.s3, BUCKET)
     state = harness.run({**SMALL_ARGS, "train_image": "registry.example/bert-cuda:ci"})
     logs = "\n".join(f"--- {t.path}\n{t.log.read_text()[-3000:]}" for t in harness.tasks)
     return harness, state, logs
-
-
-def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip()
 
 
 @pytest.mark.slow
@@ -278,13 +250,7 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run):
 
 def _digest(harness, *uris: str) -> str:
     """storage.digest with the pods' S3 settings (this process has none of its own)."""
-    with pytest.MonkeyPatch.context() as mp:
-        env: dict[str, str] = {}
-        for data in harness.objects.values():
-            env |= data
-        for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-            mp.setenv(key, env[key])
-        mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    with pods_s3_env(harness.objects):
         return storage.digest(*uris)
 
 
@@ -307,7 +273,7 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
         filter_string=f"tags.`kfp.run_id` = '{harness.run_id}' and tags.`bert.step` = 'pipeline'",
     )
     assert parent.info.status == "FINISHED"  # closed by the exit handler
-    assert parent.data.tags["mlflow.source.git.commit"] == _commit()  # the image's commit
+    assert parent.data.tags["mlflow.source.git.commit"] == git_head()  # the image's commit
     params = parent.data.params
     assert params["data.corpus"] == f"{cluster.BUCKET}/data/corpus"
     assert params["pretrain.steps"] == "20" and params["kfp.gpus"] == "0"
@@ -327,7 +293,7 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     assert steps["finetune-SST-2-random"].data.params["init"] == "random"
     for run in steps.values():
         assert run.info.status == "FINISHED" and run.data.tags["kfp.run_id"] == harness.run_id
-        assert run.data.tags["mlflow.source.git.commit"] == _commit()
+        assert run.data.tags["mlflow.source.git.commit"] == git_head()
     assert steps["clean"].data.params["input"] == f"{cluster.BUCKET}/data/corpus"
     assert steps["finetune-SST-2"].data.params["data"] == f"{cluster.BUCKET}/data/glue/SST-2"
     evaluate = steps["evaluate"]

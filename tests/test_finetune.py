@@ -37,7 +37,6 @@ from bert_core.finetune_glue import (
 )
 from bert_core.glue import Example, compute_metrics, get_task, read_task
 from bert_core.heads import BertForSequenceClassification
-from bert_core.model import BertConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -50,17 +49,6 @@ def mlflow_env(tmp_path_factory):
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
         mp.chdir(root)  # the sqlite store puts artifacts under the cwd
         yield
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, minilm_dir):
-    """A randomly initialised `tiny` BERT (2 layers, 128 wide) with bert-base-uncased's vocab."""
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    torch.manual_seed(0)
-    BertForSequenceClassification(BertConfig.from_preset("tiny")).save_pretrained(
-        path, vocab_file=minilm_dir / "vocab.txt"
-    )
-    return path
 
 
 def _read_tsv(path):

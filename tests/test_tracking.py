@@ -220,3 +220,20 @@ def test_default_store_is_the_project_or_the_user_data_folder(tmp_path, monkeypa
     monkeypatch.chdir(elsewhere)
     assert tracking.tracking_uri() == f"sqlite:///{tmp_path / 'data' / 'bert' / 'mlflow.db'}"
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_sqlite_store_is_made_under_a_lock_before_its_uri_is_handed_out(tmp_path, monkeypatch):
+    """Two steps starting together on a new store both used to create its tables (one died:
+    tests/test_concurrency.py); `tracking_uri` now creates them first, holding `<db>.lock`."""
+    import sqlite3
+
+    assert tracking.sqlite_file(f"sqlite:///{tmp_path}/a.db") == tmp_path / "a.db"
+    assert tracking.sqlite_file("sqlite:///rel/a.db?timeout=30") == Path("rel/a.db")
+    for uri in ("sqlite:///:memory:", "sqlite://", "http://127.0.0.1:5000", "postgresql://h/db"):
+        assert tracking.sqlite_file(uri) is None, uri
+    db = tmp_path / "new" / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    assert tracking.tracking_uri() == f"sqlite:///{db}"
+    tables = {r[0] for r in sqlite3.connect(db).execute("select name from sqlite_master")}
+    assert {"experiments", "runs", "registered_models", "model_versions"} <= tables
+    assert (tmp_path / "new" / "mlflow.db.lock").is_file()

@@ -94,7 +94,7 @@ def inputs(tmp_path_factory, shared_data) -> Inputs:
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
     """The S3 server (moto, as CI and users start it) with one bucket, and a tracking store;
-    the client environment for both for the whole module."""
+    the client environment for both, and a working folder, for the whole module."""
     svc = local_services()
     root = tmp_path_factory.mktemp("services")
     s3 = svc.start_s3(root / "s3", buckets=(BUCKET,))
@@ -102,6 +102,7 @@ def services(tmp_path_factory):
         for key, value in svc.client_env(s3.url, {}).items():
             mp.setenv(key, value)
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        mp.chdir(root)  # MLflow's default artifact folder (./mlruns) lands here, not in the repo
         mp.delenv("BERT_PARENT_RUN_ID", raising=False)
         mp.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
         mp.delenv("RAY_ADDRESS", raising=False)

@@ -111,6 +111,7 @@ def test_data_steps_read_and_write_s3(s3_env, shared_data, tmp_path, monkeypatch
     from bert_core import cli
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("BERT_PARENT_RUN_ID", raising=False)
     book = (shared_data / "corpus" / "pride_and_prejudice.txt").read_text(encoding="utf-8-sig")
     storage.s3_client().put_object(

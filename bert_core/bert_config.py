@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.nn.functional as F
 
-from bert_core.errors import InputError
+from bert_core.errors import InputError, utf8_errors
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -116,7 +116,7 @@ class BertConfig:
     def from_json_file(cls, path: str | Path, **overrides) -> BertConfig:
         """A config.json; a broken or inconsistent one is an error that names the file."""
         try:
-            with open(path, encoding="utf-8") as f:
+            with utf8_errors(path), open(path, encoding="utf-8") as f:
                 return cls.from_dict(json.load(f), **overrides)
         except json.JSONDecodeError as e:
             raise InputError(path, f"not valid JSON ({e.msg})", line=e.lineno) from None

@@ -16,7 +16,9 @@ Why each step exists:
   removed by hash.
 - Invalid UTF-8 bytes are replaced by U+FFFD and counted (stats `invalid_utf8_sequences`, and a
   warning names the first file:line): old Gutenberg files carry stray Latin-1 bytes, and
-  rejecting a whole corpus for one accented letter helps nobody.
+  rejecting a whole corpus for one accented letter helps nobody. A file that is mostly such
+  bytes or control characters (random bytes, a binary file, another encoding) is an error
+  naming it (`bert_core.text_quality`): it is not text, and would become a vocabulary of junk.
 
 Memory: input files are cleaned in parallel worker processes, one file at a time; the main
 process only keeps the 16-byte hashes of documents already written, so memory is bounded by the
@@ -33,13 +35,16 @@ import os
 import re
 import sys
 import unicodedata
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
-from bert_core.errors import InputError, atomic_dir
+from bert_core import storage
+from bert_core.errors import InputError
+from bert_core.text_quality import JunkMeter
 
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 
@@ -129,9 +134,21 @@ def iter_input_files(path: Path) -> list[Path]:
     return files
 
 
-def _decode_lines(path: Path, stats: FileStats) -> Iterator[tuple[int, str]]:
-    """(line number, text) of a text file: any line ending, BOM dropped, bad UTF-8 replaced."""
-    opener = gzip.open if path.name.endswith(".gz") else open
+def _decode_lines(
+    path: Path, stats: FileStats, meter: JunkMeter | None = None
+) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a text file: any line ending, BOM dropped, bad UTF-8 replaced;
+    the junk characters counted in `meter`. A truncated or corrupt .gz is an error naming it."""
+    if not path.name.endswith(".gz"):
+        yield from _decode_file(path, open, stats, meter)
+        return
+    try:
+        yield from _decode_file(path, gzip.open, stats, meter)
+    except (EOFError, OSError, zlib.error) as e:
+        raise InputError(path, f"not a readable gzip file ({e})") from None
+
+
+def _decode_file(path: Path, opener, stats: FileStats, meter: JunkMeter | None):
     with opener(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             stats.bytes_in += len(raw)
@@ -146,6 +163,8 @@ def _decode_lines(path: Path, stats: FileStats) -> Iterator[tuple[int, str]]:
             if number == 1:
                 text = text.lstrip("\ufeff")
             text = text.rstrip("\r\n")
+            if meter is not None:
+                meter.add(text, number)
             stats.chars_in += len(text)
             stats.lines_in += 1
             yield number, text
@@ -234,19 +253,28 @@ def record_document(text: str) -> list[str]:
     return [s for _, p in _paragraphs(text.splitlines()) for s in split_sentences(p)]
 
 
+def _parquet_texts(path: Path, stats: FileStats) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    if "text" not in pf.schema_arrow.names:
+        raise InputError(path, f"no 'text' column (columns: {pf.schema_arrow.names})")
+    stats.bytes_in += path.stat().st_size
+    for batch in pf.iter_batches(columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            if text:
+                stats.chars_in += len(text)
+                yield text
+
+
 def _records(path: Path, stats: FileStats) -> Iterator[str]:
     if path.name.endswith(".parquet"):
-        import pyarrow.parquet as pq
+        import pyarrow as pa
 
-        pf = pq.ParquetFile(path)
-        if "text" not in pf.schema_arrow.names:
-            raise InputError(path, f"no 'text' column (columns: {pf.schema_arrow.names})")
-        stats.bytes_in += path.stat().st_size
-        for batch in pf.iter_batches(columns=["text"]):
-            for text in batch.column(0).to_pylist():
-                if text:
-                    stats.chars_in += len(text)
-                    yield text
+        try:
+            yield from _parquet_texts(path, stats)
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(path, f"not a readable Parquet file ({e})") from None
         return
     for number, line in _decode_lines(path, stats):
         if not line.strip():
@@ -264,8 +292,10 @@ def clean_file(path: Path, cfg: CleanConfig) -> tuple[list[list[str]], FileStats
     """All documents of one input file (runs in a worker process)."""
     stats = FileStats(files=1)
     if path.name.endswith((".txt", ".txt.gz")):
-        lines = _strip_gutenberg(_decode_lines(path, stats), stats)
+        meter = JunkMeter(path)
+        lines = _strip_gutenberg(_decode_lines(path, stats, meter), stats)
         docs = list(text_documents(lines, cfg.max_document_chars))
+        meter.check()
     else:
         docs = [record_document(text) for text in _records(path, stats)]
     docs = [d for d in docs if d]
@@ -286,7 +316,7 @@ def clean_corpus(input_path: Path, output_dir: Path, cfg: CleanConfig) -> dict:
     dropped: Counter[str] = Counter()
     seen: set[bytes] = set()
     documents = sentences = chars_out = 0
-    with atomic_dir(output_dir) as tmp:
+    with storage.output_dir(output_dir) as tmp:
         shards = [
             open(tmp / f"shard-{i:05d}.txt", "w", encoding="utf-8") for i in range(cfg.num_shards)
         ]
@@ -349,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = CleanConfig()
     p = argparse.ArgumentParser(prog="bert clean", description=__doc__.split("\n")[0])
     p.add_argument("--input", required=True, help="file or folder of text, local or s3://")
-    p.add_argument("--output", required=True, type=Path, help="output folder (shards)")
+    p.add_argument("--output", required=True, help="output folder (shards), local or s3://")
     p.add_argument("--min-document-chars", type=int, default=d.min_document_chars)
     p.add_argument("--max-document-chars", type=int, default=d.max_document_chars)
     p.add_argument("--num-shards", type=int, default=d.num_shards)
@@ -365,10 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         num_shards=args.num_shards,
         num_workers=args.num_workers,
     )
-    from bert_core.storage import local_copy
     from bert_core.tracking import start_run
 
-    with local_copy(args.input) as source:  # s3:// is downloaded first
+    with storage.local_copy(args.input) as source:  # s3:// is downloaded first
         iter_input_files(source)  # a missing or empty input fails before the MLflow run
         with start_run("clean", {"input": str(args.input), **asdict(cfg)}) as run:
             stats = clean_corpus(source, args.output, cfg)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from pathlib import Path
+import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -76,7 +77,10 @@ class Embedder(Predictor):
         n = self.config.num_hidden_layers
         bad = [x for x in layers if not -(n + 1) <= x <= n]
         if bad or not layers:
-            raise ValueError(f"--layers {bad or 'none'}: this model has hidden states 0..{n}")
+            named = ",".join(map(str, bad)) or "none"
+            raise ValueError(
+                f"--layers {named}: this model has hidden states 0..{n} (or -{n + 1}..-1)"
+            )
         self.layers, self.combine, self.pooling = [x % (n + 1) for x in layers], combine, pooling
         hidden = self.config.hidden_size
         self.dim = hidden * len(layers) if combine == "concat" else hidden
@@ -130,8 +134,7 @@ def embed_file(embedder: Embedder, input, output, chunk_size=256, rename=None, i
     """Vectors for every row of `input` into the Parquet file `output`; returns the rows."""
     import pyarrow as pa
 
-    if Path(output).suffix.lower() != ".parquet":
-        raise ValueError(f"--output {output}: vectors are written to .parquet")
+    records.output_format(output, (".parquet",))
     chunks = records.read_chunks(input, chunk_size, rename)
     first = next(chunks)
     with_id = id_column in first.frame.columns
@@ -171,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert embed", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a BERT folder, runs:/..., models:/...")
     p.add_argument("--input", required=True, help=".txt, .tsv, .jsonl or .parquet; or s3://...")
-    p.add_argument("--output", required=True, type=Path, help="a .parquet file")
+    p.add_argument("--output", required=True, help="a .parquet file, local or s3://")
     layers = "last, last4, second-to-last, embeddings or indices: --layers=-2, --layers=0,6"
     p.add_argument("--layers", default="last", help=f"{layers} (default: last)")
     p.add_argument("--combine", choices=COMBINE, default="concat", help="of the chosen layers")
@@ -186,14 +189,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _layers_value(argv: list[str]) -> list[str]:
+    """`--layers -4,-3,-2,-1` as `--layers=-4,-3,-2,-1`: argparse takes a value that starts with
+    a dash for an option (only a single negative number passes), so the form the help shows
+    would fail with "expected one argument"."""
+    out = list(argv)
+    for i in range(len(out) - 1):
+        if out[i] == "--layers" and re.match(r"-\d", out[i + 1]):
+            out[i : i + 2] = [f"--layers={out[i + 1]}"]
+            break
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from bert_core.predict import parse_columns
     from bert_core.serving import local_model
     from bert_core.storage import local_copy
     from bert_core.tracking import start_run
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_layers_value(sys.argv[1:] if argv is None else argv))
     rename, layers = parse_columns(args.column), parse_layers(args.layers)
+    records.output_format(args.output, (".parquet",))  # before any model is loaded
     settings = Settings(max_seq_length=args.max_seq_length, batch_size=args.batch_size,
                         device=args.device)  # fmt: skip
     params = {k: str(v) for k, v in vars(args).items() if k != "column"}

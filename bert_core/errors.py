@@ -28,7 +28,47 @@ class InputError(BertError, ValueError):
     def __init__(self, path: str | os.PathLike, message: str, line: int | None = None):
         where = f"{path}:{line}" if line is not None else f"{path}"
         super().__init__(f"{where}: {message}")
-        self.path, self.line = str(path), line
+        self.path, self.line, self.message = str(path), line, message
+
+    def __reduce__(self):
+        """Rebuilt from its parts when it crosses a process boundary (a worker pool): the
+        default would call `InputError(text)` and fail, hiding the user's error."""
+        return type(self), (self.path, self.message, self.line)
+
+
+def first_invalid_utf8_line(path: str | os.PathLike) -> int | None:
+    """The line of the first byte of `path` that is not UTF-8 (None: the file is valid),
+    read in blocks so a large file costs no memory."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    lines = 1
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as e:
+                # the decoder's position counts from the bytes it still held back
+                held = len(e.object) - len(block)
+                return lines + block[: max(0, e.start - held)].count(b"\n")
+            lines += block.count(b"\n")
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return lines
+    return None
+
+
+@contextmanager
+def utf8_errors(path: str | os.PathLike, name: str | None = None) -> Iterator[None]:
+    """Around the reading of a text file: a byte that is not UTF-8 becomes an `InputError`
+    naming the file (as `name`, e.g. the s3:// URI it was copied from) and the line it is on,
+    instead of a codec message that names neither."""
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        line = first_invalid_utf8_line(path)
+        raise InputError(name or path, f"not UTF-8 text ({e.reason})", line=line) from None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -70,7 +110,9 @@ def _staging(dest: Path, is_dir: bool) -> Path:
         os.close(fd)
         return Path(tmp)
     except OSError as e:
-        raise BertError(f"cannot write the output {dest}: {e.strerror or e}") from None
+        blocker = next((p for p in dest.parents if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else e.strerror or e
+        raise BertError(f"cannot write the output {dest}: {why}") from None
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -37,7 +37,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from bert_core.errors import InputError, atomic_dir
+from bert_core import storage
+from bert_core.errors import InputError, utf8_errors
 from bert_core.evaluate_report import (  # noqa: F401 (TABLE_ORDER: re-exported)
     REQUIRED,
     TABLE_ORDER,
@@ -51,14 +52,21 @@ SYSTEM_OF_INIT = {"pretrained": "BERT (ours)", "random": "random init"}
 CONTROL_INIT = "random"
 
 
-def _read(folder: str | Path) -> tuple[Path, dict]:
-    path = Path(folder) / "metrics.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found (is {folder} a `bert finetune` output?)")
+def _metrics_file(folder: str | Path) -> str:
+    """A fine-tuning output's metrics.json, named as the folder was (local or s3://)."""
+    return f"{str(folder).rstrip('/')}/metrics.json"
+
+
+def _read(folder: str | Path) -> tuple[str, dict]:
+    """(where, content) of a fine-tuning output's metrics.json, local or s3://."""
+    uri = _metrics_file(folder)
     try:
-        return path, json.loads(path.read_text())
+        with storage.local_copy(uri) as path, utf8_errors(path, name=uri):
+            return uri, json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e} (is {folder} a `bert finetune` output?)") from None
     except json.JSONDecodeError as e:
-        raise InputError(path, f"not valid JSON: {e.msg}", line=e.lineno) from e
+        raise InputError(uri, f"not valid JSON: {e.msg}", line=e.lineno) from None
 
 
 def load_result(folder: str | Path) -> tuple[str, dict[str, float]]:
@@ -104,9 +112,7 @@ def collect(folders: Sequence[str | Path]) -> dict:
         name, metrics = load_result(folder)
         seen = tasks.get(name) or token.get(name)
         if seen:
-            raise InputError(
-                Path(folder) / "metrics.json", f"{name} given twice (also {seen['source']})"
-            )
+            raise InputError(_metrics_file(folder), f"{name} given twice (also {seen['source']})")
         if name in TOKEN_TASKS:
             token[name] = {"metrics": metrics, "source": str(folder)}
             continue
@@ -143,7 +149,7 @@ def group_systems(groups: Sequence[Group]) -> dict[str, dict]:
             )  # fmt: skip
         for folder, init in inits.items():
             if init not in SYSTEM_OF_INIT:
-                raise InputError(Path(folder) / "metrics.json", f"unknown init {init!r}")
+                raise InputError(_metrics_file(folder), f"unknown init {init!r}")
             entry = systems.setdefault(name or SYSTEM_OF_INIT[init], {"folders": [], "init": init})
             entry["folders"].append(folder)
             if entry["init"] != init:
@@ -250,7 +256,7 @@ def evaluate(
     `results`: folders (one group, named `system` or by init), or (system, folders) groups."""
     groups = results if results and isinstance(results[0], tuple) else [(system, results)]
     collected = collect_systems(groups)
-    with atomic_dir(output) as tmp:
+    with storage.output_dir(output) as tmp:
         (tmp / "glue_results.json").write_text(json.dumps(collected, indent=2) + "\n")
         (tmp / "glue_table.md").write_text(markdown_table(collected))
         plot_scores(collected, tmp / "glue_scores.png")
@@ -268,7 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="row name of the matching --results (default: by each result's init: "
         f"{SYSTEM_OF_INIT['pretrained']!r}, or {SYSTEM_OF_INIT['random']!r} for the control)",
     )  # fmt: skip
-    p.add_argument("--output", required=True, help="folder for glue_results.json, table, plot")
+    p.add_argument(
+        "--output", required=True, help="folder for glue_results.json, table, plot (or s3://)"
+    )
     return p
 
 
@@ -288,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         import mlflow
 
         mlflow.log_metrics(mlflow_metrics(results))
-        mlflow.log_artifacts(str(args.output), artifact_path="glue")
-    print(Path(args.output) / "glue_table.md")
+        with storage.local_copy(args.output) as written:  # an s3:// output: fetched back
+            mlflow.log_artifacts(str(written), artifact_path="glue")
+    print(f"{args.output.rstrip('/')}/glue_table.md")
     print(markdown_table(results).split("\n\n")[0])
     return 0
 

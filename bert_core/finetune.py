@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from bert_core import glue, optim
-from bert_core.errors import InputError, atomic_dir
+from bert_core.errors import InputError
 from bert_core.finetune_config import (  # noqa: F401 (re-exported: the engine's public names)
     FinetuneConfig,
     config_from_args,
@@ -47,7 +47,7 @@ from bert_core.finetune_config import (  # noqa: F401 (re-exported: the engine's
     option,
 )
 from bert_core.registry import log_finetuned
-from bert_core.storage import local_copy
+from bert_core.storage import local_copy, output_dir
 
 # Every task `bert finetune` runs: exact name -> "module:class" of its `FinetuneTask`, imported
 # only when that task runs (the task modules import this one, never the other way round).
@@ -129,16 +129,14 @@ def load_tokenizer(model_dir: str | Path):
     """The model folder's tokenizer: `bert_core.tokenizer`'s, on its vocab.txt (casing from
     tokenizer_config.json's `do_lower_case`; lowercase when absent, as uncased BERT)."""
     from bert_core.tokenizer import load_tokenizer as wordpiece
+    from bert_core.tokenizer import read_lowercase
 
     model_dir = Path(model_dir)
     vocab = model_dir / "vocab.txt"
     if not vocab.is_file():
         raise InputError(model_dir, "no vocab.txt: the model folder must carry its vocabulary")
-    lowercase = True
-    config = model_dir / "tokenizer_config.json"
-    if config.is_file():
-        lowercase = bool(json.loads(config.read_text()).get("do_lower_case", True))
-    tokenizer = wordpiece(vocab, lowercase)
+    lowercase = read_lowercase(model_dir)
+    tokenizer = wordpiece(vocab, True if lowercase is None else lowercase)
     missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[UNK]") if tokenizer.token_to_id(t) is None]
     if missing:
         raise InputError(vocab, f"special tokens {missing} not in the vocabulary")
@@ -355,11 +353,11 @@ def train(task: FinetuneTask, model_dir: str | Path, cfg, device: torch.device,
 
 def finetune(
     task: FinetuneTask, data_dir: str | Path, model_dir: str | Path, output: str | Path, cfg,
-    data_uri: str | None = None,
+    data_uri: str | None = None, model_uri: str | None = None,
 ) -> dict:  # fmt: skip
     """Fine-tune (one run, or a sweep of trials with the best on dev kept), write the output
-    folder; returns metrics.json's content. `data_uri`: where `data_dir` was copied from (an
-    s3:// URI), recorded instead of it."""
+    folder (local or s3://); returns metrics.json's content. `data_uri`, `model_uri`: where
+    `data_dir` and `model_dir` were copied from (s3:// URIs), recorded instead of them."""
     from bert_core.tracking import start_run
 
     # Everything that can be wrong with the input fails here, before any training.
@@ -367,15 +365,15 @@ def finetune(
     counts = task.prepare(Path(data_dir), tokenizer, cfg)
     device = optim.resolve_device(cfg.device)
     model_config(task, Path(model_dir), cfg.max_seq_length)
-    data_uri = data_uri or str(data_dir)
-    params = {"task": task.name, "data": data_uri, "model": str(model_dir), **asdict(cfg)}
+    data_uri, model_uri = data_uri or str(data_dir), model_uri or str(model_dir)
+    params = {"task": task.name, "data": data_uri, "model": model_uri, **asdict(cfg)}
     params |= counts | {"device": str(device)}
     if cfg.is_sweep:  # logged at the end: the chosen trial's (MLflow parameters are write-once)
         del params["learning_rate"], params["seed"]
     # the control's run is named apart from the pre-trained model's, so one pipeline run's
     # step runs stay one per (task, init) in the MLflow UI and in lineage.child_runs
     step = f"finetune-{task.name}" + ("-random" if cfg.init == "random" else "")
-    with start_run(step, params), atomic_dir(output) as tmp:
+    with start_run(step, params), output_dir(output) as tmp:
         import mlflow
 
         if cfg.is_sweep:
@@ -399,7 +397,7 @@ def finetune(
             **task.summary(best),
             "train_seconds": train_seconds,
             "train_examples_per_second": task.num_train_examples * cfg.epochs / train_seconds,
-            "model": str(model_dir),
+            "model": model_uri,
             "data": data_uri,
             "device": str(device),
         }
@@ -430,8 +428,8 @@ def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:
     tasks = ", ".join(TASKS)
     p.add_argument("--task", required=True, help=f"one of {tasks} (GLUE: any case)")
     p.add_argument("--data", required=True, help="the task's data folder, local or s3://")
-    p.add_argument("--model", required=True, type=Path, help="HF-layout BERT folder with vocab")
-    p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--model", required=True, help="HF-layout BERT folder with vocab, or s3://")
+    p.add_argument("--output", required=True, help="output folder, local or s3://")
     config_options(p, task.config_class if task is not None else FinetuneConfig)
     if task is not None and task.download_help:
         where = f"first fetch the data into --data when missing ({task.download_help})"
@@ -449,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(args, task.config_class)
     if getattr(args, "download", False):
         task.download(Path(args.data))
-    with local_copy(args.data) as data:  # s3:// is downloaded first
-        result = finetune(task, data, args.model, args.output, cfg, data_uri=str(args.data))
+    with local_copy(args.data) as data, local_copy(args.model) as model:  # s3://: downloaded
+        result = finetune(task, data, model, args.output, cfg, str(args.data), str(args.model))
     print(json.dumps({"task": result["task"], "metrics": result["metrics"],
                       "best_epoch": result["best_epoch"], "output": str(args.output)}))  # fmt: skip
     return 0

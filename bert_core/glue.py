@@ -27,16 +27,19 @@ from pathlib import Path
 
 import numpy as np
 
-from bert_core.errors import InputError
+from bert_core.errors import InputError, utf8_errors
 
 csv.field_size_limit(sys.maxsize)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a split's fields live: column indices (negative counts from the end) and header."""
+    """Where a split's fields live: column indices (negative counts from the end), and the
+    header row of GLUE's original file (empty: the file has none). The header is checked on
+    the columns read, so a file of another task or layout is an error, not a run that trains
+    on the wrong column and reports a meaningless score."""
 
-    header: bool
+    header: tuple[str, ...]
     text_a: int
     text_b: int | None = None
     label: int | None = None  # None: unlabelled (test)
@@ -105,8 +108,19 @@ def _task(name: str, labels, metrics, train: Layout, test: Layout, paper_metric:
     return GlueTask(name, labels, metrics, tr, dev, te, paper_metric)
 
 
-_PAIR_INDEXED = Layout(header=True, text_a=1, text_b=2, label=3)
-_PAIR_INDEXED_TEST = Layout(header=True, text_a=1, text_b=2, index=0)
+def _pair_indexed(a: str, b: str) -> tuple[Layout, Layout]:
+    """QNLI, RTE, WNLI: `index A B label`; test `index A B`."""
+    return Layout(("index", a, b, "label"), 1, 2, label=3), Layout(("index", a, b), 1, 2, index=0)
+
+
+_MRPC = ("Quality", "#1 ID", "#2 ID", "#1 String", "#2 String")
+_STSB = "index genre filename year old_index source1 source2 sentence1 sentence2 score".split()
+_QQP = ("id", "qid1", "qid2", "question1", "question2", "is_duplicate")
+_MNLI = tuple(
+    "index promptID pairID genre sentence1_binary_parse sentence2_binary_parse sentence1_parse "
+    "sentence2_parse sentence1 sentence2 label1 gold_label".split()
+)  # dev files have label1..label5 before gold_label: the columns read are the same
+_INDEX_SENTENCE = Layout(("index", "sentence"), text_a=1, index=0)
 
 TASKS: dict[str, GlueTask] = {
     t.name: t
@@ -116,8 +130,8 @@ TASKS: dict[str, GlueTask] = {
             "CoLA",
             BINARY,
             ("mcc",),
-            Layout(header=False, text_a=3, label=1),
-            Layout(header=True, text_a=1, index=0),
+            Layout((), text_a=3, label=1),
+            _INDEX_SENTENCE,
             "mcc",
         ),
         # SST-2: `sentence label`; test `index sentence`.
@@ -125,8 +139,8 @@ TASKS: dict[str, GlueTask] = {
             "SST-2",
             BINARY,
             ("accuracy",),
-            Layout(header=True, text_a=0, label=1),
-            Layout(header=True, text_a=1, index=0),
+            Layout(("sentence", "label"), text_a=0, label=1),
+            _INDEX_SENTENCE,
             "accuracy",
         ),
         # MRPC: `Quality #1 ID #2 ID #1 String #2 String`; test `index #1 ID #2 ID #1 .. #2 ..`.
@@ -134,8 +148,8 @@ TASKS: dict[str, GlueTask] = {
             "MRPC",
             BINARY,
             ("f1", "accuracy"),
-            Layout(header=True, text_a=3, text_b=4, label=0),
-            Layout(header=True, text_a=3, text_b=4, index=0),
+            Layout(_MRPC, text_a=3, text_b=4, label=0),
+            Layout(("index", *_MRPC[1:]), text_a=3, text_b=4, index=0),
             "f1",
         ),
         # STS-B: `index genre filename year old_index source1 source2 sentence1 sentence2 score`.
@@ -143,8 +157,8 @@ TASKS: dict[str, GlueTask] = {
             "STS-B",
             (),
             ("pearson", "spearman"),
-            Layout(header=True, text_a=7, text_b=8, label=9),
-            Layout(header=True, text_a=7, text_b=8, index=0),
+            Layout(tuple(_STSB), text_a=7, text_b=8, label=9),
+            Layout(tuple(_STSB[:9]), text_a=7, text_b=8, index=0),
             "spearman",
         ),
         # QQP: `id qid1 qid2 question1 question2 is_duplicate`; test `id question1 question2`.
@@ -152,8 +166,8 @@ TASKS: dict[str, GlueTask] = {
             "QQP",
             BINARY,
             ("f1", "accuracy"),
-            Layout(header=True, text_a=3, text_b=4, label=5),
-            Layout(header=True, text_a=1, text_b=2, index=0),
+            Layout(_QQP, text_a=3, text_b=4, label=5),
+            Layout(("id", "question1", "question2"), text_a=1, text_b=2, index=0),
             "f1",
         ),
         # MNLI: sentence1/sentence2 at 8/9, gold_label last (train 12 columns, dev 16).
@@ -161,28 +175,28 @@ TASKS: dict[str, GlueTask] = {
             "MNLI",
             MNLI_LABELS,
             ("accuracy",),
-            Split("train", "train.tsv", Layout(header=True, text_a=8, text_b=9, label=-1)),
+            Split("train", "train.tsv", Layout(_MNLI, text_a=8, text_b=9, label=-1)),
             (
-                Split("matched", "dev_matched.tsv", Layout(True, 8, 9, label=-1)),
-                Split("mismatched", "dev_mismatched.tsv", Layout(True, 8, 9, label=-1)),
+                Split("matched", "dev_matched.tsv", Layout(_MNLI, 8, 9, label=-1)),
+                Split("mismatched", "dev_mismatched.tsv", Layout(_MNLI, 8, 9, label=-1)),
             ),
             (
                 Split(
-                    "test_matched", "test_matched.tsv", Layout(True, 8, 9, index=0), "MNLI-m.tsv"
+                    "test_matched", "test_matched.tsv", Layout(_MNLI, 8, 9, index=0), "MNLI-m.tsv"
                 ),
                 Split(
                     "test_mismatched",
                     "test_mismatched.tsv",
-                    Layout(True, 8, 9, index=0),
+                    Layout(_MNLI, 8, 9, index=0),
                     "MNLI-mm.tsv",
                 ),
             ),
             "accuracy",
         ),
         # QNLI: `index question sentence label`; RTE, WNLI: `index sentence1 sentence2 label`.
-        _task("QNLI", NLI2, ("accuracy",), _PAIR_INDEXED, _PAIR_INDEXED_TEST, "accuracy"),
-        _task("RTE", NLI2, ("accuracy",), _PAIR_INDEXED, _PAIR_INDEXED_TEST, "accuracy"),
-        _task("WNLI", BINARY, ("accuracy",), _PAIR_INDEXED, _PAIR_INDEXED_TEST, "accuracy"),
+        _task("QNLI", NLI2, ("accuracy",), *_pair_indexed("question", "sentence"), "accuracy"),
+        _task("RTE", NLI2, ("accuracy",), *_pair_indexed("sentence1", "sentence2"), "accuracy"),
+        _task("WNLI", BINARY, ("accuracy",), *_pair_indexed("sentence1", "sentence2"), "accuracy"),
     ]
 }
 
@@ -207,8 +221,9 @@ def _field(row: list[str], col: int) -> str:
 def read_split(task: GlueTask, split: Split, path: str | Path) -> list[Example]:
     """Read one GLUE TSV in the task's original layout, checking every row.
 
-    A row with too few columns or a label outside the task's set is an `InputError` naming the
-    file and line; so is a file without a single example (an empty dev set scores nothing).
+    A header that is not the task's, a row with too few columns or a label outside the task's
+    set is an `InputError` naming the file and line; so is a file without a single example (an
+    empty dev set scores nothing) and one that is not UTF-8.
     """
     path = Path(path)
     lay = split.layout
@@ -216,11 +231,12 @@ def read_split(task: GlueTask, split: Split, path: str | Path) -> list[Example]:
     # A negative column ("last") sits after all the positive ones (MNLI's gold_label).
     need = max(c + 1 for c in cols if c >= 0) + any(c < 0 for c in cols)
     examples: list[Example] = []
-    with open(path, encoding="utf-8-sig", newline="") as f:
+    with utf8_errors(path), open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         for row in reader:
             line = reader.line_num
             if lay.header and line == 1:
+                _check_header(task, split, row, path)
                 continue
             if not row or row == [""]:
                 continue  # blank line (e.g. a trailing one)
@@ -245,6 +261,22 @@ def read_split(task: GlueTask, split: Split, path: str | Path) -> list[Example]:
     if not examples:
         raise InputError(path, f"{task.name}: no examples in {split.name} file")
     return examples
+
+
+def _check_header(task: GlueTask, split: Split, row: list[str], path: Path) -> None:
+    """The header row names the columns read as GLUE's original file does (case aside)."""
+    lay = split.layout
+    for col in (c for c in (lay.text_a, lay.text_b, lay.label, lay.index) if c is not None):
+        expected = lay.header[col]
+        found = row[col].strip() if -len(row) <= col < len(row) else None
+        if found is None or found.lower() != expected.lower():
+            where = f"column {col + 1 if col >= 0 else 'last'}"
+            raise InputError(
+                path,
+                f"{task.name}: header {where} is {found!r}, expected {expected!r} (is this "
+                f"GLUE's {task.name} {split.name} file?)",
+                line=1,
+            )
 
 
 def _check_label(task: GlueTask, label: str, path: Path, line: int) -> str:

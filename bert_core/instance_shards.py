@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bert_core.errors import utf8_errors
 from bert_core.instance_sampling import (
     Vocab,
     create_instances_from_document,
@@ -53,6 +54,9 @@ BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
 DOCS, CHUNKS, MASKS, SHUFFLE, SPLIT = range(5)
 # The held-out set's shard index in its seeds (no input shard has it).
 HELDOUT = 2**32 - 1
+# Parquet metadata: the sequence length the shard was made for (`bert pretrain` checks it
+# against the model's positions before it starts).
+SEQ_LENGTH_KEY = b"bert.max_seq_length"
 
 
 def seed_for(random_seed: int, shard: int, *stream: int) -> np.random.SeedSequence:
@@ -61,7 +65,8 @@ def seed_for(random_seed: int, shard: int, *stream: int) -> np.random.SeedSequen
 
 def read_documents(path: Path) -> list[list[str]]:
     """BERT's input format: one sentence a line, blank lines between documents."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    with utf8_errors(path):
+        text = path.read_text(encoding="utf-8")
     docs = ([s for s in map(str.strip, block.split("\n")) if s] for block in BLANK_LINE.split(text))
     return [d for d in docs if d]
 
@@ -232,5 +237,6 @@ def write_instances(
     perm = np.random.default_rng(seed_for(cfg.random_seed, shard_index, SHUFFLE)).permutation(
         table.num_rows
     )
-    pq.write_table(table.take(perm), out_path, compression="zstd")
+    table = table.take(perm).replace_schema_metadata({SEQ_LENGTH_KEY: str(cfg.max_seq_length)})
+    pq.write_table(table, out_path, compression="zstd")
     return stats

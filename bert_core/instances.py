@@ -23,14 +23,14 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 import numpy as np
 
-from bert_core import masking
-from bert_core.errors import InputError, atomic_dir
+from bert_core import masking, storage
+from bert_core.errors import InputError, utf8_errors
 from bert_core.instance_sampling import Vocab
 from bert_core.instance_shards import (
     HELDOUT,
@@ -42,7 +42,12 @@ from bert_core.instance_shards import (
     write_instances,
 )
 from bert_core.masking import MaskingRecipe
-from bert_core.tokenizer import TOKENIZER_CONFIG, read_lowercase, write_tokenizer_settings
+from bert_core.tokenizer import (
+    TOKENIZER_CONFIG,
+    read_lowercase,
+    text_shards,
+    write_tokenizer_settings,
+)
 
 __all__ = ["SCHEMA", "InstanceConfig", "create_instances", "main"]
 
@@ -66,6 +71,7 @@ class InstanceConfig:
     masking_recipe: str = masking.DEFAULT_RECIPE  # [MASK]/random/keep percent, bert_core.masking
     heldout_fraction: float = 0.02  # share of the documents kept out of training
     heldout_documents: int | None = None  # exactly this many instead (0: none)
+    preset: str | None = None  # the model size they are for: its positions bound max_seq_length
 
     @property
     def recipe(self) -> MaskingRecipe:
@@ -76,6 +82,12 @@ class InstanceConfig:
             raise ValueError(
                 f"--max-seq-length must be >= {MIN_SEQ_LENGTH} ([CLS] A [SEP] B [SEP] needs "
                 f"room), got {self.max_seq_length}"
+            )
+        limit, model = max_positions(self.preset)
+        if self.max_seq_length > limit:
+            raise ValueError(
+                f"--max-seq-length {self.max_seq_length} exceeds max_position_embeddings {limit} "
+                f"of {model}: `bert pretrain` could not train on these instances"
             )
         if self.max_predictions_per_seq < 1:
             raise ValueError("--max-predictions-per-seq must be >= 1")
@@ -115,6 +127,20 @@ class InstanceConfig:
         )
 
 
+def max_positions(preset: str | None) -> tuple[int, str]:
+    """(longest sequence, the model named) for instances made for `preset`: its
+    max_position_embeddings; without a preset BERT's 512, which every preset has. Checked
+    here, where the length is set, not 40 s into `bert pretrain`."""
+    from bert_core.bert_config import BertConfig
+
+    if preset is None:
+        return BertConfig.max_position_embeddings, "BERT (every --preset)"
+    try:
+        return BertConfig.from_preset(preset).max_position_embeddings, f"the {preset} preset"
+    except ValueError as e:
+        raise ValueError(f"--preset: {e}") from None
+
+
 def _process_shard_task(args: tuple) -> tuple[dict, list[list[str]]]:
     return process_shard(*args)
 
@@ -124,22 +150,12 @@ def _worker_init() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def input_shards(input_dir: Path) -> list[Path]:
-    path = Path(input_dir)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory")
-    files = [path] if path.is_file() else sorted(path.glob("*.txt"))
-    if not files:
-        raise InputError(path, "no .txt shards (run `bert clean` first)")
-    return files
-
-
 def count_documents(files: list[Path], at_least: int = 2) -> int:
     """Documents in the input (blank-line separated), counted up to `at_least`."""
     n = 0
     for file in files:
         in_doc = False
-        with open(file, encoding="utf-8", errors="replace") as f:
+        with utf8_errors(file), open(file, encoding="utf-8") as f:
             for line in f:
                 if line.strip():
                     n += not in_doc
@@ -163,7 +179,7 @@ def check_inputs(input_dir: Path, vocab_file: Path, cfg: InstanceConfig) -> list
             f"the vocabulary is {'un' if lowercase else ''}cased (do_lower_case {lowercase}) but "
             f"{'--cased was' if lowercase else 'lower-casing is'} asked",
         )
-    files = input_shards(input_dir)
+    files = text_shards(input_dir)
     if count_documents(files) < 2:
         raise InputError(input_dir, "needs at least 2 documents (NSP draws random next segments)")
     return files
@@ -246,7 +262,7 @@ def create_instances(
     and vocab.txt."""
     files = check_inputs(input_dir, vocab_file, cfg)
     _worker_init()
-    with atomic_dir(output_dir) as tmp, _mapper(num_workers, len(files)) as map_:
+    with storage.output_dir(output_dir) as tmp, _mapper(num_workers, len(files)) as map_:
         heldout = split_heldout(files, cfg, map_)
         tasks = [
             (k, f, tmp / f"shard-{k:05d}.parquet", Path(vocab_file), cfg, heldout.get(k, ()))
@@ -277,9 +293,9 @@ def create_instances(
 def build_parser() -> argparse.ArgumentParser:
     d = InstanceConfig()
     p = argparse.ArgumentParser(prog="bert instances", description=__doc__.split("\n")[0])
-    p.add_argument("--input", required=True, type=Path, help="cleaned corpus folder (shards)")
-    p.add_argument("--vocab", required=True, type=Path, help="vocab.txt (Google format)")
-    p.add_argument("--output", required=True, type=Path, help="output folder")
+    p.add_argument("--input", required=True, help="cleaned corpus folder (shards), or s3://")
+    p.add_argument("--vocab", required=True, help="vocab.txt (Google format), or s3://")
+    p.add_argument("--output", required=True, help="output folder, local or s3://")
     p.add_argument("--max-seq-length", type=int, default=d.max_seq_length)
     p.add_argument("--max-predictions-per-seq", type=int, default=d.max_predictions_per_seq)
     p.add_argument("--masked-lm-prob", type=float, default=d.masked_lm_prob)
@@ -312,15 +328,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not lowercase; only for a vocabulary folder without tokenizer_config.json, "
         "whose do_lower_case is used otherwise",
     )
+    p.add_argument(
+        "--preset",
+        default=d.preset,
+        help="the model size the instances are for (as `bert pretrain --preset`): "
+        "--max-seq-length must fit its max_position_embeddings (default: 512, every preset's)",
+    )
     p.add_argument("--num-workers", type=int, default=max(1, os.cpu_count() or 1))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    lowercase = read_lowercase(args.vocab.parent)  # the vocabulary's own setting, if it has one
-    if lowercase is None or args.cased:  # --cased with an uncased vocabulary: check_inputs says
-        lowercase = not args.cased
     cfg = InstanceConfig(
         max_seq_length=args.max_seq_length,
         max_predictions_per_seq=args.max_predictions_per_seq,
@@ -329,24 +348,33 @@ def main(argv: list[str] | None = None) -> int:
         dupe_factor=args.dupe_factor,
         random_seed=args.random_seed,
         whole_word_mask=args.whole_word_mask,
-        lowercase=lowercase,
+        lowercase=not args.cased,
         masking_recipe=args.masking_recipe,
         heldout_fraction=args.heldout_fraction,
         heldout_documents=args.heldout_documents,
+        preset=args.preset,
     )
-    check_inputs(args.input, args.vocab, cfg)
+    cfg.validate()  # the settings, before any input is downloaded
     from bert_core.tracking import start_run
 
-    params = {"input": str(args.input), "vocab": str(args.vocab), **asdict(cfg)}
-    with start_run("instances", params) as run:
-        stats = create_instances(args.input, args.vocab, args.output, cfg, args.num_workers)
-        import mlflow
+    with (
+        storage.local_copy(args.input) as corpus,
+        storage.local_copy(args.vocab, siblings=(TOKENIZER_CONFIG,)) as vocab,
+    ):
+        lowercase = read_lowercase(vocab.parent)  # the vocabulary's own setting, if it has one
+        if lowercase is not None and not args.cased:  # --cased with an uncased one: checked
+            cfg = replace(cfg, lowercase=lowercase)
+        check_inputs(corpus, vocab, cfg)
+        params = {"input": str(args.input), "vocab": str(args.vocab), **asdict(cfg)}
+        with start_run("instances", params) as run:
+            stats = create_instances(corpus, vocab, args.output, cfg, args.num_workers)
+            import mlflow
 
-        numbers = {**stats, **{f"heldout_{k}": v for k, v in stats["heldout"].items()}}
-        mlflow.log_metrics(
-            {k: v for k, v in numbers.items() if isinstance(v, int | float)},
-            run_id=run.info.run_id,
-        )
+            numbers = {**stats, **{f"heldout_{k}": v for k, v in stats["heldout"].items()}}
+            mlflow.log_metrics(
+                {k: v for k, v in numbers.items() if isinstance(v, int | float)},
+                run_id=run.info.run_id,
+            )
     print(
         f"bert instances: {stats['instances']} instances from {stats['documents']} documents, "
         f"{stats['heldout']['instances']} held out from {stats['heldout']['documents']} "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import NamedTuple
@@ -231,6 +232,18 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"{model_dir}: no {WEIGHTS_NAME} or {LEGACY_WEIGHTS_NAME}")
 
 
+def _layer_hint(state: dict[str, torch.Tensor], layers: int) -> str:
+    """' (a checkpoint of 4 layers, config.json says 2: ...)' when the layer counts differ: the
+    usual cause of a mismatch is weights of another size (preset) beside a config.json."""
+    found = {int(m.group(1)) for k in state if (m := re.search(r"encoder\.layer\.(\d+)\.", k))}
+    if not found or len(found) == layers:
+        return ""
+    return (
+        f" (a checkpoint of {len(found)} layers, config.json says {layers}: the weights of "
+        "another model size?)"
+    )
+
+
 class BertPreTrainedModel(nn.Module):
     """Initialisation, input checks, and Hugging Face-layout checkpoints for every BERT class."""
 
@@ -321,7 +334,8 @@ class BertPreTrainedModel(nn.Module):
         bad_unexpected = [k for k in unexpected if not k.startswith(HEAD_PREFIXES)]
         if bad_missing or bad_unexpected:
             raise ValueError(
-                f"{source}: checkpoint does not match {type(self).__name__}: "
+                f"{source}: checkpoint does not match {type(self).__name__}"
+                f"{_layer_hint(loaded, self.config.num_hidden_layers)}: "
                 f"missing {bad_missing[:10]}{'...' if len(bad_missing) > 10 else ''}, "
                 f"unexpected {bad_unexpected[:10]}{'...' if len(bad_unexpected) > 10 else ''}"
             )

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from bert_core.conlleval import conlleval
-from bert_core.errors import InputError
+from bert_core.errors import InputError, utf8_errors
 from bert_core.finetune import (
     FinetuneConfig,
     FinetuneTask,
@@ -114,7 +114,7 @@ def read_conll(path: str | Path) -> list[Sentence]:
             sentences.append(Sentence(*cols[:3], tags, first, doc, len(sentences)))
             rows.clear()
 
-    with open(path, encoding="utf-8") as f:
+    with utf8_errors(path), open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
             parts = line.split()
             if not parts:

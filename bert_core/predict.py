@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = "a `bert finetune` output or model folder, runs:/<run>/model, models:/<name>@<alias>"
     p.add_argument("--model", required=True, help=where)
     p.add_argument("--input", required=True, help=".txt, .tsv, .jsonl or .parquet; or s3://...")
-    p.add_argument("--output", required=True, type=Path, help=".jsonl or .parquet")
+    p.add_argument("--output", required=True, help=".jsonl or .parquet, local or s3://")
     p.add_argument("--column", action="append", default=[], metavar="MODEL=FILE",
                    help="read the model's column MODEL from the file's column FILE")  # fmt: skip
     p.add_argument("--id-column", default="id", help="copied to the output when present")
@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rename = parse_columns(args.column)
+    records.output_format(args.output)  # before any model is loaded
     from bert_core.storage import local_copy
     from bert_core.tracking import start_run
 

@@ -40,7 +40,7 @@ import torch
 
 from bert_core import finetune, finetune_glue, optim, swag
 from bert_core.bert_config import CONFIG_NAME, BertConfig
-from bert_core.errors import InputError
+from bert_core.errors import InputError, utf8_errors
 from bert_core.glue import Example, get_task
 
 
@@ -81,7 +81,8 @@ def read_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir}: no {CONFIG_NAME} (not a BERT model folder)")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        with utf8_errors(path):
+            return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise InputError(path, f"not valid JSON ({e.msg})", line=e.lineno) from None
 

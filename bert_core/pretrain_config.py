@@ -116,6 +116,10 @@ class PretrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise BertError(f"--{name.replace('_', '-')} must be >= 1")
+        from bert_core.bert_config import PRESETS
+
+        if self.preset not in PRESETS:
+            raise BertError(f"--preset must be one of {', '.join(PRESETS)}, not {self.preset!r}")
         if self.objective not in OBJECTIVES:
             raise BertError(f"--objective must be one of {', '.join(OBJECTIVES)}")
         MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError

@@ -38,6 +38,9 @@ from bert_core.storage import filesystem
 
 COLUMNS = ("input_ids", "token_type_ids", "masked_lm_positions", "masked_lm_ids")
 LABEL_COLUMN = "next_sentence_label"
+# The Parquet metadata key `bert instances` writes its --max-seq-length under (as the columns,
+# the shards' format is `bert_core.instance_shards`'; not imported, to keep the steps apart).
+SEQ_LENGTH_KEY = b"bert.max_seq_length"
 
 
 @dataclass(frozen=True)
@@ -71,14 +74,14 @@ def open_parquet(path: str) -> pq.ParquetFile:
     return pq.ParquetFile(fs.open_input_file(inner))
 
 
-def list_row_groups(instances_dir: str | Path) -> list[RowGroup]:
-    """All row groups of `shard-*.parquet`, after checking each shard has the expected columns."""
+def shards(instances_dir: str | Path) -> Iterator[tuple[str, pq.ParquetFile]]:
+    """(path, opened file) of every `shard-*.parquet`, each checked to be a readable Parquet
+    file with the expected columns (only footers are read)."""
     fs, base = filesystem(instances_dir)
     infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
     names = sorted(i.base_name for i in infos if fnmatch.fnmatch(i.base_name, "shard-*.parquet"))
     if not names:
         raise InputError(instances_dir, "no shard-*.parquet files (run `bert instances` first)")
-    groups = []
     for shard in (_join(instances_dir, n) for n in names):
         try:
             meta = open_parquet(shard)
@@ -87,6 +90,13 @@ def list_row_groups(instances_dir: str | Path) -> list[RowGroup]:
         missing = set(COLUMNS + (LABEL_COLUMN,)) - set(meta.schema_arrow.names)
         if missing:
             raise InputError(shard, f"missing columns {sorted(missing)}")
+        yield shard, meta
+
+
+def list_row_groups(instances_dir: str | Path) -> list[RowGroup]:
+    """All row groups of `shard-*.parquet`, after checking each shard has the expected columns."""
+    groups = []
+    for shard, meta in shards(instances_dir):
         groups += [
             RowGroup(shard, i, meta.metadata.row_group(i).num_rows)
             for i in range(meta.num_row_groups)
@@ -95,6 +105,35 @@ def list_row_groups(instances_dir: str | Path) -> list[RowGroup]:
     if not groups:
         raise InputError(instances_dir, "the shards hold no instances")
     return groups
+
+
+def seq_length(shard: pq.ParquetFile) -> int:
+    """The longest sequence a shard may hold: the --max-seq-length `bert instances` keeps in
+    the file's metadata (`SEQ_LENGTH_KEY`); for shards made otherwise, the longest sequence of
+    its first row group."""
+    import pyarrow.compute as pc
+
+    meta = shard.schema_arrow.metadata or {}
+    if SEQ_LENGTH_KEY in meta:
+        return int(meta[SEQ_LENGTH_KEY])
+    if not shard.num_row_groups:
+        return 0
+    ids = shard.read_row_group(0, columns=["input_ids"]).column(0)
+    return int(pc.max(pc.list_value_length(ids)).as_py() or 0)
+
+
+def check_seq_length(instances_dir: str | Path, max_positions: int, model: str) -> None:
+    """Every shard's sequences fit the model's positions; checked before Ray starts, since a
+    longer sequence fails only in a worker's first forward pass, as a traceback."""
+    for shard, meta in shards(instances_dir):
+        length = seq_length(meta)
+        if length > max_positions:
+            raise InputError(
+                shard,
+                f"sequences of up to {length} tokens, more than max_position_embeddings "
+                f"{max_positions} of {model}: make the instances with --max-seq-length "
+                f"{max_positions} or less",
+            )
 
 
 def read_instances_config(instances_dir: str | Path) -> dict:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bert_core.errors import InputError, atomic_file
+from bert_core import storage
+from bert_core.errors import InputError, utf8_errors
 
 INPUT_FORMATS = {".txt": "text", ".tsv": "tsv", ".jsonl": "jsonl", ".parquet": "parquet"}
 OUTPUT_FORMATS = (".jsonl", ".parquet")
@@ -111,7 +112,7 @@ def read_chunks(
 
 def _rows(path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
     """(line number, row) of a text, TSV or JSONL file."""
-    with open(path, encoding="utf-8", newline="" if fmt == "tsv" else None) as f:
+    with utf8_errors(path), open(path, encoding="utf-8", newline="" if fmt == "tsv" else None) as f:
         if fmt == "tsv":
             reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
             for row in reader:
@@ -148,15 +149,22 @@ def arrow_type(t: Any):
     return {"string": pa.string(), "double": pa.float64(), "long": pa.int64()}[t]
 
 
+def output_format(path: str | Path, formats: tuple[str, ...] = OUTPUT_FORMATS) -> str:
+    """The output file's suffix, one of `formats`; checked before any work is done."""
+    suffix = Path(str(path)).suffix.lower()
+    if suffix not in formats:
+        raise InputError(path, f"unknown output format: use {' or '.join(formats)}")
+    return suffix
+
+
 @contextmanager
 def writer(path: str | Path, schema=None) -> Iterator:
     """`write(rows)` appends dicts (Parquet: or a pyarrow Table) to a .jsonl or .parquet file
-    (Parquet: `schema`, a pyarrow schema) that appears only when the block succeeds."""
-    path = Path(path)
-    if path.suffix.lower() not in OUTPUT_FORMATS:
-        raise InputError(path, f"unknown output format: use {' or '.join(OUTPUT_FORMATS)}")
-    with atomic_file(path, "wb") as f:
-        if path.suffix.lower() == ".jsonl":
+    (Parquet: `schema`, a pyarrow schema) that appears only when the block succeeds; local or
+    s3:// (`bert_core.storage.output_file`)."""
+    suffix = output_format(path)
+    with storage.output_file(path, "wb") as f:
+        if suffix == ".jsonl":
             yield lambda rows: f.writelines(
                 (json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in rows
             )

@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bert_core.errors import BertError
 from bert_core.tracking import tracking_uri
 
 NAME_ENV = "BERT_REGISTERED_MODEL"  # registered model name template; "none": do not register
@@ -102,7 +103,12 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
         if chosen is None:
             raise ValueError(f"{name} has no {CANDIDATE!r} version: name the VERSION")
     else:
-        chosen = client.get_model_version(name, str(version))
+        from mlflow.exceptions import MlflowException
+
+        try:
+            chosen = client.get_model_version(name, str(version))
+        except MlflowException as e:  # no such model or version: the user's to fix
+            raise BertError(f"{name} version {version}: {e.message}") from None
     score, champion = _score(chosen), _by_alias(client, name, CHAMPION)
     if champion is not None and str(champion.version) == str(chosen.version):
         return {"registered_model": name, "version": int(chosen.version), "dev_score": score,

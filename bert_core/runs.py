@@ -101,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import pandas as pd
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.limit < 1:
+        parser.error(f"--limit must be >= 1, got {args.limit}")
     frame = runs_table(args.experiment, args.limit)
     if frame.empty:
         print(f"no pipeline runs in {args.experiment!r} yet: `make run` starts one")

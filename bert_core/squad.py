@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_core.errors import InputError
+from bert_core.errors import InputError, utf8_errors
 from bert_core.finetune import (
     FinetuneConfig,
     FinetuneTask,
@@ -129,7 +129,7 @@ def read_squad(path: str | Path, version: str = "1.1", split: str | None = None)
     by-article split of a file that has no separate dev set."""
     path = Path(path)
     try:
-        with open(path, encoding="utf-8") as f:
+        with utf8_errors(path), open(path, encoding="utf-8") as f:
             articles = json.load(f)["data"]
     except json.JSONDecodeError as e:
         raise InputError(path, f"not valid JSON: {e.msg}", line=e.lineno) from e

@@ -1,5 +1,5 @@
-"""`s3://` paths, the one way a step reads s3:// inputs, data digests, and a pre-flight check of
-the services a run depends on.
+"""`s3://` paths: the one way a step reads its inputs and writes its outputs (local or s3://),
+data digests, and a pre-flight check of the services a run depends on.
 
 On a cluster the instance shards, Ray checkpoints and MLflow artifacts live in an S3-compatible
 object store (MinIO in infra/k8s). Every client finds it the way AWS tools do: the endpoint from
@@ -7,12 +7,17 @@ object store (MinIO in infra/k8s). Every client finds it the way AWS tools do: t
 credentials from `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` (a Kubernetes Secret). Nothing
 here takes a credential as an argument, so none can end up in a parameter or a log line.
 
-A step whose input may be an s3:// URI (`bert clean --input`, `bert finetune --data`) reads it
-through `local_copy`, which hands local paths through untouched and downloads an s3:// object or
-prefix to a temporary folder, so the step's own code only ever sees local files. `digest` is
-the content identity of such an input (local or s3://), cheap enough for the pipeline's first
-task to compute on every run: KFP's cache key sees only the URI string, the digest sees the
-data behind it.
+Every step reads its inputs through `local_copy`, which hands local paths through untouched and
+downloads an s3:// object or prefix to a temporary folder, so the step's own code only ever sees
+local files, and a missing input reads the same whichever it is (`not_found`). It writes its
+output through `output_dir` / `output_file`: the atomic local rule of `bert_core.errors`, or for
+an s3:// output a local staging folder uploaded when the step succeeds, so a failed step leaves
+nothing at its --output either way. S3 failures other than a missing object (no bucket, an
+unreachable endpoint) are one line naming the URI and the endpoint (`s3_errors`).
+
+`digest` is the content identity of an input (local or s3://), cheap enough for the pipeline's
+first task to compute on every run: KFP's cache key sees only the URI string, the digest sees
+the data behind it.
 
 `preflight` exists because a pre-training run that discovers an unreachable bucket or tracking
 server at its first checkpoint has already burnt GPU hours: it checks both in seconds, before
@@ -33,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
-from bert_core.errors import BertError
+from bert_core.errors import BertError, atomic_dir, atomic_file
 
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")
 
@@ -92,28 +97,88 @@ def filesystem(path: str | os.PathLike):
     return pafs.S3FileSystem(**kwargs), f"{bucket}/{key}".rstrip("/")
 
 
+def not_found(uri: str | os.PathLike) -> FileNotFoundError:
+    """The one error for a missing input, local or s3://: it names the path as given."""
+    return FileNotFoundError(f"{uri}: no such file or folder")
+
+
 @contextmanager
-def local_copy(uri: str | os.PathLike) -> Iterator[Path]:
+def s3_errors(uri: str | os.PathLike) -> Iterator[None]:
+    """pyarrow's S3 failures (no such bucket, unreachable endpoint, refused credentials) as one
+    line naming the URI and the endpoint, not a traceback from inside pyarrow."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        where = s3_endpoint() or "AWS S3"
+        raise BertError(f"{uri}: S3 at {where} failed: {str(e).splitlines()[0]}") from None
+
+
+@contextmanager
+def local_copy(uri: str | os.PathLike, siblings: tuple[str, ...] = ()) -> Iterator[Path]:
     """A local path holding `uri`'s data for the duration: a local path itself (untouched, not
     copied), an s3:// object or prefix downloaded to a temporary folder under its own name (so a
-    file keeps its suffix) and removed afterwards. Missing data raises FileNotFoundError."""
+    file keeps its suffix) and removed afterwards, with the files named in `siblings` found
+    beside it (e.g. a vocab.txt's tokenizer_config.json). Missing data raises `not_found`."""
     if not is_s3(uri):
+        if not Path(uri).exists():
+            raise not_found(uri)
         yield Path(uri)
         return
     import pyarrow.fs as pafs
 
     fs, path = filesystem(uri)
-    kind = fs.get_file_info(path).type
+    with s3_errors(uri):
+        kind = fs.get_file_info(path).type
     if kind == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"{uri}: no such object or prefix")
+        raise not_found(uri)
     with tempfile.TemporaryDirectory(prefix="bert-s3-") as tmp:
         dest = Path(tmp) / (PurePosixPath(path).name or "data")
         if kind == pafs.FileType.Directory:
             dest.mkdir()
-        pafs.copy_files(
-            path, str(dest), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()
-        )
+        local = pafs.LocalFileSystem()
+        with s3_errors(uri):
+            pafs.copy_files(path, str(dest), source_filesystem=fs, destination_filesystem=local)
+            for name in siblings:
+                near = f"{PurePosixPath(path).parent}/{name}"
+                if fs.get_file_info(near).type == pafs.FileType.File:
+                    pafs.copy_files(near, str(dest.parent / name), fs, local)
         yield dest
+
+
+@contextmanager
+def output_dir(dest: str | os.PathLike) -> Iterator[Path]:
+    """The local folder a step writes its output folder into: `errors.atomic_dir`'s staging for
+    a local `dest`; for an s3:// `dest` (its bucket checked first) a temporary folder that
+    replaces what is under `dest` when the block succeeds. A failed step leaves nothing."""
+    if not is_s3(dest):
+        with atomic_dir(dest) as tmp:
+            yield tmp
+        return
+    check_bucket(str(dest))
+    with tempfile.TemporaryDirectory(prefix="bert-out-") as tmp:
+        yield Path(tmp)
+        fs, path = filesystem(dest)
+        with s3_errors(dest):
+            fs.delete_dir_contents(path, missing_dir_ok=True)
+        copy(tmp, dest)
+
+
+@contextmanager
+def output_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
+    """An open file whose content appears at `dest` (local: `errors.atomic_file`; s3://: uploaded)
+    only when the block succeeds."""
+    if not is_s3(dest):
+        with atomic_file(dest, mode) as f:
+            yield f
+        return
+    check_bucket(str(dest))
+    with tempfile.TemporaryDirectory(prefix="bert-out-") as tmp:
+        local = Path(tmp) / PurePosixPath(str(dest)).name
+        with open(local, mode) as f:
+            yield f
+        copy(local, dest)
 
 
 def _md5(path: Path) -> str:
@@ -254,13 +319,12 @@ def copy(src: str | os.PathLike, dst: str | os.PathLike) -> int:
     folder) through pyarrow's filesystems, so the endpoint rules are `filesystem`'s."""
     import pyarrow.fs as pafs
 
-    from bert_core.errors import InputError
-
     src_fs, src_path = filesystem(src)
     dst_fs, dst_path = filesystem(dst)
-    info = src_fs.get_file_info(src_path)
+    with s3_errors(src):
+        info = src_fs.get_file_info(src_path)
     if info.type == pafs.FileType.NotFound:
-        raise InputError(src, "not found")
+        raise not_found(src)
     if info.type == pafs.FileType.File:
         files = [(src_path, dst_path)]
     else:
@@ -273,5 +337,6 @@ def copy(src: str | os.PathLike, dst: str | os.PathLike) -> int:
     for s, d in files:
         if not is_s3(dst):  # object stores have no folders to create
             os.makedirs(os.path.dirname(d) or ".", exist_ok=True)
-        pafs.copy_files(s, d, source_filesystem=src_fs, destination_filesystem=dst_fs)
+        with s3_errors(dst if is_s3(dst) else src):
+            pafs.copy_files(s, d, source_filesystem=src_fs, destination_filesystem=dst_fs)
     return len(files)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_core.errors import InputError
+from bert_core.errors import InputError, utf8_errors
 from bert_core.finetune import FinetuneConfig, FinetuneTask, pad, padding_mask, predict_batches
 from bert_core.finetune import sample as sample_examples
 from bert_core.finetune_glue import truncate_pair_from_end
@@ -63,7 +63,7 @@ class SwagExample:
 def read_swag(path: str | Path, labelled: bool = True) -> list[SwagExample]:
     """Examples of an official SWAG csv, checked (columns, labels 0..3, no empty text)."""
     path = Path(path)
-    with open(path, encoding="utf-8", newline="") as f:
+    with utf8_errors(path), open(path, encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f)
         need = COLUMNS + (("label",) if labelled else ())
         missing = [c for c in need if c not in (reader.fieldnames or [])]

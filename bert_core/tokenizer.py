@@ -31,7 +31,9 @@ from tokenizers import (
     trainers,
 )
 
-from bert_core.errors import InputError, atomic_dir
+from bert_core import storage
+from bert_core.errors import InputError, utf8_errors
+from bert_core.text_quality import JunkMeter
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MAX_INPUT_CHARS_PER_WORD = 100  # as google-research/bert's WordpieceTokenizer
@@ -59,18 +61,20 @@ def read_vocab(vocab_file: str | Path, required: tuple[str, ...] = ("[UNK]",)) -
     """
     import pyarrow.fs as pafs
 
-    from bert_core.storage import filesystem
-
-    fs, inner = filesystem(vocab_file)
-    if fs.get_file_info(inner).type != pafs.FileType.File:
-        raise FileNotFoundError(f"{vocab_file}: vocabulary file not found")
-    with fs.open_input_stream(inner) as f:
-        data = f.read()
+    fs, inner = storage.filesystem(vocab_file)
+    with storage.s3_errors(vocab_file):
+        kind = fs.get_file_info(inner).type
+        if kind == pafs.FileType.NotFound:
+            raise storage.not_found(vocab_file)
+        if kind != pafs.FileType.File:
+            raise InputError(vocab_file, "a folder, not a vocab.txt file")
+        with fs.open_input_stream(inner) as f:
+            data = f.read()
     try:
         text = data.decode("utf-8", errors="strict")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise InputError(vocab_file, f"not UTF-8 ({e.reason})", line=line) from None
+        raise InputError(vocab_file, f"not UTF-8 text ({e.reason})", line=line) from None
     vocab: dict[str, int] = {}
     for number, line in enumerate(io.StringIO(text, newline=None), start=1):
         token = line.rstrip("\n")
@@ -123,9 +127,12 @@ def read_lowercase(folder: Path) -> bool | None:
     if not path.is_file():
         return None
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(path, f"not a JSON file ({e})") from None
+        with utf8_errors(path):
+            config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise InputError(path, f"not valid JSON ({e.msg})", line=e.lineno) from None
+    if not isinstance(config, dict):
+        raise InputError(path, "expected a JSON object")
     return bool(config.get("do_lower_case", True))
 
 
@@ -201,19 +208,31 @@ def encode_lines(
     return [ids[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-def iter_text(input_dir: Path) -> Iterator[str]:
-    """Non-empty lines (sentences) of the cleaned shards, streamed."""
+def text_shards(input_dir: str | Path) -> list[Path]:
+    """The shards of a cleaned corpus (`bert clean`'s output folder), or the one file given:
+    what `bert vocab` and `bert instances` read."""
     path = Path(input_dir)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     files = [path] if path.is_file() else sorted(path.glob("*.txt"))
     if not files:
         raise InputError(path, "no .txt shards (run `bert clean` first)")
-    for file in files:
-        with open(file, encoding="utf-8", errors="replace") as f:
-            for line in f:
+    return files
+
+
+def iter_text(input_dir: Path) -> Iterator[str]:
+    """Non-empty lines (sentences) of the cleaned shards, streamed. A shard that is not UTF-8
+    or does not look like text (`bert_core.text_quality`) is an error naming it: `bert clean`
+    writes neither, so such a file was put there by hand, and a vocabulary of junk is worse
+    than none."""
+    for file in text_shards(input_dir):
+        meter = JunkMeter(file)
+        with utf8_errors(file), open(file, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                meter.add(line, number)
                 if line.strip():
                     yield line
+        meter.check()
 
 
 def train_vocab(input_dir: Path, cfg: VocabConfig) -> Tokenizer:
@@ -253,8 +272,8 @@ def write_vocab(tok: Tokenizer, path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     d = VocabConfig()
     p = argparse.ArgumentParser(prog="bert vocab", description=__doc__.split("\n")[0])
-    p.add_argument("--input", required=True, type=Path, help="cleaned corpus folder")
-    p.add_argument("--output", required=True, type=Path, help="output folder")
+    p.add_argument("--input", required=True, help="cleaned corpus folder, local or s3://")
+    p.add_argument("--output", required=True, help="output folder, local or s3://")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
     p.add_argument(
         "--cased",
@@ -276,9 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     from bert_core.tracking import start_run
 
-    with start_run("vocab", {"input": str(args.input), **asdict(cfg)}) as run:
-        tok = train_vocab(args.input, cfg)
-        with atomic_dir(args.output) as tmp:
+    with (
+        storage.local_copy(args.input) as source,
+        start_run("vocab", {"input": str(args.input), **asdict(cfg)}) as run,
+    ):
+        tok = train_vocab(source, cfg)
+        with storage.output_dir(args.output) as tmp:
             write_vocab(tok, tmp / "vocab.txt")
             write_tokenizer_settings(tmp, cfg.lowercase)
             tok.save(str(tmp / "tokenizer.json"))

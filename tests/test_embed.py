@@ -81,5 +81,5 @@ def test_layer_choices_are_checked(minilm_dir):
     assert parse_layers("last4") == (-4, -3, -2, -1) and parse_layers("0,6") == (0, 6)
     with pytest.raises(ValueError, match="integers like"):
         parse_layers("top")
-    with pytest.raises(ValueError, match=r"--layers \[7\]: this model has hidden states 0..6"):
+    with pytest.raises(ValueError, match=r"--layers 7: this model has hidden states 0..6"):
         Embedder(minilm_dir, Settings(), (7,))

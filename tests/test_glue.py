@@ -252,8 +252,12 @@ def test_bad_rows_name_file_and_line(tmp_path):
     with pytest.raises(InputError, match=r"dev\.tsv: RTE: no examples in dev"):
         read_task(rte, tmp_path, "dev")
     sts = get_task("STS-B")
-    _write(tmp_path / "dev.tsv", [["h"] * 10, ["0"] * 9 + ["5.5"]])
+    header = TASKS["STS-B"].train.layout.header
+    _write(tmp_path / "dev.tsv", [list(header), ["0"] * 9 + ["5.5"]])
     with pytest.raises(InputError, match=r"dev\.tsv:2: STS-B: score '5.5'"):
+        read_task(sts, tmp_path, "dev")
+    _write(tmp_path / "dev.tsv", [["h"] * 10, ["0"] * 9 + ["5.0"]])  # another file's header
+    with pytest.raises(InputError, match=r"dev\.tsv:1: STS-B: header column 8 is 'h', expected"):
         read_task(sts, tmp_path, "dev")
     with pytest.raises(FileNotFoundError, match="train file not found"):
         read_task(sts, tmp_path, "train")

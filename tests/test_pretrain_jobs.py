@@ -111,7 +111,7 @@ def test_copy_between_local_and_s3(s3, tmp_path, monkeypatch):
     st.copy(src / "config.json", f"s3://{BUCKET}/copy/one.json")
     st.copy(f"s3://{BUCKET}/copy/one.json", tmp_path / "deep" / "one.json")
     assert (tmp_path / "deep" / "one.json").read_text() == "{}"
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="copy/missing: no such file or folder"):
         st.copy(f"s3://{BUCKET}/copy/missing", tmp_path / "x")
 
 

@@ -102,6 +102,42 @@ def test_pyarrow_parquet_round_trip_through_s3(s3_env):
     assert local_fs.get_file_info(local).size == (ROOT / "pyproject.toml").stat().st_size
 
 
+@pytest.mark.slow
+def test_data_steps_read_and_write_s3(s3_env, shared_data, tmp_path, monkeypatch, capsys):
+    """`bert clean`, `vocab` and `instances` take s3:// inputs and outputs as local ones (the
+    one storage layer); a step that fails leaves nothing under its s3:// output."""
+    import json
+
+    from bert_core import cli
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BERT_PARENT_RUN_ID", raising=False)
+    book = (shared_data / "corpus" / "pride_and_prejudice.txt").read_text(encoding="utf-8-sig")
+    storage.s3_client().put_object(
+        Bucket=BUCKET, Key="steps/book.txt", Body=book[20_000:40_000].encode()
+    )
+    s3 = f"s3://{BUCKET}/steps"
+    for argv in (
+        ["clean", "--input", f"{s3}/book.txt", "--output", f"{s3}/clean", "--num-shards", "2",
+         "--num-workers", "1"],
+        ["vocab", "--input", f"{s3}/clean", "--output", f"{s3}/vocab", "--vocab-size", "200"],
+        ["instances", "--input", f"{s3}/clean", "--vocab", f"{s3}/vocab/vocab.txt", "--output",
+         f"{s3}/instances", "--max-seq-length", "32", "--dupe-factor", "1", "--num-workers", "1"],
+    ):  # fmt: skip
+        assert cli.main(argv) == 0, capsys.readouterr().err
+    names = set(_objects("steps/"))
+    assert {"steps/clean/shard-00000.txt", "steps/clean/stats.json"} <= names
+    assert {"steps/vocab/vocab.txt", "steps/vocab/tokenizer_config.json"} <= names
+    assert {"steps/instances/shard-00000.parquet", "steps/instances/vocab.txt"} <= names
+    stats = json.loads(_objects("steps/instances/stats.json")["steps/instances/stats.json"])
+    assert stats["instances"] > 0 and stats["config"]["lowercase"] is True
+    failed = ["vocab", "--input", f"{s3}/clean", "--output", f"{s3}/vocab2", "--vocab-size", "3"]
+    assert cli.main(failed) == 2
+    assert "--vocab-size must be > 5" in capsys.readouterr().err
+    assert _objects("steps/vocab2") == {}
+
+
 def test_split_s3_rejects_non_s3():
     assert storage.split_s3("s3://b/a/b.txt") == ("b", "a/b.txt")
     with pytest.raises(BertError, match="not an s3://"):

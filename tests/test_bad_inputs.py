@@ -1,0 +1,698 @@
+"""The bad-input catalogue: what a new user gets wrong, one row each, for every `bert` command.
+
+Each row makes its bad input (in its own folder, from the small good inputs built once for the
+module), runs the command in-process through `bert_core.cli.main` (argparse's own errors arrive
+as SystemExit), and checks what the user sees: exit code 2, one line naming the file and line or
+the option, no traceback, and nothing at --output (no staging debris beside it either).
+
+The rows are grouped by command; `CATEGORIES` says which kind of mistake each one is, so the
+table's summary (rows per command and per kind) is printed by `test_catalogue_covers_every_command`
+and quoted in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from bert_core import cli
+from bert_core.bert_config import BertConfig
+from bert_core.corpus import CleanConfig, clean_corpus
+from bert_core.heads import BertForSequenceClassification
+from bert_core.instances import InstanceConfig, create_instances
+from bert_core.model import BertForPreTraining
+from bert_core.tokenizer import VocabConfig, train_vocab, write_tokenizer_settings, write_vocab
+from tests.pipeline_helpers import local_services
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+BUCKET = "bad-inputs"
+SENTENCES = ["a gripping , funny film .", "dull and far too long .", "the cast is superb ."]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The good inputs every row starts from (built once for the module)."""
+
+    root: Path
+    text: Path  # raw text: a slice of a shared-corpus book
+    clean: Path  # `bert clean`'s output folder (two shards)
+    vocab: Path  # vocab.txt, tokenizer_config.json beside it
+    instances: Path  # `bert instances`' output (32-token sequences)
+    encoder: Path  # a tiny pre-trained BertForPreTraining folder, our vocabulary inside
+    classifier: Path  # a tiny SST-2 classifier folder, for `bert predict`
+    glue: Path  # SST-2: 40 training and 20 dev rows of the shared data
+    results: Path  # a `bert finetune` output folder's metrics.json (SST-2)
+    vocab_size: int
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, shared_data) -> Inputs:
+    """Made with the library calls the commands run (no MLflow runs: seconds, not minutes)."""
+    root = tmp_path_factory.mktemp("good")
+    book = (shared_data / "corpus" / "pride_and_prejudice.txt").read_text(encoding="utf-8-sig")
+    text = root / "book.txt"
+    text.write_text(book[20_000:50_000], encoding="utf-8")
+    clean_corpus(text, root / "clean", CleanConfig(num_shards=2, num_workers=1))
+    tok = train_vocab(root / "clean", VocabConfig(vocab_size=300))
+    (root / "vocab").mkdir()
+    write_vocab(tok, root / "vocab" / "vocab.txt")
+    write_tokenizer_settings(root / "vocab", lowercase=True)
+    vocab = root / "vocab" / "vocab.txt"
+    cfg = InstanceConfig(max_seq_length=32, dupe_factor=1)
+    create_instances(root / "clean", vocab, root / "instances", cfg)
+    size = tok.get_vocab_size()
+    torch.manual_seed(0)
+    BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=size)).save_pretrained(
+        root / "encoder", vocab_file=vocab
+    )
+    labels = {"num_labels": 2, "id2label": {0: "0", 1: "1"}, "finetuning_task": "SST-2"}
+    head = BertForSequenceClassification(BertConfig.from_preset("tiny", vocab_size=size, **labels))
+    head.save_pretrained(root / "classifier", vocab_file=vocab)
+    glue = root / "SST-2"
+    glue.mkdir()
+    for split, rows in (("train", 40), ("dev", 20)):
+        lines = (shared_data / "glue" / "SST-2" / f"{split}.tsv").read_text().splitlines()
+        (glue / f"{split}.tsv").write_text("\n".join(lines[: rows + 1]) + "\n")
+    results = root / "results"
+    results.mkdir()
+    metrics = {"task": "SST-2", "init": "pretrained", "metrics": {"accuracy": 0.5}, "score": 50}
+    (results / "metrics.json").write_text(json.dumps(metrics))
+    return Inputs(root, text, root / "clean", vocab, root / "instances", root / "encoder",
+                  root / "classifier", glue, results, size)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    """The S3 server (moto, as CI and users start it) with one bucket, and a tracking store;
+    the client environment for both, and a working folder, for the whole module."""
+    svc = local_services()
+    root = tmp_path_factory.mktemp("services")
+    s3 = svc.start_s3(root / "s3", buckets=(BUCKET,))
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in svc.client_env(s3.url, {}).items():
+            mp.setenv(key, value)
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        mp.chdir(root)  # MLflow's default artifact folder (./mlruns) lands here, not in the repo
+        mp.delenv("BERT_PARENT_RUN_ID", raising=False)
+        mp.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+        mp.delenv("RAY_ADDRESS", raising=False)
+        yield s3
+    s3.stop()
+
+
+# ------------------------------------------------------------------------------ making bad input
+
+
+@dataclass
+class Row:
+    """Where one row works: the good inputs, its own folder, and its --output inside it."""
+
+    good: Inputs
+    tmp: Path
+
+    @property
+    def out(self) -> Path:
+        return self.tmp / "out"
+
+    def file(self, name: str, content: str | bytes) -> Path:
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content, encoding="utf-8")
+        return path
+
+    def copy(self, src: Path, name: str) -> Path:
+        dest = self.tmp / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copyfile)(src, dest)
+        return dest
+
+    def glue(self, train: str | bytes | None = None, dev: str | None = None) -> Path:
+        """The SST-2 slice with train.tsv and/or dev.tsv replaced."""
+        data = self.copy(self.good.glue, "SST-2")
+        for name, content in (("train.tsv", train), ("dev.tsv", dev)):
+            if content is not None:
+                self.file(f"SST-2/{name}", content)
+        return data
+
+    def model(self, edit: Callable[[Path], None], src: Path | None = None) -> Path:
+        """A copy of the encoder (or `src`) changed by `edit`."""
+        folder = self.copy(src or self.good.encoder, "model")
+        edit(folder)
+        return folder
+
+    def shards(self, table: pa.Table | None = None, raw: bytes | None = None) -> Path:
+        """An instances folder: the good one's vocab.txt beside `table` (or `raw` bytes) as its
+        only shard."""
+        folder = self.tmp / "instances"
+        folder.mkdir()
+        shutil.copyfile(self.good.instances / "vocab.txt", folder / "vocab.txt")
+        if raw is not None:
+            (folder / "shard-00000.parquet").write_bytes(raw)
+        else:
+            pq.write_table(table, folder / "shard-00000.parquet")
+        return folder
+
+    def config(self, folder: Path, **changes) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+    def squad(self, qas: list[dict], context: str = "Ada wrote the first program.") -> Path:
+        data = {"version": "1.1", "data": [{"title": "t", "paragraphs": [
+            {"context": context, "qas": qas}]}]}  # fmt: skip
+        self.file("squad/train-v1.1.json", json.dumps(data))
+        return self.tmp / "squad"
+
+    def results(self, metrics: dict | str) -> Path:
+        text = metrics if isinstance(metrics, str) else json.dumps(metrics)
+        self.file("results/metrics.json", text)
+        return self.tmp / "results"
+
+
+def sequences(length: int, rows: int = 4) -> pa.Table:
+    """Instances of `length` tokens each, in `bert instances`' schema (no length metadata)."""
+    ids = [[2] + [7] * (length - 2) + [3]] * rows
+    return pa.table({
+        "input_ids": pa.array(ids, pa.list_(pa.int32())),
+        "token_type_ids": pa.array([[0] * length] * rows, pa.list_(pa.int8())),
+        "masked_lm_positions": pa.array([[1]] * rows, pa.list_(pa.int32())),
+        "masked_lm_ids": pa.array([[7]] * rows, pa.list_(pa.int32())),
+        "next_sentence_label": pa.array([0] * rows, pa.int8()),
+    })  # fmt: skip
+
+
+def truncate(path: Path, keep: int = 200) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def pickled_objects(folder: Path) -> None:
+    """model.safetensors replaced by a pickle holding more than tensors (weights_only refuses)."""
+    (folder / "model.safetensors").unlink()
+    torch.save({"weights": Exception("not a tensor")}, folder / "pytorch_model.bin")
+
+
+def weights_of(config: BertConfig, with_config: bool = False) -> Callable[[Path], None]:
+    """An edit of a model folder: its model.safetensors (and with `with_config` its
+    config.json) replaced by those of a fresh model of `config`."""
+
+    def edit(folder: Path) -> None:
+        BertForPreTraining(config).save_pretrained(folder.parent / "other")
+        for name in ("model.safetensors", "config.json")[: 1 + with_config]:
+            shutil.copyfile(folder.parent / "other" / name, folder / name)
+
+    return edit
+
+
+def other_preset(r: Row) -> Path:
+    """A `mini` model's weights under the encoder's `tiny` config.json."""
+    return r.model(weights_of(BertConfig.from_preset("mini", vocab_size=r.good.vocab_size)))
+
+
+def tiny(r: Row, **overrides) -> Path:
+    """A tiny model of other settings (its config.json and weights), the vocabulary ours."""
+    config = BertConfig.from_preset("tiny", **{"vocab_size": r.good.vocab_size, **overrides})
+    return r.model(weights_of(config, with_config=True))
+
+
+RANDOM_BYTES = bytes(range(256)) * 400  # what `head -c 100k /dev/urandom` looks like to UTF-8
+CONTROL_CHARS = ("\x01\x02\x03\x04 \x05\x06\x07\x08\x0e\x0f" * 3000 + "\n") * 3  # valid UTF-8
+LATIN1 = "Caf\xe9 au lait, na\xefve r\xe9sum\xe9.\n".encode("latin-1")
+
+
+# ------------------------------------------------------------------------------------ the table
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: the argv it builds (making its files), the message fragment expected."""
+
+    id: str
+    kind: str  # a key of CATEGORIES
+    argv: Callable[[Row], list]
+    message: str
+    code: int = 2
+    env: dict[str, str] = field(default_factory=dict)
+
+
+CATEGORIES = {
+    "missing": "an input that is not there (local or s3://)",
+    "format": "a file of the wrong kind or layout (header, columns, JSON, Parquet, safetensors)",
+    "encoding": "text that is not UTF-8, or that decodes but is not language",
+    "content": "well-formed data with values outside the task (labels, ids, answers, scores)",
+    "setting": "an option out of range or inconsistent with another",
+    "model": "a model folder that does not fit (config, checkpoint, preset, head, positions)",
+    "output": "an --output that cannot be written",
+}
+
+
+def clean(r: Row, *extra) -> list:
+    return ["clean", "--output", r.out, "--num-workers", "1", *extra]
+
+
+def vocab(r: Row, data: Path | str, *extra) -> list:
+    return ["vocab", "--input", data, "--output", r.out, "--vocab-size", "300", *extra]
+
+
+def instances(r: Row, *extra, data: Path | str | None = None, vocab: Path | str | None = None):
+    data, vocab = data or r.good.clean, vocab or r.good.vocab
+    return ["instances", "--input", data, "--vocab", vocab, "--output", r.out,
+            "--num-workers", "1", "--dupe-factor", "1", *extra]  # fmt: skip
+
+
+def pretrain(r: Row, *extra, data: Path | str | None = None) -> list:
+    return ["pretrain", "--instances", data or r.good.instances, "--output", r.out,
+            "--steps", "2", "--batch-size", "4", *extra]  # fmt: skip
+
+
+def finetune(r: Row, *extra, task: str = "SST-2", data=None, model=None) -> list:
+    return ["finetune", "--task", task, "--data", data or r.good.glue, "--model",
+            model or r.good.encoder, "--output", r.out, "--epochs", "1", *extra]  # fmt: skip
+
+
+def predict(r: Row, data: Path | str, *extra, output: str = "out.jsonl") -> list:
+    return ["predict", "--model", r.good.classifier, "--input", data,
+            "--output", r.tmp / output, *extra]  # fmt: skip
+
+
+def embed(r: Row, data: Path | str, *extra, output: str = "out.parquet") -> list:
+    return ["embed", "--model", r.good.encoder, "--input", data, "--output", r.tmp / output,
+            *extra]  # fmt: skip
+
+
+def evaluate(r: Row, *folders) -> list:
+    return ["evaluate", "--results", *(folders or [r.good.results]), "--output", r.out]
+
+
+def sst2(rows: list[str], header: str = "sentence\tlabel") -> str:
+    return "\n".join([header, *rows]) + "\n"
+
+
+def s3(key: str) -> str:
+    return f"s3://{BUCKET}/{key}"
+
+
+GOOD_ROWS = [f"{s}\t{i % 2}" for i, s in enumerate(SENTENCES)]
+
+CASES = [
+    Case("bert-unknown-command", "setting", lambda r: ["cleen", "--output", r.out],
+         "unknown command 'cleen'"),
+    # ---- bert clean
+    Case("clean-missing-input", "missing", lambda r: clean(r, "--input", r.tmp / "nope.txt"),
+         "nope.txt: no such file or folder"),
+    Case("clean-s3-missing-input", "missing", lambda r: clean(r, "--input", s3("nope.txt")),
+         f"{s3('nope.txt')}: no such file or folder"),
+    Case("clean-unsupported-suffix", "format",
+         lambda r: clean(r, "--input", r.file("book.csv", "a,b\n")), "unsupported input type"),
+    Case("clean-empty-folder", "missing",
+         lambda r: clean(r, "--input", r.file("empty/notes.md", "x").parent), "no input files"),
+    Case("clean-random-bytes", "encoding",
+         lambda r: clean(r, "--input", r.file("junk.txt", RANDOM_BYTES)),
+         "junk.txt:1: does not look like text"),
+    Case("clean-random-bytes-in-a-worker", "encoding",
+         lambda r: ["clean", "--output", r.out, "--num-workers", "2", "--input",
+                    mixed_folder(r)], "junk.txt:1: does not look like text"),  # fmt: skip
+    Case("clean-control-characters", "encoding",
+         lambda r: clean(r, "--input", r.file("ctrl.txt", CONTROL_CHARS)),
+         "ctrl.txt:1: does not look like text"),
+    Case("clean-bad-jsonl-line", "format",
+         lambda r: clean(r, "--input", r.file("d.jsonl", '{"text": "ok"}\n{"text": \n')),
+         "d.jsonl:2: invalid JSON"),
+    Case("clean-jsonl-without-text", "format",
+         lambda r: clean(r, "--input", r.file("d.jsonl", '{"body": "no text field"}\n')),
+         "d.jsonl:1: a JSONL record needs a string 'text' field"),
+    Case("clean-parquet-without-text", "format",
+         lambda r: clean(r, "--input", parquet(r, "d.parquet", {"body": ["x"]})),
+         "d.parquet: no 'text' column"),
+    Case("clean-truncated-parquet", "format",
+         lambda r: clean(r, "--input", truncated_parquet(r)), "d.parquet: not a readable Parquet"),
+    Case("clean-truncated-gzip", "format",
+         lambda r: clean(r, "--input", r.file("b.txt.gz", gzipped(r.good.text)[:300])),
+         "b.txt.gz: not a readable gzip file"),
+    Case("clean-nothing-left", "content",
+         lambda r: clean(r, "--input", r.file("short.txt", "Too short.\n")),
+         "no documents left after cleaning"),
+    Case("clean-zero-shards", "setting",
+         lambda r: clean(r, "--input", r.good.text, "--num-shards", "0"),
+         "--num-shards must be >= 1"),
+    Case("clean-output-is-a-file", "output",
+         lambda r: ["clean", "--input", r.good.text, "--output", r.file("taken", "precious")],
+         "exists and is a file"),
+    Case("clean-output-unwritable", "output",
+         lambda r: ["clean", "--input", r.good.text, "--output", r.file("f", "x") / "out"],
+         "f is a file, not a folder"),
+    Case("clean-s3-output-no-bucket", "output",
+         lambda r: ["clean", "--input", r.good.text, "--output", "s3://no-such-bucket/clean"],
+         "bucket 'no-such-bucket'"),
+    # ---- bert vocab
+    Case("vocab-missing-input", "missing", lambda r: vocab(r, r.tmp / "nope"),
+         "nope: no such file or folder"),
+    Case("vocab-s3-missing-input", "missing", lambda r: vocab(r, s3("corpus/")),
+         f"{s3('corpus/')}: no such file or folder"),
+    Case("vocab-no-shards", "missing", lambda r: vocab(r, r.file("d/x.md", "x").parent),
+         "no .txt shards"),
+    Case("vocab-empty-shards", "content", lambda r: vocab(r, r.file("d/shard-0.txt", "\n\n")),
+         "no text to train on"),
+    Case("vocab-latin1-shard", "encoding",
+         lambda r: vocab(r, r.file("d/shard-0.txt", b"fine\nline two\n" + LATIN1)),
+         "shard-0.txt:3: not UTF-8 text"),
+    Case("vocab-control-characters", "encoding",
+         lambda r: vocab(r, r.file("d/shard-0.txt", CONTROL_CHARS)),
+         "shard-0.txt:1: does not look like text"),
+    Case("vocab-size-too-small", "setting",
+         lambda r: ["vocab", "--input", r.good.clean, "--output", r.out, "--vocab-size", "3"],
+         "--vocab-size must be > 5"),
+    Case("vocab-size-not-a-number", "setting",
+         lambda r: ["vocab", "--input", r.good.clean, "--output", r.out, "--vocab-size", "big"],
+         "argument --vocab-size: invalid int value: 'big'"),
+    Case("vocab-output-is-a-file", "output",
+         lambda r: ["vocab", "--input", r.good.clean, "--output", r.file("taken", "x"),
+                    "--vocab-size", "100"], "exists and is a file"),  # fmt: skip
+    # ---- bert instances
+    Case("instances-seq-length-over-512", "setting",
+         lambda r: instances(r, "--max-seq-length", "1000"),
+         "--max-seq-length 1000 exceeds max_position_embeddings 512"),
+    Case("instances-seq-length-over-preset", "setting",
+         lambda r: instances(r, "--max-seq-length", "600", "--preset", "tiny"),
+         "max_position_embeddings 512 of the tiny preset"),
+    Case("instances-unknown-preset", "setting",
+         lambda r: instances(r, "--preset", "huge"), "--preset: unknown preset 'huge'"),
+    Case("instances-seq-length-too-short", "setting",
+         lambda r: instances(r, "--max-seq-length", "4"), "--max-seq-length must be >= 8"),
+    Case("instances-masked-lm-prob", "setting",
+         lambda r: instances(r, "--masked-lm-prob", "1.5"), "--masked-lm-prob must be in (0, 1)"),
+    Case("instances-masking-recipe", "setting",
+         lambda r: instances(r, "--masking-recipe", "50/20"), "50/20"),
+    Case("instances-heldout-fraction", "setting",
+         lambda r: instances(r, "--heldout-fraction", "1"), "--heldout-fraction must be in [0, 1)"),
+    Case("instances-missing-vocab", "missing",
+         lambda r: instances(r, vocab=r.tmp / "vocab.txt"), "vocab.txt: no such file or folder"),
+    Case("instances-s3-missing-vocab", "missing",
+         lambda r: instances(r, vocab=s3("v/vocab.txt")),
+         f"{s3('v/vocab.txt')}: no such file or folder"),
+    Case("instances-vocab-duplicate-token", "format",
+         lambda r: instances(r, vocab=r.file("v/vocab.txt", "[PAD]\n[UNK]\nthe\nthe\n")),
+         "vocab.txt:4: duplicate token 'the'"),
+    Case("instances-vocab-not-utf8", "encoding",
+         lambda r: instances(r, vocab=r.file("v/vocab.txt", b"[PAD]\n[UNK]\n\xff\xfe\n")),
+         "vocab.txt:3: not UTF-8 text"),
+    Case("instances-one-document", "content",
+         lambda r: instances(r, data=r.file("c/shard-0.txt", "One sentence.\nAnother one.\n")),
+         "needs at least 2 documents"),
+    Case("instances-latin1-shard", "encoding",
+         lambda r: instances(r, data=r.file("c/shard-0.txt", b"A doc.\n\nAnother.\n" + LATIN1)),
+         "shard-0.txt:4: not UTF-8 text"),
+    Case("instances-cased-with-uncased-vocab", "setting",
+         lambda r: instances(r, "--cased"), "tokenizer_config.json: the vocabulary is uncased"),
+    # ---- bert pretrain
+    Case("pretrain-no-shards", "missing",
+         lambda r: pretrain(r, data=r.file("i/stats.json", "{}").parent),
+         "no shard-*.parquet files"),
+    Case("pretrain-s3-missing-instances", "missing", lambda r: pretrain(r, data=s3("inst")),
+         f"{s3('inst')}: no shard-*.parquet files"),
+    Case("pretrain-truncated-shard", "format",
+         lambda r: pretrain(r, data=r.shards(raw=b"PAR1" + b"\0" * 100)),
+         "shard-00000.parquet: not a readable Parquet file"),
+    Case("pretrain-shard-missing-columns", "format",
+         lambda r: pretrain(r, data=r.shards(sequences(8).drop(["masked_lm_ids"]))),
+         "shard-00000.parquet: missing columns ['masked_lm_ids']"),
+    Case("pretrain-sequences-over-preset", "model",
+         lambda r: pretrain(r, data=r.shards(sequences(600))),
+         "sequences of up to 600 tokens, more than max_position_embeddings 512 of the tiny"),
+    Case("pretrain-sequences-over-init-model", "model",
+         lambda r: pretrain(r, "--init-model", tiny(r, max_position_embeddings=16)),
+         "sequences of up to 32 tokens, more than max_position_embeddings 16 of --init-model"),
+    Case("pretrain-init-model-other-preset", "model",
+         lambda r: pretrain(r, "--init-model", other_preset(r)),
+         "a checkpoint of 4 layers, config.json says 2"),
+    Case("pretrain-init-model-small-vocab", "model",
+         lambda r: pretrain(r, "--init-model", tiny(r, vocab_size=10)),
+         "config.json: vocab_size 10, but the instances' vocabulary"),
+    Case("pretrain-init-model-not-a-model", "model",
+         lambda r: pretrain(r, "--init-model", r.tmp), "config.json: not found"),
+    Case("pretrain-unknown-preset", "setting",
+         lambda r: pretrain(r, "--preset", "huge"), "--preset must be one of"),
+    Case("pretrain-batch-not-divisible", "setting",
+         lambda r: pretrain(r, "--num-workers", "3"), "--batch-size 4 is not divisible"),
+    Case("pretrain-zero-steps", "setting",
+         lambda r: pretrain(r, "--steps", "0"), "--steps, --batch-size"),
+    Case("pretrain-unknown-objective", "setting",
+         lambda r: pretrain(r, "--objective", "nsp"), "argument --objective: invalid choice"),
+    Case("pretrain-output-is-a-file", "output",
+         lambda r: ["pretrain", "--instances", r.good.instances, "--output",
+                    r.file("taken", "x"), "--steps", "2"], "exists and is a file"),  # fmt: skip
+    # ---- bert finetune
+    Case("finetune-unknown-task", "setting",
+         lambda r: finetune(r, task="SST3"), "unknown GLUE task 'SST3'"),
+    Case("finetune-missing-data", "missing",
+         lambda r: finetune(r, data=r.tmp / "nope"), "nope: no such file or folder"),
+    Case("finetune-s3-missing-data", "missing",
+         lambda r: finetune(r, data=s3("glue/SST-2")),
+         f"{s3('glue/SST-2')}: no such file or folder"),
+    Case("finetune-glue-wrong-header", "format",
+         lambda r: finetune(r, data=r.glue(train=sst2(["hello\t1"], "foo\tbar"))),
+         "train.tsv:1: SST-2: header column 1 is 'foo', expected 'sentence'"),
+    Case("finetune-glue-no-header", "format",
+         lambda r: finetune(r, data=r.glue(dev="\n".join(GOOD_ROWS) + "\n")),
+         "dev.tsv:1: SST-2: header column 1"),
+    Case("finetune-glue-label-outside-task", "content",
+         lambda r: finetune(r, data=r.glue(train=sst2([*GOOD_ROWS, "meh .\t2"]))),
+         "train.tsv:5: SST-2: label '2' not in the task's labels"),
+    Case("finetune-glue-empty-dev", "content",
+         lambda r: finetune(r, data=r.glue(dev=sst2([]))), "dev.tsv: SST-2: no examples"),
+    Case("finetune-glue-too-few-columns", "format",
+         lambda r: finetune(r, data=r.glue(train=sst2([*GOOD_ROWS, "no label"]))),
+         "train.tsv:5: SST-2: expected at least 2 tab-separated columns, got 1"),
+    Case("finetune-glue-not-utf8", "encoding",
+         lambda r: finetune(r, data=r.glue(train=sst2(GOOD_ROWS).encode() + LATIN1 + b"\t1\n")),
+         "train.tsv:5: not UTF-8 text"),
+    Case("finetune-stsb-score-out-of-range", "content",
+         lambda r: finetune(r, task="STS-B", data=stsb(r, "7.5")),
+         "STS-B: score '7.5' is not a number in [0, 5]"),
+    Case("finetune-squad-duplicate-ids", "content",
+         lambda r: finetune(r, task="squad", data=r.squad([QA, QA])), "question id q1 given twice"),
+    Case("finetune-squad-answer-out-of-range", "content",
+         lambda r: finetune(r, task="squad", data=r.squad([FAR])),
+         "question q1: answer_start 400 does not point at its answer 'Ada'"),
+    Case("finetune-conll-unknown-tag", "content",
+         lambda r: finetune(r, task="conll2003", data=conll(r, "Ada NNP B-NP B-PERSON")),
+         "train.txt:2: unknown NER tag 'B-PERSON'"),
+    Case("finetune-swag-missing-column", "format",
+         lambda r: finetune(r, task="swag", data=swag(r, "a,b\n1,2\n")),
+         "train.csv:1: not a SWAG csv"),
+    Case("finetune-model-without-config", "model",
+         lambda r: finetune(r, model=r.model(lambda m: (m / "config.json").unlink())),
+         "no config.json"),
+    Case("finetune-model-without-vocab", "model",
+         lambda r: finetune(r, model=r.model(lambda m: (m / "vocab.txt").unlink())),
+         "no vocab.txt"),
+    Case("finetune-heads-do-not-divide-hidden", "model",
+         lambda r: finetune(r, model=r.model(lambda m: r.config(m, num_attention_heads=3))),
+         "config.json: hidden_size 128 is not divisible by num_attention_heads 3"),
+    Case("finetune-config-not-json", "format",
+         lambda r: finetune(r, model=r.model(
+             lambda m: (m / "config.json").write_text('{"hidden_size": 128,\n'))),
+         "config.json:2: not valid JSON"),  # fmt: skip
+    Case("finetune-truncated-safetensors", "format",
+         lambda r: finetune(r, model=r.model(lambda m: truncate(m / "model.safetensors"))),
+         "model.safetensors: not a readable safetensors file"),
+    Case("finetune-pickle-with-objects", "model",
+         lambda r: finetune(r, model=r.model(pickled_objects)),
+         "pytorch_model.bin: holds objects other than tensors"),
+    Case("finetune-checkpoint-other-preset", "model",
+         lambda r: finetune(r, model=other_preset(r)),
+         "a checkpoint of 4 layers, config.json says 2"),
+    Case("finetune-seq-length-over-model", "model",
+         lambda r: finetune(r, "--max-seq-length", "1024"),
+         "max_seq_length 1024 exceeds the model's max_position_embeddings 512"),
+    Case("finetune-zero-epochs", "setting",
+         lambda r: finetune(r, "--epochs", "0"), "--epochs and --batch-size must be >= 1"),
+    Case("finetune-unknown-init", "setting",
+         lambda r: finetune(r, "--init", "zeros"), "--init must be one of pretrained, random"),
+    Case("finetune-bad-lr-sweep", "setting",
+         lambda r: finetune(r, "--lr-sweep", "fast"), "expected numbers separated by commas"),
+    Case("finetune-output-is-a-file", "output",
+         lambda r: ["finetune", "--task", "SST-2", "--data", r.good.glue, "--model",
+                    r.good.encoder, "--output", r.file("taken", "x"), "--max-train-examples",
+                    "8"], "exists and is a file"),  # fmt: skip
+    # ---- bert evaluate
+    Case("evaluate-not-a-finetune-output", "missing",
+         lambda r: evaluate(r, r.tmp), "metrics.json: no such file or folder (is"),
+    Case("evaluate-s3-missing-results", "missing",
+         lambda r: evaluate(r, s3("runs/sst2")), f"{s3('runs/sst2/metrics.json')}: no such file"),
+    Case("evaluate-metrics-not-json", "format",
+         lambda r: evaluate(r, r.results('{"task": "SST-2",\n "metrics": }')),
+         "metrics.json:2: not valid JSON"),
+    Case("evaluate-metrics-missing", "content",
+         lambda r: evaluate(r, r.results({"task": "MRPC", "metrics": {"f1": 0.8}})),
+         "MRPC: missing or non-finite metrics ['accuracy']"),
+    Case("evaluate-unknown-task", "content",
+         lambda r: evaluate(r, r.results({"task": "SST3", "metrics": {"accuracy": 1}})),
+         "unknown GLUE task 'SST3'"),
+    Case("evaluate-task-twice", "content",
+         lambda r: evaluate(r, r.good.results, r.copy(r.good.results, "again")),
+         "SST-2 given twice"),
+    Case("evaluate-systems-do-not-match", "setting",
+         lambda r: [*evaluate(r), "--system", "a", "--system", "b"],
+         "give one --system per --results"),
+    # ---- bert runs
+    Case("runs-negative-limit", "setting", lambda r: ["runs", "--limit", "-3"],
+         "--limit must be >= 1, got -3"),
+    Case("runs-unknown-experiment", "missing",
+         lambda r: ["runs", "--experiment", "no-such-experiment"],
+         "no MLflow experiment 'no-such-experiment'"),
+    # ---- bert predict
+    Case("predict-missing-model", "missing",
+         lambda r: ["predict", "--model", r.tmp / "nope", "--input", r.good.text,
+                    "--output", r.tmp / "out.jsonl"], "nope: no such model folder"),  # fmt: skip
+    Case("predict-encoder-without-head", "model",
+         lambda r: ["predict", "--model", r.model(lambda m: r.config(
+             m, architectures=["BertModel"])), "--input", r.good.text,
+             "--output", r.tmp / "out.jsonl"], "no prediction head we can serve"),  # fmt: skip
+    Case("predict-missing-input", "missing",
+         lambda r: predict(r, r.tmp / "nope.jsonl"), "nope.jsonl: no such file or folder"),
+    Case("predict-s3-missing-input", "missing",
+         lambda r: predict(r, s3("in.jsonl")), f"{s3('in.jsonl')}: no such file or folder"),
+    Case("predict-unknown-input-format", "format",
+         lambda r: predict(r, r.file("in.csv", "text\nok\n")), "unknown input format"),
+    Case("predict-bad-jsonl-line", "format",
+         lambda r: predict(r, r.file("in.jsonl", '{"text": "ok"}\n{"text": "cut\n')),
+         "in.jsonl:2: not JSON"),
+    Case("predict-tsv-row-fields", "format",
+         lambda r: predict(r, r.file("in.tsv", "sentence\tlabel\nok\t1\nno label\n")),
+         "in.tsv:3: 1 tab-separated fields, the header has 2"),
+    Case("predict-txt-not-utf8", "encoding",
+         lambda r: predict(r, r.file("in.txt", b"fine\n" + LATIN1)), "in.txt:2: not UTF-8 text"),
+    Case("predict-unknown-output-format", "output",
+         lambda r: predict(r, r.good.text, output="out.csv"), "unknown output format"),
+    Case("predict-missing-column", "content",
+         lambda r: predict(r, r.file("in.jsonl", '{"body": "no text column"}\n')),
+         "in.jsonl: missing column 'text'"),
+    # ---- bert embed
+    Case("embed-layer-outside-model", "setting",
+         lambda r: embed(r, r.good.text, "--layers", "-1,7"),  # as the help shows: a dash
+         "--layers 7: this model has hidden states 0..2"),
+    Case("embed-bad-layers", "setting",
+         lambda r: embed(r, r.good.text, "--layers", "top"), "--layers 'top'"),
+    Case("embed-output-not-parquet", "output",
+         lambda r: embed(r, r.good.text, output="out.jsonl"),
+         "out.jsonl: unknown output format: use .parquet"),
+    Case("embed-s3-missing-input", "missing",
+         lambda r: embed(r, s3("in.txt")), f"{s3('in.txt')}: no such file or folder"),
+    # ---- bert promote
+    Case("promote-no-candidate", "missing", lambda r: ["promote", "SST-2"],
+         "bert-sst2 has no 'candidate' version"),
+    Case("promote-no-such-version", "missing", lambda r: ["promote", "SST-2", "7"],
+         "bert-sst2 version 7"),
+    Case("promote-registration-off", "setting", lambda r: ["promote", "SST-2"],
+         "BERT_REGISTERED_MODEL=none: name the model", env={"BERT_REGISTERED_MODEL": "none"}),
+]  # fmt: skip
+
+QA = {"id": "q1", "question": "Who wrote it?", "answers": [{"text": "Ada", "answer_start": 0}]}
+FAR = {**QA, "answers": [{"text": "Ada", "answer_start": 400}]}  # past the end of the context
+
+
+def parquet(r: Row, name: str, columns: dict) -> Path:
+    pq.write_table(pa.table(columns), r.tmp / name)
+    return r.tmp / name
+
+
+def truncated_parquet(r: Row) -> Path:
+    path = parquet(r, "d.parquet", {"text": SENTENCES * 50})
+    truncate(path, 300)
+    return path
+
+
+def mixed_folder(r: Row) -> Path:
+    """A good book and random bytes: two files, cleaned by two worker processes (the error
+    crosses the process boundary)."""
+    r.copy(r.good.text, "books/book.txt")
+    r.file("books/junk.txt", RANDOM_BYTES)
+    return r.tmp / "books"
+
+
+def gzipped(path: Path) -> bytes:
+    import gzip
+
+    return gzip.compress(path.read_bytes())
+
+
+def stsb(r: Row, score: str) -> Path:
+    header = "index genre filename year old_index source1 source2 sentence1 sentence2 score"
+    row = "\t".join(["0", "g", "f", "y", "0", "s", "s", "A man.", "A woman.", score])
+    r.file("STS-B/train.tsv", "\t".join(header.split()) + "\n" + row + "\n")
+    r.file("STS-B/dev.tsv", "\t".join(header.split()) + "\n" + row + "\n")
+    return r.tmp / "STS-B"
+
+
+def swag(r: Row, csv: str) -> Path:
+    for name in ("train.csv", "val.csv"):
+        r.file(f"swag/{name}", csv)
+    return r.tmp / "swag"
+
+
+def conll(r: Row, bad_line: str) -> Path:
+    r.file("conll/train.txt", f"-DOCSTART- -X- -X- O\n{bad_line}\n")
+    r.file("conll/valid.txt", "Ada NNP B-NP B-PER\n")
+    return r.tmp / "conll"
+
+
+# ---------------------------------------------------------------------------------------- tests
+
+
+def run(argv: list, capsys) -> tuple[int, str]:
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def debris(out: Path) -> list[str]:
+    """What a run left beside its --output: staging (`.out.tmp-*`, `.out.old-*`)."""
+    return sorted(p.name for p in out.parent.glob(f".{out.name}.*"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, inputs: Inputs, services, tmp_path, capsys, monkeypatch):
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
+    row = Row(inputs, tmp_path)
+    argv = case.argv(row)
+    before = set(tmp_path.iterdir())
+    outputs = [Path(argv[i + 1]) for i, a in enumerate(argv) if a == "--output"]
+    code, err = run(argv, capsys)
+    assert code == case.code, err
+    assert case.message in err, err
+    assert "Traceback" not in err, err
+    for out in outputs:
+        if str(out).startswith("s3:"):
+            continue
+        if out in before:  # an existing file given as --output: left as it was
+            assert out.is_file() and out.read_text() in ("precious", "x")
+        else:
+            assert not out.exists(), f"{out} left behind"
+        if out.parent.is_dir():
+            assert debris(out) == []
+
+
+def test_catalogue_covers_every_command():
+    """At least 60 rows; every `bert` command has some; the summary for docs/reliability.md."""
+    commands = Counter(c.id.split("-")[0] for c in CASES)
+    kinds = Counter(c.kind for c in CASES)
+    assert len(CASES) >= 60
+    assert set(cli.COMMANDS) <= set(commands), set(cli.COMMANDS) - set(commands)
+    assert set(kinds) == set(CATEGORIES)
+    assert len({c.id for c in CASES}) == len(CASES)
+    print(f"{len(CASES)} rows;", dict(commands), dict(kinds))

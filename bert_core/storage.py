@@ -93,26 +93,56 @@ def filesystem(path: str | os.PathLike):
 
 
 @contextmanager
+def s3_errors(uri: str | os.PathLike, doing: str) -> Iterator[None]:
+    """An S3 request that failed (endpoint down, connection lost mid-transfer) as one line
+    naming the s3:// URI and the endpoint, instead of pyarrow's OSError and traceback.
+
+    What is retried before that: pyarrow's S3 filesystem retries each request (HEAD, LIST, GET,
+    PUT of a part) up to 3 attempts (its default AwsStandardS3RetryStrategy), boto3 clients up
+    to 5 (`s3_client`). All are safe to retry: reads change nothing, and a PUT of the same key
+    with the same bytes only writes it again. The step itself is not retried: run it again once
+    the endpoint is back (a download starts over in a fresh temporary folder). A local write
+    that found no room, a missing file and a `uri` that is not s3:// keep their OSError."""
+    import errno
+
+    try:
+        yield
+    except OSError as e:
+        local = not is_s3(uri) or isinstance(e, FileNotFoundError)
+        if local or e.errno in {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}:
+            raise
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BertError(
+            f"{uri}: {doing} failed at the S3 endpoint {s3_endpoint() or 'AWS S3'} ({reason}); "
+            "check that it is up (AWS_ENDPOINT_URL / MLFLOW_S3_ENDPOINT_URL) and run the step "
+            "again"
+        ) from None
+
+
+@contextmanager
 def local_copy(uri: str | os.PathLike) -> Iterator[Path]:
     """A local path holding `uri`'s data for the duration: a local path itself (untouched, not
     copied), an s3:// object or prefix downloaded to a temporary folder under its own name (so a
-    file keeps its suffix) and removed afterwards. Missing data raises FileNotFoundError."""
+    file keeps its suffix) and removed afterwards. Missing data raises FileNotFoundError; an
+    endpoint that fails, a `BertError` naming it (`s3_errors`)."""
     if not is_s3(uri):
         yield Path(uri)
         return
     import pyarrow.fs as pafs
 
     fs, path = filesystem(uri)
-    kind = fs.get_file_info(path).type
+    with s3_errors(uri, "reading"):
+        kind = fs.get_file_info(path).type
     if kind == pafs.FileType.NotFound:
         raise FileNotFoundError(f"{uri}: no such object or prefix")
     with tempfile.TemporaryDirectory(prefix="bert-s3-") as tmp:
         dest = Path(tmp) / (PurePosixPath(path).name or "data")
         if kind == pafs.FileType.Directory:
             dest.mkdir()
-        pafs.copy_files(
-            path, str(dest), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()
-        )
+        with s3_errors(uri, "reading"):
+            pafs.copy_files(
+                path, str(dest), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()
+            )
         yield dest
 
 
@@ -258,20 +288,21 @@ def copy(src: str | os.PathLike, dst: str | os.PathLike) -> int:
 
     src_fs, src_path = filesystem(src)
     dst_fs, dst_path = filesystem(dst)
-    info = src_fs.get_file_info(src_path)
-    if info.type == pafs.FileType.NotFound:
-        raise InputError(src, "not found")
-    if info.type == pafs.FileType.File:
-        files = [(src_path, dst_path)]
-    else:
-        found = src_fs.get_file_info(pafs.FileSelector(src_path, recursive=True))
-        files = [
-            (f.path, dst_path + f.path[len(src_path) :])
-            for f in found
-            if f.type == pafs.FileType.File
-        ]
-    for s, d in files:
-        if not is_s3(dst):  # object stores have no folders to create
-            os.makedirs(os.path.dirname(d) or ".", exist_ok=True)
-        pafs.copy_files(s, d, source_filesystem=src_fs, destination_filesystem=dst_fs)
+    with s3_errors(src if is_s3(src) else dst, f"copying {src} to {dst}"):
+        info = src_fs.get_file_info(src_path)
+        if info.type == pafs.FileType.NotFound:
+            raise InputError(src, "not found")
+        if info.type == pafs.FileType.File:
+            files = [(src_path, dst_path)]
+        else:
+            found = src_fs.get_file_info(pafs.FileSelector(src_path, recursive=True))
+            files = [
+                (f.path, dst_path + f.path[len(src_path) :])
+                for f in found
+                if f.type == pafs.FileType.File
+            ]
+        for s, d in files:
+            if not is_s3(dst):  # object stores have no folders to create
+                os.makedirs(os.path.dirname(d) or ".", exist_ok=True)
+            pafs.copy_files(s, d, source_filesystem=src_fs, destination_filesystem=dst_fs)
     return len(files)

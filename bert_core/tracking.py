@@ -213,23 +213,29 @@ def _server_errors(uri: str, step: str) -> Iterator[None]:
         raise
 
 
-def _end_once(status: str) -> None:
-    """End the active run on the failure path: one attempt, no retries (when the server is what
-    failed, retrying only delays the error; a run left RUNNING is ended by `end_stale_runs`)."""
-    import mlflow
-
-    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-    saved = {k: os.environ.get(k) for k in quick}
-    os.environ.update(quick)
+@contextmanager
+def environ(values: Mapping[str, str]) -> Iterator[None]:
+    """These environment variables for the duration; what was there before comes back after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
-        with contextlib.suppress(Exception):
-            mlflow.end_run(status)
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _end_once(status: str) -> None:
+    """End the active run on the failure path: one attempt, no retries (when the server is what
+    failed, retrying only delays the error; a run left RUNNING is ended by `end_stale_runs`)."""
+    import mlflow
+
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    with environ(quick), contextlib.suppress(Exception):
+        mlflow.end_run(status)
 
 
 @contextmanager

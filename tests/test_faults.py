@@ -14,12 +14,14 @@ of pretrain / finetune at atol 1e-6.
 Kill points: the first of each step at a seeded uniform time over the reference run's duration
 (it may fall in start-up, while the MLflow run opens, while the output is staged, or after the
 rename); the others a seeded uniform time into the window in which the reference run's output
-was being staged, counted from the moment the killed run's staging folder appears, so each step
-is also killed mid-write. Outcomes are printed (`pytest -s`).
+was being staged, counted from the moment the killed run's staging folder appears, so a step
+is also killed mid-write wherever the reference's staging could be seen at all (not `bert
+vocab`'s: it writes its few files in milliseconds). Outcomes are printed (`pytest -s`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -118,11 +120,11 @@ def _staging(output: Path, pid: int) -> bool:
 
 def _leftovers(mark: str) -> list[int]:
     """Processes still carrying `mark` in their environment (a step's children, Ray's)."""
-    pids = []
+    pids, entry = [], f"\0BERT_FAULT_MARK={mark}\0".encode()
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():
             try:
-                if f"BERT_FAULT_MARK={mark}".encode() in (proc / "environ").read_bytes():
+                if entry in b"\0" + (proc / "environ").read_bytes():
                     pids.append(int(proc.name))
             except OSError:  # gone meanwhile, or not ours
                 pass
@@ -137,7 +139,8 @@ def _assert_no_leftovers(mark: str, timeout: float = 60) -> None:
     while (pids := _leftovers(mark)) and time.monotonic() < end:
         time.sleep(0.5)
     for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     assert not pids, f"processes left running after the kill: {pids}"
 
 
@@ -338,9 +341,9 @@ class References:
         model.save_pretrained(self.root / "tiny", vocab_file=vocab)
         return self.root / "tiny"
 
-    def finetune_argv(self, examples: int = 200) -> list:
+    def finetune_argv(self) -> list:
         return ["finetune", "--task", "SST-2", "--data", self.data / "glue" / "SST-2",
-                "--model", self.tiny_model, "--epochs", 1, "--max-train-examples", examples,
+                "--model", self.tiny_model, "--epochs", 1, "--max-train-examples", 200,
                 "--max-eval-examples", 100, "--max-seq-length", 64, "--seed", 1]  # fmt: skip
 
     @cached_property
@@ -400,7 +403,9 @@ def _kill_at(run: Run, output: Path, point: KillPoint) -> str:
     return "mid-write" if _staging(output, run.proc.pid) else "outside a write"
 
 
-@pytest.mark.parametrize("step", list(KILLS))
+@pytest.mark.parametrize(
+    "step", [pytest.param(s, marks=[pytest.mark.slow] if s == "finetune" else []) for s in KILLS]
+)
 def test_a_killed_step_leaves_nothing_partial_and_its_rerun_equals_one_go(
     step, refs, tmp_path, empty_store
 ):

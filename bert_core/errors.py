@@ -9,6 +9,7 @@ step removes what it left.
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import shutil
@@ -71,7 +72,37 @@ def utf8_errors(path: str | os.PathLike, name: str | None = None) -> Iterator[No
         raise InputError(name or path, f"not UTF-8 text ({e.reason})", line=line) from None
 
 
-def _pid_alive(pid: int) -> bool:
+class OutputSpaceError(BertError):
+    """The output could not be written for lack of room: a full disk, a quota, or a file size
+    limit (`ulimit -f`). Named after the output the user asked for, not a staging path."""
+
+    def __init__(self, dest: Path, reason: str):
+        super().__init__(
+            f"cannot write the output {dest}: {reason}; nothing of this run is left there"
+        )
+        self.dest, self.reason = dest, reason
+
+
+# errno of a write that failed for lack of room, and how the message says it
+_NO_ROOM = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file size limit exceeded (ulimit -f) or file too large",
+}
+
+
+def _no_room(e: BaseException, dest: Path) -> OutputSpaceError | None:
+    """The error to raise instead of `e` when `e` is a write that found no room, else None.
+    Nested atomic outputs (a model folder inside a step's output) re-raise it under the
+    outermost output's name, the one on the command line."""
+    if isinstance(e, OutputSpaceError):
+        return OutputSpaceError(dest, e.reason)
+    if isinstance(e, OSError) and e.errno in _NO_ROOM:
+        return OutputSpaceError(dest, _NO_ROOM[e.errno])
+    return None
+
+
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -90,7 +121,7 @@ def _sweep_staging(dest: Path) -> None:
     for kind in ("tmp", "old"):
         for stale in dest.parent.glob(f".{glob.escape(dest.name)}.{kind}-*"):
             pid = stale.name[len(f".{dest.name}.{kind}-") :].split("-")[0]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 if stale.is_dir() and not stale.is_symlink():
                     shutil.rmtree(stale, ignore_errors=True)
                 else:
@@ -136,7 +167,8 @@ def atomic_dir(dest: str | os.PathLike, overwrite: bool = True) -> Iterator[Path
     An existing `dest` folder is swapped out in one atomic step and then deleted: readers see
     the old output or the new one, never neither, and no hidden copy of the old one stays. A
     `dest` that is a file is an error (it is never moved aside). Staging left by killed runs of
-    the same output is removed first.
+    the same output is removed first. A write that finds no room (full disk, quota, `ulimit -f`)
+    becomes an `OutputSpaceError` naming `dest`.
     """
     dest = Path(dest)
     if dest.exists() and not dest.is_dir():
@@ -147,8 +179,10 @@ def atomic_dir(dest: str | os.PathLike, overwrite: bool = True) -> Iterator[Path
     tmp.chmod(0o755)  # mkdtemp makes it 0700; outputs are read by other users (KFP, DVC)
     try:
         yield tmp
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if (room := _no_room(e, dest)) is not None:
+            raise room from None
         raise
     if not dest.exists():
         os.replace(tmp, dest)
@@ -163,7 +197,8 @@ def atomic_dir(dest: str | os.PathLike, overwrite: bool = True) -> Iterator[Path
 
 @contextmanager
 def atomic_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
-    """Open a temporary file next to `dest`; rename it over `dest` when the block succeeds."""
+    """Open a temporary file next to `dest`; rename it over `dest` when the block succeeds (a
+    write that finds no room: `OutputSpaceError`, as `atomic_dir`)."""
     dest = Path(dest)
     if dest.is_dir():
         raise BertError(f"the output {dest} exists and is a folder, not a file")
@@ -173,6 +208,8 @@ def atomic_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
         with open(tmp, mode) as f:
             yield f
         os.replace(tmp, dest)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if (room := _no_room(e, dest)) is not None:
+            raise room from None
         raise

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from bert_core import storage
-from bert_core.tracking import default_tags, flatten, start_run, tracking_uri
+from bert_core.tracking import default_tags, environ, flatten, start_run, tracking_uri
 
 PIPELINE_EXPERIMENT = "bert-pipeline"
 REGISTERED_MODEL = "bert-pretrained"
@@ -58,20 +58,11 @@ def start_pipeline_run(
     mlflow.set_experiment(pipeline)
     all_tags = {**default_tags(), "bert.pipeline": pipeline, "bert.step": "pipeline"}
     all_tags.update(tags or {})
-    saved = {k: os.environ.get(k) for k in ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME")}
     with mlflow.start_run(run_name=run_name, tags=all_tags) as run:
         if params:
             mlflow.log_params(flatten(params))
-        os.environ["BERT_PARENT_RUN_ID"] = run.info.run_id
-        os.environ["MLFLOW_EXPERIMENT_NAME"] = pipeline
-        try:
+        with environ({"BERT_PARENT_RUN_ID": run.info.run_id, "MLFLOW_EXPERIMENT_NAME": pipeline}):
             yield run
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
 
 def kfp_parent_run(kfp_run_id: str, pipeline: str = PIPELINE_EXPERIMENT) -> str:

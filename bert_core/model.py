@@ -355,15 +355,19 @@ class BertPreTrainedModel(nn.Module):
     # --- saving
 
     def save_pretrained(self, model_dir: str | Path, vocab_file: str | Path | None = None) -> None:
-        """Write config.json, model.safetensors and vocab.txt; atomically (temp dir + rename)."""
-        from safetensors.torch import save_file
+        """Write config.json, model.safetensors and vocab.txt; atomically (temp dir + rename).
+
+        The weights are serialised in memory and written by Python: safetensors' own file
+        writer reports a full disk as a `SafetensorError`, which hides the errno that
+        `atomic_dir` turns into a clear "no space" error."""
+        from safetensors.torch import save
 
         vocab = Path(vocab_file) if vocab_file is not None else self.vocab_file
         with atomic_dir(model_dir) as tmp:
             config = {"architectures": [type(self).__name__], **self.config.to_dict()}
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
             state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-            save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+            (tmp / WEIGHTS_NAME).write_bytes(save(state, metadata={"format": "pt"}))
             if vocab is not None:
                 for name in TOKENIZER_FILES:
                     if (vocab.parent / name).is_file():

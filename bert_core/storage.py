@@ -103,16 +103,30 @@ def not_found(uri: str | os.PathLike) -> FileNotFoundError:
 
 
 @contextmanager
-def s3_errors(uri: str | os.PathLike) -> Iterator[None]:
-    """pyarrow's S3 failures (no such bucket, unreachable endpoint, refused credentials) as one
-    line naming the URI and the endpoint, not a traceback from inside pyarrow."""
+def s3_errors(uri: str | os.PathLike, doing: str = "reading") -> Iterator[None]:
+    """An S3 request that failed (endpoint down, connection lost mid-transfer) as one line
+    naming the s3:// URI and the endpoint, instead of pyarrow's OSError and traceback.
+
+    What is retried before that: pyarrow's S3 filesystem retries each request (HEAD, LIST, GET,
+    PUT of a part) up to 3 attempts (its default AwsStandardS3RetryStrategy), boto3 clients up
+    to 5 (`s3_client`). All are safe to retry: reads change nothing, and a PUT of the same key
+    with the same bytes only writes it again. The step itself is not retried: run it again once
+    the endpoint is back (a download starts over in a fresh temporary folder). A local write
+    that found no room, a missing file and a `uri` that is not s3:// keep their OSError."""
+    import errno
+
     try:
         yield
     except OSError as e:
-        if isinstance(e, FileNotFoundError):
+        local = not is_s3(uri) or isinstance(e, FileNotFoundError)
+        if local or e.errno in {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}:
             raise
-        where = s3_endpoint() or "AWS S3"
-        raise BertError(f"{uri}: S3 at {where} failed: {str(e).splitlines()[0]}") from None
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BertError(
+            f"{uri}: {doing} failed at the S3 endpoint {s3_endpoint() or 'AWS S3'} ({reason}); "
+            "check that it is up (AWS_ENDPOINT_URL / MLFLOW_S3_ENDPOINT_URL) and run the step "
+            "again"
+        ) from None
 
 
 @contextmanager
@@ -129,7 +143,7 @@ def local_copy(uri: str | os.PathLike, siblings: tuple[str, ...] = ()) -> Iterat
     import pyarrow.fs as pafs
 
     fs, path = filesystem(uri)
-    with s3_errors(uri):
+    with s3_errors(uri, "reading"):
         kind = fs.get_file_info(path).type
     if kind == pafs.FileType.NotFound:
         raise not_found(uri)
@@ -138,7 +152,7 @@ def local_copy(uri: str | os.PathLike, siblings: tuple[str, ...] = ()) -> Iterat
         if kind == pafs.FileType.Directory:
             dest.mkdir()
         local = pafs.LocalFileSystem()
-        with s3_errors(uri):
+        with s3_errors(uri, "reading"):
             pafs.copy_files(path, str(dest), source_filesystem=fs, destination_filesystem=local)
             for name in siblings:
                 near = f"{PurePosixPath(path).parent}/{name}"
@@ -160,7 +174,7 @@ def output_dir(dest: str | os.PathLike) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="bert-out-") as tmp:
         yield Path(tmp)
         fs, path = filesystem(dest)
-        with s3_errors(dest):
+        with s3_errors(dest, "replacing the output"):
             fs.delete_dir_contents(path, missing_dir_ok=True)
         copy(tmp, dest)
 
@@ -321,7 +335,7 @@ def copy(src: str | os.PathLike, dst: str | os.PathLike) -> int:
 
     src_fs, src_path = filesystem(src)
     dst_fs, dst_path = filesystem(dst)
-    with s3_errors(src):
+    with s3_errors(src, "reading"):
         info = src_fs.get_file_info(src_path)
     if info.type == pafs.FileType.NotFound:
         raise not_found(src)
@@ -337,6 +351,6 @@ def copy(src: str | os.PathLike, dst: str | os.PathLike) -> int:
     for s, d in files:
         if not is_s3(dst):  # object stores have no folders to create
             os.makedirs(os.path.dirname(d) or ".", exist_ok=True)
-        with s3_errors(dst if is_s3(dst) else src):
+        with s3_errors(dst if is_s3(dst) else src, f"copying {src} to {dst}"):
             pafs.copy_files(s, d, source_filesystem=src_fs, destination_filesystem=dst_fs)
     return len(files)

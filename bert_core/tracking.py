@@ -18,21 +18,47 @@ timeout) serialises the writes.
 Only explicit settings are logged as parameters: never the environment, so credentials in it
 cannot leak into MLflow.
 
+A run must never stay RUNNING after its process is gone. A step that fails ends its run FAILED
+(KILLED on Ctrl-C). A step killed outright (SIGKILL, a lost node) or one that lost its tracking
+server cannot end its run, so every run carries the process that opened it (`bert.step.host`
+and `bert.step.process`: pid namespace, pid, start time) and the next run of the same step on
+the same machine marks such a run KILLED once that process is gone (`end_stale_runs`). A
+tracking server that dies during a step fails the step within seconds (`HTTP_DEFAULTS`) with one
+line naming the server, instead of MLflow's traceback after minutes of retries.
+
 The pipeline side (parent runs, DVC hashes, the model registry) is `bert_core.lineage`, which
 builds on this module; nothing here knows about pipelines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+
+from bert_core.errors import BertError, pid_alive
 
 DEFAULT_EXPERIMENT = "bert"
+PROCESS_TAG = "bert.step.process"
+# MLflow's HTTP client retries a refused connection 7 times with a doubling back-off (minutes:
+# sized for a rate-limited hosted service) and waits up to 120 s for an answer. Our tracking
+# server is self-hosted and never rate-limits, so a dead one should fail a step in seconds:
+# 3 retries, 0 + 2 + 4 s of back-off (plus up to 1 s of jitter each). Defaults only: a value
+# set in the environment wins. MLflow retries every request, POSTs included; a retried
+# create-run whose first answer was lost could leave a second RUNNING run, which carries this
+# process's tag and so is ended by `end_stale_runs` like any other.
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
+}
 
 
 def default_store(cwd: Path | None = None) -> Path:
@@ -46,8 +72,12 @@ def default_store(cwd: Path | None = None) -> Path:
 
 
 def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI, else the default store's SQLite URI; a SQLite store is ready (its
-    tables created) before the URI is handed out."""
+    """The step's tracking URI (module docstring): MLFLOW_TRACKING_URI, else the default store's
+    SQLite URI; a SQLite store is ready (its tables created) before the URI is handed out. Also
+    sets `HTTP_DEFAULTS` in the environment where unset, before MLflow or Ray workers (which
+    inherit it) make any request."""
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{default_store()}"
     db = sqlite_file(uri)
     if db is not None:
@@ -106,8 +136,67 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def _start_time(pid: int | str) -> str:
+    """A process's start time (clock ticks since boot, /proc/PID/stat field 22): with the pid it
+    names one process even after the pid is reused. "-" where there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "-"
+    return stat[stat.rindex(")") + 2 :].split()[19]
+
+
+def _pid_namespace() -> str:
+    """Containers sharing a host name can still see different pids: the namespace tells."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "-"
+
+
+def process_tag() -> str:
+    """This process, as the `bert.step.process` tag: `PIDNS/PID/START` (see `process_gone`)."""
+    return f"{_pid_namespace()}/{os.getpid()}/{_start_time('self')}"
+
+
+def process_gone(tag: str) -> bool:
+    """True only when sure that the process named by `tag` (`process_tag` on this host) has
+    ended: same pid namespace, and its pid is dead or now another process. False when unsure:
+    another namespace, no tag, a malformed one."""
+    parts = tag.split("/")
+    if len(parts) != 3 or parts[0] != _pid_namespace() or not parts[1].isdigit():
+        return False
+    if not pid_alive(int(parts[1])):
+        return True
+    return parts[2] != "-" and _start_time(parts[1]) not in {parts[2], "-"}
+
+
+def end_stale_runs(client, experiment_id: str, step: str) -> list[str]:
+    """Mark KILLED the runs of `step` left RUNNING by a process of this machine that is gone
+    (SIGKILL, or a step that lost its tracking server and could not end its run), with their
+    RUNNING nested runs (a sweep's trials); returns their ids. A run of another machine, or of a
+    process that may still be alive, is left alone: only its own machine can tell."""
+    running = "attributes.status = 'RUNNING'"
+    mine = f"tags.`bert.step` = '{step}' and tags.`bert.step.host` = '{os.uname().nodename}'"
+    ended = []
+    for run in client.search_runs([experiment_id], f"{running} and {mine}", max_results=1000):
+        if not process_gone(run.data.tags.get(PROCESS_TAG, "")):
+            continue
+        children = f"{running} and tags.`mlflow.parentRunId` = '{run.info.run_id}'"
+        for child in client.search_runs([experiment_id], children, max_results=1000):
+            client.set_terminated(child.info.run_id, "KILLED")
+        client.set_terminated(run.info.run_id, "KILLED")
+        ended.append(run.info.run_id)
+        print(
+            f"bert {step}: marked MLflow run {run.info.run_id} KILLED (left RUNNING by a "
+            "process that is gone)",
+            file=sys.stderr,
+        )
+    return ended
+
+
 def default_tags() -> dict[str, str]:
-    tags = {"bert.step.host": os.uname().nodename}
+    tags = {"bert.step.host": os.uname().nodename, PROCESS_TAG: process_tag()}
     commit = os.environ.get("BERT_GIT_COMMIT") or git_commit()
     if commit:
         tags["mlflow.source.git.commit"] = commit
@@ -118,30 +207,100 @@ def default_tags() -> dict[str, str]:
     return tags
 
 
-def _set_experiment(parent: str | None) -> None:
-    """A nested run lives in its parent's experiment, or the MLflow UI cannot show the tree."""
+def _set_experiment(parent: str | None) -> str:
+    """A nested run lives in its parent's experiment, or the MLflow UI cannot show the tree.
+    Returns the experiment's id."""
     import mlflow
 
     if parent:
-        mlflow.set_experiment(experiment_id=mlflow.get_run(parent).info.experiment_id)
-    else:
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_EXPERIMENT))
+        experiment_id = mlflow.get_run(parent).info.experiment_id
+        return mlflow.set_experiment(experiment_id=experiment_id).experiment_id
+    return mlflow.set_experiment(
+        os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_EXPERIMENT)
+    ).experiment_id
+
+
+def _server_lost(uri: str, step: str, error: BaseException) -> BertError | None:
+    """The error to report instead of `error` when the tracking server behind `uri` no longer
+    answers (it failed the step): one line naming the server. None when there is no server or
+    it answers (then `error` is something else and keeps its traceback)."""
+    from bert_core.storage import check_tracking
+
+    if isinstance(error, BertError) or urlparse(uri).scheme not in {"http", "https"}:
+        return None
+    try:
+        check_tracking(uri, timeout=5)
+    except BertError as lost:
+        return BertError(
+            f"{lost}. The step stopped ({step}); run it again once the server is back: the "
+            "MLflow run this attempt could not end is then marked KILLED"
+        )
+    return None
+
+
+@contextmanager
+def _server_errors(uri: str, step: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as e:
+        if (lost := _server_lost(uri, step, e)) is not None:
+            raise lost from None
+        raise
+
+
+@contextmanager
+def environ(values: Mapping[str, str]) -> Iterator[None]:
+    """These environment variables for the duration; what was there before comes back after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _end_once(status: str) -> None:
+    """End the active run on the failure path: one attempt, no retries (when the server is what
+    failed, retrying only delays the error; a run left RUNNING is ended by `end_stale_runs`)."""
+    import mlflow
+
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    with environ(quick), contextlib.suppress(Exception):
+        mlflow.end_run(status)
 
 
 @contextmanager
 def start_run(
     step: str, params: Mapping[str, Any] | Any = (), tags: Mapping[str, str] | None = None
 ) -> Iterator[Any]:
-    """Open the MLflow run of one step (nested under the pipeline's run when there is one)."""
+    """Open the MLflow run of one step (nested under the pipeline's run when there is one),
+    after marking KILLED this step's runs that dead processes of this machine left RUNNING.
+    The run ends FINISHED, or FAILED when the block raises (KILLED on Ctrl-C); a lost tracking
+    server becomes a `BertError` naming it."""
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri())
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
     parent = os.environ.get("BERT_PARENT_RUN_ID") or None
-    _set_experiment(parent)
     all_tags = {**default_tags(), "bert.step": step, **(tags or {})}
-    with mlflow.start_run(
-        run_name=step, nested=parent is not None, parent_run_id=parent, tags=all_tags
-    ) as run:
+    with _server_errors(uri, step):
+        experiment_id = _set_experiment(parent)
+        end_stale_runs(mlflow.MlflowClient(uri), experiment_id, step)
+        run = mlflow.start_run(
+            run_name=step, nested=parent is not None, parent_run_id=parent, tags=all_tags
+        )
+    try:
         if params:
             mlflow.log_params(flatten(params))
         yield run
+    except BaseException as e:
+        _end_once("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        if (lost := _server_lost(uri, step, e)) is not None:
+            raise lost from None
+        raise
+    with _server_errors(uri, step):
+        mlflow.end_run()

@@ -204,7 +204,8 @@ def test_step_tracking_imports_no_lineage_and_no_cli():
         "print(sorted(m for m in sys.modules if m.startswith('bert_core')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["['bert_core',", "'bert_core.tracking']"]
+    # errors: the bottom of the library (BertError, pid_alive), which imports nothing of it
+    assert out.stdout.split() == ["['bert_core',", "'bert_core.errors',", "'bert_core.tracking']"]
 
 
 def test_default_store_is_the_project_or_the_user_data_folder(tmp_path, monkeypatch):

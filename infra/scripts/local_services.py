@@ -135,11 +135,15 @@ def start_s3(workdir: Path, port: int | None = None, buckets: tuple[str, ...] = 
     return service
 
 
-def start_mlflow(workdir: Path, s3_url: str, artifacts: str, port: int | None = None) -> Service:
-    """`mlflow server` with a SQLite backend and artifacts proxied to `artifacts` (s3://...).
+def start_mlflow(
+    workdir: Path, s3_url: str | None, artifacts: str, port: int | None = None
+) -> Service:
+    """`mlflow server` with a SQLite backend and artifacts proxied to `artifacts` (s3://..., or
+    a local folder with `s3_url` None).
 
     Clients log artifacts through the server (mlflow-artifacts:/), so only the server holds the
-    S3 credentials, as in the cluster deployment.
+    S3 credentials, as in the cluster deployment. The same `workdir` and `port` again restart a
+    server on the same store (what the fault tests do after killing one).
     """
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
@@ -152,7 +156,7 @@ def start_mlflow(workdir: Path, s3_url: str, artifacts: str, port: int | None = 
         "--backend-store-uri", f"sqlite:///{(workdir / 'mlflow.db').resolve()}",
         "--artifacts-destination", artifacts,
     ]  # fmt: skip
-    env = client_env(s3_url)
+    env = client_env(s3_url) if s3_url else dict(os.environ)
     proc = _spawn("mlflow", cmd, env, log)
     service = Service("mlflow", url, proc, log, {"MLFLOW_TRACKING_URI": url})
     try:

@@ -103,13 +103,24 @@ def ready_sqlite_store(uri: str, db: Path) -> None:
     wait here for the lock, then find the tables. Later calls take the lock for a moment only:
     MLflow caches the opened store per URI."""
     import fcntl
+    import logging
 
     from mlflow import MlflowClient
 
     db.parent.mkdir(parents=True, exist_ok=True)
+    # MLflow announces a new store's tables and migrations at INFO ("Creating initial MLflow
+    # database tables..."): noise on a step's stderr, where an error must be the one line
+    quiet = [logging.getLogger(name) for name in ("mlflow.store.db.utils", "alembic")]
+    levels = [log.level for log in quiet]
     with open(f"{db}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-        MlflowClient(uri).search_experiments(max_results=1)
+        try:
+            for log in quiet:
+                log.setLevel(logging.WARNING)
+            MlflowClient(uri).search_experiments(max_results=1)
+        finally:
+            for log, level in zip(quiet, levels, strict=True):
+                log.setLevel(level)
 
 
 def flatten(params: Mapping[str, Any] | Any, prefix: str = "") -> dict[str, str]:

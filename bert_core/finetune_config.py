@@ -38,6 +38,17 @@ def float_list(text: str) -> tuple[float, ...] | None:
         raise argparse.ArgumentTypeError(message) from None
 
 
+def optional_int(text: str) -> int | None:
+    """'2000' -> 2000; '' or 'none' -> None: `-S finetune.max_train_examples=none` in DVC asks
+    for the whole training set, as leaving the option out does."""
+    if text.strip().lower() in ("", "none"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none': {text!r}") from None
+
+
 @dataclass
 class FinetuneConfig:
     """Fine-tuning hyper-parameters; the defaults are the paper's (section 4.1, appendix A.3)."""
@@ -102,8 +113,9 @@ def config_options(parser: argparse.ArgumentParser, config_class: type[FinetuneC
     hints, defaults = typing.get_type_hints(config_class), config_class()
     for f in fields(config_class):
         kind = hints[f.name]
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None`: an int
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None`
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            kind = optional_int if kind is int else kind
         meta = _metadata(config_class, f.name)
         default = getattr(defaults, f.name)
         names = (f"--{f.name.replace('_', '-')}", *meta["aliases"])

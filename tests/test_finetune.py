@@ -302,6 +302,12 @@ def test_options_come_from_the_config_fields(tmp_path) -> None:
     assert cfg.init == "random"
     args = build_parser(load_task("MRPC")).parse_args(["--task", "MRPC", *run, "--lr-sweep", ""])
     assert config_from_args(args, FinetuneConfig).lr_sweep is None  # an empty pipeline parameter
+    whole = [*run, "--max-train-examples", "none", "--max-eval-examples", "300"]
+    args = build_parser(load_task("MRPC")).parse_args(["--task", "MRPC", *whole])
+    assert (args.max_train_examples, args.max_eval_examples) == (None, 300)  # DVC's `-S ...=none`
+    with pytest.raises(SystemExit):
+        build_parser(load_task("MRPC")).parse_args(["--task", "MRPC", *run, "--max-eval-examples",
+                                                    "all"])  # fmt: skip
     ner = build_parser(load_task("conll2003"))
     assert ner.parse_args(["--task", "x", *run, "--document-context"]).document_context is True
     assert ner.parse_args(["--task", "x", *run]).document_context is False

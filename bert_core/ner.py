@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_core import storage
 from bert_core.conlleval import conlleval
 from bert_core.errors import InputError, utf8_errors
 from bert_core.finetune import (
@@ -162,28 +163,18 @@ def download(dest: str | Path, url: str = CONLL_URL) -> Path:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     names = ("train.txt", "valid.txt")
-    if url.endswith(".zip"):
-        with urllib.request.urlopen(url, timeout=60) as r:
-            archive = zipfile.ZipFile(io.BytesIO(r.read()))
-        members = {Path(m).name: m for m in archive.namelist()}
-        missing = [n for n in names if n not in members]
-        if missing:
-            raise InputError(url, f"archive has no {missing}")
-        fetch = lambda n: archive.read(members[n])  # noqa: E731
-    else:
-
-        def fetch(n: str) -> bytes:
-            with urllib.request.urlopen(url.rstrip("/") + "/" + n, timeout=60) as r:
-                return r.read()
-
+    if not url.endswith(".zip"):
+        for name in names:
+            storage.download(url.rstrip("/") + "/" + name, dest / name, read_conll)
+        return dest
+    with urllib.request.urlopen(url, timeout=60) as r:
+        archive = zipfile.ZipFile(io.BytesIO(r.read()))
+    members = {Path(m).name: m for m in archive.namelist()}
+    missing = [n for n in names if n not in members]
+    if missing:
+        raise InputError(url, f"archive has no {missing}")
     for name in names:
-        part = dest / f".{name}.part"
-        try:
-            part.write_bytes(fetch(name))
-            read_conll(part)
-            part.replace(dest / name)
-        finally:
-            part.unlink(missing_ok=True)
+        storage.download(url, dest / name, read_conll, data=archive.read(members[name]))
     return dest
 
 

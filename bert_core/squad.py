@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_core import storage
 from bert_core.errors import InputError, utf8_errors
 from bert_core.finetune import (
     FinetuneConfig,
@@ -172,14 +172,8 @@ def download(dest: str | Path, version: str = "1.1", base_url: str = OFFICIAL_UR
     dest.mkdir(parents=True, exist_ok=True)
     for split in ("train", "dev"):
         name = f"{split}-v{version}.json"
-        part = dest / f".{name}.part"
-        try:
-            with urllib.request.urlopen(base_url.rstrip("/") + "/" + name, timeout=60) as r:
-                part.write_bytes(r.read())
-            read_squad(part, version)
-            part.replace(dest / name)
-        finally:
-            part.unlink(missing_ok=True)
+        url = base_url.rstrip("/") + "/" + name
+        storage.download(url, dest / name, lambda part: read_squad(part, version))
     return dest
 
 

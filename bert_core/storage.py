@@ -33,7 +33,7 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
@@ -239,6 +239,25 @@ def digest(*uris: str | os.PathLike) -> str:
         for name, size, md5 in sorted(_entries(uri)):
             h.update(f"{name}\t{size}\t{md5}\n".encode())
     return h.hexdigest()[:32]
+
+
+def download(
+    url: str, dest: Path, check: Callable[[Path], object], data: bytes | None = None
+) -> Path:
+    """Fetch `url` (or keep `data`, a member of an archive fetched from it) as `dest`: written to
+    a hidden `.part` beside it and read by `check` before the rename, so a truncated or wrong
+    download leaves nothing behind and its error names the `.part` file and line."""
+    part = dest.with_name(f".{dest.name}.part")
+    try:
+        if data is None:
+            with urllib.request.urlopen(url, timeout=60) as r:
+                data = r.read()
+        part.write_bytes(data)
+        check(part)
+        part.replace(dest)
+    finally:
+        part.unlink(missing_ok=True)
+    return dest
 
 
 def check_tracking(uri: str, timeout: float = 5.0) -> None:

@@ -22,7 +22,6 @@ dev example: `id,label,prediction,score0..score3`.
 from __future__ import annotations
 
 import csv
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_core import storage
 from bert_core.errors import InputError, utf8_errors
 from bert_core.finetune import FinetuneConfig, FinetuneTask, pad, padding_mask, predict_batches
 from bert_core.finetune import sample as sample_examples
@@ -95,14 +95,7 @@ def download(dest: str | Path, base_url: str = OFFICIAL_URL) -> Path:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for name in SPLIT_FILES.values():
-        part = dest / f".{name}.part"
-        try:
-            with urllib.request.urlopen(base_url.rstrip("/") + "/" + name, timeout=60) as r:
-                part.write_bytes(r.read())
-            read_swag(part)
-            part.replace(dest / name)
-        finally:
-            part.unlink(missing_ok=True)
+        storage.download(base_url.rstrip("/") + "/" + name, dest / name, read_swag)
     return dest
 
 

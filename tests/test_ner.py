@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
 import re
-import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 
 from bert_core import cli
 from bert_core.conlleval import conlleval
+from bert_core.errors import InputError
 from bert_core.finetune import load_tokenizer
 from bert_core.model import BertConfig, BertForPreTraining
 from bert_core.ner import (
@@ -122,24 +121,31 @@ def test_bad_conll_is_a_clear_error_and_no_output(
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 
-def test_download_from_a_local_server(tmp_path: Path, shared_data: Path) -> None:
-    handler = functools.partial(
-        http.server.SimpleHTTPRequestHandler, directory=str(shared_data / "conll2003")
-    )
-    handler.log_message = lambda *a, **k: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/"
-        download(tmp_path / "conll", url)
-        for name in ("train.txt", "valid.txt"):
-            got = (tmp_path / "conll" / name).read_bytes()
-            assert got == (shared_data / "conll2003" / name).read_bytes()
-        with pytest.raises(Exception, match="404"):
-            download(tmp_path / "missing", url + "nothing-here/")
-        assert not list((tmp_path / "missing").iterdir())  # nothing partial left behind
-    finally:
-        server.shutdown()
+def test_download_from_a_local_server(tmp_path: Path, shared_data: Path, serve) -> None:
+    """From a folder URL and from a .zip (the official file's form, members in a sub-folder);
+    a zip without valid.txt is an error naming it, and nothing is kept."""
+    served = tmp_path / "served"
+    served.mkdir()
+    for name, members in (("full.zip", ("train.txt", "valid.txt")), ("half.zip", ("train.txt",))):
+        with zipfile.ZipFile(served / name, "w") as z:
+            for m in members:
+                z.write(shared_data / "conll2003" / m, f"conll2003/{m}")
+    url = serve(served)
+    download(tmp_path / "from-zip", url + "full.zip")
+    for name in ("train.txt", "valid.txt"):
+        got = (tmp_path / "from-zip" / name).read_bytes()
+        assert got == (shared_data / "conll2003" / name).read_bytes()
+    with pytest.raises(InputError, match=r"half\.zip.*archive has no \['valid.txt'\]"):
+        download(tmp_path / "half", url + "half.zip")
+    assert not list((tmp_path / "half").iterdir())
+    url = serve(shared_data / "conll2003")
+    download(tmp_path / "conll", url)
+    for name in ("train.txt", "valid.txt"):
+        got = (tmp_path / "conll" / name).read_bytes()
+        assert got == (shared_data / "conll2003" / name).read_bytes()
+    with pytest.raises(Exception, match="404"):
+        download(tmp_path / "missing", url + "nothing-here/")
+    assert not list((tmp_path / "missing").iterdir())  # nothing partial left behind
 
 
 @pytest.mark.slow

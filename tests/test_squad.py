@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -177,27 +174,20 @@ def test_bad_squad_is_a_clear_error_and_no_output(
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 
-def test_download_from_a_local_server(tmp_path: Path, shared_data: Path) -> None:
+def test_download_from_a_local_server(tmp_path: Path, shared_data: Path, serve) -> None:
     served = tmp_path / "served"
     served.mkdir()
     for name in ("train-v1.1.json", "dev-v1.1.json"):  # the official names
         (served / name).symlink_to(shared_data / "squad" / "train.json")
     (served / "train-v2.0.json").write_text('{"data": [{"title": "cut')  # truncated
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
-    handler.log_message = lambda *a, **k: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/"
-        download(tmp_path / "squad", "1.1", url)
-        original = (shared_data / "squad" / "train.json").read_bytes()
-        assert (tmp_path / "squad" / "train-v1.1.json").read_bytes() == original
-        assert (tmp_path / "squad" / "dev-v1.1.json").read_bytes() == original
-        with pytest.raises(ValueError, match="train-v2.0.json.*not valid JSON"):
-            download(tmp_path / "v2", "2.0", url)
-        assert not list((tmp_path / "v2").iterdir())  # nothing partial left behind
-    finally:
-        server.shutdown()
+    url = serve(served)
+    download(tmp_path / "squad", "1.1", url)
+    original = (shared_data / "squad" / "train.json").read_bytes()
+    assert (tmp_path / "squad" / "train-v1.1.json").read_bytes() == original
+    assert (tmp_path / "squad" / "dev-v1.1.json").read_bytes() == original
+    with pytest.raises(ValueError, match="train-v2.0.json.*not valid JSON"):
+        download(tmp_path / "v2", "2.0", url)
+    assert not list((tmp_path / "v2").iterdir())  # nothing partial left behind
 
 
 @pytest.mark.slow

@@ -5,11 +5,8 @@ other books)."""
 from __future__ import annotations
 
 import csv
-import functools
-import http.server
 import json
 import re
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -137,24 +134,17 @@ def test_reads_featurises_and_batches_official_csv(tmp_path: Path, minilm_dir: P
         read_swag(path)
 
 
-def test_download_from_a_local_server(tmp_path: Path, shared_data: Path) -> None:
+def test_download_from_a_local_server(tmp_path: Path, shared_data: Path, serve) -> None:
     served = write_swag(tmp_path / "served", shared_data / "corpus", 8, 4)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "train.csv").write_text("not,a,swag,file\n")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
-    handler.log_message = lambda *a, **k: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/"
-        download(tmp_path / "swag", url + "served/")
-        for name in ("train.csv", "val.csv"):
-            assert (tmp_path / "swag" / name).read_bytes() == (served / name).read_bytes()
-        with pytest.raises(ValueError, match="train.csv.part:1: not a SWAG csv"):
-            download(tmp_path / "partial", url + "bad/")
-        assert not list((tmp_path / "partial").iterdir())  # nothing partial left behind
-    finally:
-        server.shutdown()
+    url = serve(tmp_path)
+    download(tmp_path / "swag", url + "served/")
+    for name in ("train.csv", "val.csv"):
+        assert (tmp_path / "swag" / name).read_bytes() == (served / name).read_bytes()
+    with pytest.raises(ValueError, match="train.csv.part:1: not a SWAG csv"):
+        download(tmp_path / "partial", url + "bad/")
+    assert not list((tmp_path / "partial").iterdir())  # nothing partial left behind
 
 
 @pytest.mark.slow

@@ -84,7 +84,7 @@ class OutputSpaceError(BertError):
 
 
 # errno of a write that failed for lack of room, and how the message says it
-_NO_ROOM = {
+NO_ROOM = {
     errno.ENOSPC: "no space left on the device",
     errno.EDQUOT: "disk quota exceeded",
     errno.EFBIG: "file size limit exceeded (ulimit -f) or file too large",
@@ -97,8 +97,8 @@ def _no_room(e: BaseException, dest: Path) -> OutputSpaceError | None:
     outermost output's name, the one on the command line."""
     if isinstance(e, OutputSpaceError):
         return OutputSpaceError(dest, e.reason)
-    if isinstance(e, OSError) and e.errno in _NO_ROOM:
-        return OutputSpaceError(dest, _NO_ROOM[e.errno])
+    if isinstance(e, OSError) and e.errno in NO_ROOM:
+        return OutputSpaceError(dest, NO_ROOM[e.errno])
     return None
 
 

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
-from bert_core.errors import BertError, atomic_dir, atomic_file
+from bert_core.errors import NO_ROOM, BertError, atomic_dir, atomic_file
 
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")
 
@@ -113,13 +113,11 @@ def s3_errors(uri: str | os.PathLike, doing: str = "reading") -> Iterator[None]:
     with the same bytes only writes it again. The step itself is not retried: run it again once
     the endpoint is back (a download starts over in a fresh temporary folder). A local write
     that found no room, a missing file and a `uri` that is not s3:// keep their OSError."""
-    import errno
-
     try:
         yield
     except OSError as e:
         local = not is_s3(uri) or isinstance(e, FileNotFoundError)
-        if local or e.errno in {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}:
+        if local or e.errno in NO_ROOM:
             raise
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BertError(

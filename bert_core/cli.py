@@ -105,14 +105,23 @@ def kfp_step(argv: list[Any], pipeline: str | None = None) -> None:
         raise RuntimeError(f"bert {argv[0]} exited with code {code}")
 
 
-def kfp_pipeline_run(settings: dict[str, Any]) -> Any:
-    """The first task: open this KFP run's MLflow parent run with its settings, record the
-    content digest of each data input on it (`mlflow.log_input`) and return the digests, the
-    task's outputs (a `lineage.DataDigests`). Missing data fails here, before any step starts.
-    lineage is imported in each KFP helper, not at the top: `bert clean` never loads it."""
+def _run_settings(settings: dict[str, Any], *lists: list) -> dict[str, Any]:
+    """A KFP run's settings with its three task lists, which the tasks take as inputs of their
+    own (inside a dict, KFP pastes a list in as broken text)."""
+    names = ("finetune.tasks", "finetune.control_tasks", "finetune.token_tasks")
+    return {**settings, **dict(zip(names, lists, strict=True))}
+
+
+def kfp_pipeline_run(settings: dict[str, Any], *lists: list) -> Any:
+    """The first task: open this KFP run's MLflow parent run with its settings and task lists
+    (`_run_settings`), record the content digest of each data input on it
+    (`mlflow.log_input`) and return the digests, the task's outputs (a `lineage.DataDigests`).
+    Missing data fails here, before any step starts. lineage is imported in each KFP helper,
+    not at the top: `bert clean` never loads it."""
     from bert_core import lineage
 
     require_tracking_server()
+    settings = _run_settings(settings, *lists)
     parent = lineage.kfp_pipeline_run(settings)
     inputs = lineage.data_inputs(lineage.parse_settings(settings))
     digests = lineage.data_digests(inputs)
@@ -120,6 +129,19 @@ def kfp_pipeline_run(settings: dict[str, Any]) -> Any:
         lineage.log_data_inputs(parent, inputs, digests)
     print(f"MLflow parent run: {parent}; data digests: {dict(digests._asdict())}")
     return digests
+
+
+def kfp_finetune_jobs(settings: dict[str, Any], *lists: list) -> list[dict]:
+    """The run's fine-tunings (from its `settings` and task `lists`), one list for the
+    pipeline's one fan-out (`bert_core.finetune_jobs`), each job with its options and its task
+    data's digest; nothing to fine-tune fails here, before any step starts."""
+    from bert_core import lineage, storage
+    from bert_core.finetune_jobs import finetune_jobs
+
+    settings = lineage.parse_settings(_run_settings(settings, *lists))
+    jobs = finetune_jobs(settings, storage.digest)
+    print("fine-tunings:", ", ".join(job["name"] for job in jobs))
+    return jobs
 
 
 def kfp_pipeline_end(state: str) -> str | None:

@@ -191,8 +191,39 @@ def kfp_pipeline_run(settings: dict[str, Any], pipeline: str = PIPELINE_EXPERIME
     return parent
 
 
+# The exit handler's `PipelineTaskFinalStatus.state` -> the MLflow parent run's end status.
+# The KFP backend (2.17.0, MLMD-based) hands over the ML Metadata state of the exit handler's
+# DAG (`backend/src/v2/driver/resolve.go`: `GetLastKnownState().String()`): COMPLETE, FAILED,
+# CANCELED (CACHED for a task); kfp.local hands over SUCCEEDED or FAILED.
+END_STATUS = {
+    "COMPLETE": "FINISHED",
+    "CACHED": "FINISHED",
+    "SUCCEEDED": "FINISHED",
+    "FAILED": "FAILED",
+    "CANCELED": "KILLED",
+    "CANCELLED": "KILLED",
+}
+LAST_STEP = "evaluate"  # the pipeline's last step, never cached: it ran iff the DAG succeeded
+
+
+def end_status(state: str, parent_run_id: str) -> str:
+    """The MLflow status that closes a pipeline's parent run, from the state its exit handler
+    was given. A state that is not final (RUNNING, NEW, UNKNOWN) is what the backend hands over
+    when it never settled the DAG: it sets a DAG's state only after a task's launcher publishes
+    (`backend/src/v2/metadata/client.go`, `UpdateDAGExecutionsState`, called from
+    `backend/src/v2/component/launcher_v2.go`), so a DAG whose last tasks were cache hits, or
+    whose failing task never reached its launcher, stays RUNNING. Then the run's own record
+    decides: FINISHED when its last step finished under this parent run, else FAILED."""
+    status = END_STATUS.get(state.upper())
+    if status:
+        return status
+    last = child_runs(parent_run_id, LAST_STEP)
+    return "FINISHED" if any(r.info.status == "FINISHED" for r in last) else "FAILED"
+
+
 def kfp_pipeline_end(state: str, pipeline: str = PIPELINE_EXPERIMENT) -> str | None:
-    """Close the MLflow parent run of this Kubeflow run with the run's final state.
+    """Close the MLflow parent run of this Kubeflow run with the run's final state
+    (`end_status`).
 
     The pipeline's exit handler: no process holds a Kubeflow parent run open, so without it
     the run would show as running forever in the MLflow UI, whatever happened to the pipeline.
@@ -202,9 +233,9 @@ def kfp_pipeline_end(state: str, pipeline: str = PIPELINE_EXPERIMENT) -> str | N
     kfp_run_id = os.environ.get("KFP_RUN_ID", "")
     if not kfp_run_id:
         return None
-    status = {"SUCCEEDED": "FINISHED", "CANCELED": "KILLED", "CANCELLED": "KILLED"}
-    status = status.get(state.upper(), "FAILED")
-    MlflowClient(tracking_uri()).set_terminated(kfp_parent_run(kfp_run_id, pipeline), status)
+    parent = kfp_parent_run(kfp_run_id, pipeline)
+    status = end_status(state, parent)
+    MlflowClient(tracking_uri()).set_terminated(parent, status)
     return status
 
 

@@ -14,7 +14,7 @@ through the environment instead (`KFP_RUN_ID`, see pipelines/bert_pipeline.py).
 The image is the project's (infra/docker/Dockerfile), chosen at compile time with BERT_IMAGE; it
 already holds every package, so nothing is pip-installed when a step starts (the compiled
 command runs `python3 -m kfp.dsl.executor_main` straight away). The pipeline swaps in the
-`train_image` parameter for the fine-tuning tasks at run time (`set_container_image`).
+`cluster_train_image` parameter for the fine-tuning tasks at run time (`set_container_image`).
 
 The data digests (`corpus_digest`, `data_digest`) are inputs a step does not read: they are
 there for KFP's cache key, which sees parameter values but never the data behind a path, so new
@@ -27,10 +27,11 @@ from typing import List, NamedTuple  # noqa: UP035 - KFP reads these annotations
 from kfp import dsl
 from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
 
-from pipelines.cluster import IMAGE as DEFAULT_IMAGE
+from pipelines import cluster
 
-IMAGE = os.environ.get("BERT_IMAGE", DEFAULT_IMAGE)
-TRAIN_IMAGE = os.environ.get("BERT_TRAIN_IMAGE", IMAGE)  # default of the `train_image` parameter
+IMAGE = os.environ.get("BERT_IMAGE", cluster.IMAGE)
+# the default of the `cluster_train_image` parameter: the fine-tuning pods' image
+TRAIN_IMAGE = os.environ.get("BERT_TRAIN_IMAGE", cluster.CUDA_IMAGE)
 
 
 def component(func):
@@ -44,17 +45,28 @@ def pipeline_run(settings: dict, tasks: list, control_tasks: list, token_tasks: 
 ):
     """The MLflow parent run of this KFP run, with the run's settings as its parameters and its
     data inputs' content digests; first in the DAG and never cached, so it exists before any
-    step looks for it and the digests it outputs are always fresh (the steps reading the data
-    take them as inputs, see the module docstring). The list settings come as inputs of their
-    own: inside a dict, KFP pastes a list in as broken text."""
+    step looks for it and the digests it outputs are always fresh (`clean` takes the corpus's,
+    see the module docstring). The list settings come as inputs of their own: inside a dict,
+    KFP pastes a list in as broken text."""
     from bert_core.cli import kfp_pipeline_run
 
-    lists = {
-        "finetune.tasks": tasks,
-        "finetune.control_tasks": control_tasks,
-        "finetune.token_tasks": token_tasks,
-    }
-    return kfp_pipeline_run({**settings, **lists})
+    return kfp_pipeline_run(settings, tasks, control_tasks, token_tasks)
+
+
+@component
+def finetune_jobs(
+    settings: dict, tasks: list, control_tasks: list, token_tasks: list
+) -> List[dict]:  # noqa: UP006
+    """The run's fine-tunings as one list, the pipeline's one fan-out (`bert_core.finetune_jobs`:
+    the GLUE, control and token-level lists, each job with its `bert finetune` options and its
+    task data's digest, for the cache key). Never cached: the digests are always fresh. A task
+    of its own, with one output: kfp.local loops only over a task's single `Output`. Typed
+    `List[dict]`, not `list`: the loop item is then a STRUCT; of a plain list, kfp declares it
+    a STRING, the backend's driver turns each job into JSON text and the finetune task's driver
+    refuses it (backend/src/v2/driver/resolve.go, resolveInputs: type mismatch)."""
+    from bert_core.cli import kfp_finetune_jobs
+
+    return kfp_finetune_jobs(settings, tasks, control_tasks, token_tasks)
 
 
 @component
@@ -146,39 +158,20 @@ def pretrain(
 @component
 def finetune(
     pretrained: Input[Model],
-    data_dir: str,
-    task: str,
-    epochs: int,
-    batch_size: int,
-    learning_rate: float,
-    max_seq_length: int,
-    max_train_examples: int,
-    lr_sweep: str,
-    restarts: int,
-    data_digest: str,
+    job: dict,
     finetuned: Output[Model],
     metrics: Output[Metrics],
-    max_eval_examples: int = 0,
-    init: str = "pretrained",
 ):
-    """bert finetune on one task, `{data_dir}/{task}`: a GLUE task (data_dir: the GLUE folder)
-    or a token-level one (conll2003, squad; data_dir: the folder holding it), local or s3://.
-    The pipeline fans this out with dsl.ParallelFor over the GLUE tasks, over them again with
-    `init=random` (the control) and over the token-level ones; 0 max_eval_examples means the
-    whole dev set. `lr_sweep` ('none', 'paper' or a comma list) and `restarts`: the paper's
-    protocol, every trial a nested MLflow run, the best on dev kept (bert_core.sweep). The
+    """bert finetune, one job of the run's fine-tuning fan-out (`finetune_jobs`):
+    `job["options"]` are its `bert finetune` options (task, data folder, local
+    or s3://, init, epochs, lengths, `--lr-sweep` / `--restarts`: the paper's protocol, every
+    trial a nested MLflow run, the best on dev kept); the model and output are this step's. The
     device is the pod's: cuda when it was given a GPU, else cpu (`--device auto`).
-    `data_digest`: the cache key's."""
+    `job["data_digest"]`: the task data's digest, there for the cache key."""
     from bert_core.cli import kfp_metrics, kfp_step
 
-    kfp_step(
-        ["finetune", "--task", task, "--data", f"{data_dir}/{task}"]
-        + ["--model", f"{pretrained.path}/model", "--output", finetuned.path]
-        + ["--epochs", epochs, "--batch-size", batch_size, "--learning-rate", learning_rate]
-        + ["--max-seq-length", max_seq_length, "--max-train-examples", max_train_examples]
-        + ["--device", "auto", "--init", init, "--lr-sweep", lr_sweep, "--restarts", restarts]
-        + (["--max-eval-examples", max_eval_examples] if max_eval_examples > 0 else [])
-    )
+    model = ["--model", f"{pretrained.path}/model", "--output", finetuned.path]
+    kfp_step(["finetune", *job["options"], *model])
     for name, value in kfp_metrics(f"{finetuned.path}/metrics.json").items():
         metrics.log_metric(name, value)
 
@@ -186,25 +179,19 @@ def finetune(
 @component
 def evaluate(
     results: Input[List[Model]],  # noqa: UP006
-    control_results: Input[List[Model]],  # noqa: UP006
-    token_results: Input[List[Model]],  # noqa: UP006
     glue: Output[Dataset],
     table: Output[Markdown],
     metrics: Output[Metrics],
 ):
-    """bert evaluate: the GLUE table (rendered by the KFP UI as Markdown) and the GLUE score,
-    a "random init" row and the gain when the control ran, NER / SQuAD rows when token-level
-    tasks ran (control_results and token_results may be empty; evaluate groups the folders
-    into systems by their init). The metrics are the evaluate step's MLflow metrics
-    (fractions)."""
+    """bert evaluate over every fine-tuned model of the run: the GLUE table (rendered by the KFP
+    UI as Markdown) and the GLUE score, a "random init" row and the gain when the control ran,
+    NER / SQuAD rows when token-level tasks ran (evaluate groups the folders into systems by
+    their init). The metrics are the evaluate step's MLflow metrics (fractions)."""
     import shutil
 
     from bert_core.cli import kfp_metrics, kfp_step
 
-    # an empty loop's Collected outputs may arrive as None rather than []
-    collected = [*(results or []), *(control_results or []), *(token_results or [])]
-    folders = [r.path for r in collected]
-    kfp_step(["evaluate", "--results", *folders, "--output", glue.path])
+    kfp_step(["evaluate", "--results", *[r.path for r in results], "--output", glue.path])
     shutil.copyfile(f"{glue.path}/glue_table.md", table.path)
     for name, value in kfp_metrics(f"{glue.path}/glue_results.json").items():
         metrics.log_metric(name, value)

@@ -1,33 +1,36 @@
 """The BERT DAG as a Kubeflow Pipelines v2 pipeline: compile it, run it locally, or submit it.
 
-    pipeline-run -> clean -> vocab -> instances -> pretrain -> finetune (ParallelFor: GLUE)
-                                                          -> finetune (ParallelFor: control)
-                                                          -> finetune (ParallelFor: token)
-                                                             all -> evaluate
+    pipeline-run -> finetune-jobs -> clean -> vocab -> instances -> pretrain
+        -> finetune (ParallelFor over finetune-jobs' list) -> evaluate (all of them)
     pipeline-end (the exit handler, after everything)
 
-The random-init control (`finetune_control_tasks`: the GLUE tasks fine-tuned from random weights,
-the "random init" row and the gain of evaluate's table) and the token-level tasks
-(`finetune_token_tasks`: conll2003, squad) reuse the finetune component; an empty list runs
-nothing (the token list is empty by default). The first task,
-`pipeline-run` (uncached), opens the run's MLflow parent run with its settings and outputs a
-content digest of each data input, which the steps reading that data take as an input, so new
-data under the same URI changes their cache keys. The exit handler (`pipeline-end`) closes the
-parent run with the run's final state. The steps read the KFP run id from the environment, so it
-never enters their cache keys (see `pod`).
+One fan-out runs every fine-tuning: the GLUE tasks from the pre-trained model, the random-init
+control (`finetune_control_tasks`: the "random init" row and the gain of evaluate's table) and
+the token-level tasks (`finetune_token_tasks`: conll2003, squad). Two small uncached tasks come
+first: `pipeline-run` opens the run's MLflow parent run with its settings and records and
+outputs the content digest of each data input; `finetune-jobs` turns the three lists into one
+(`bert_core.finetune_jobs`, which says why: a loop over an empty list stops the run on the
+Kubeflow backend), each job with its own task data's digest. The steps reading the data take
+those digests as inputs, so new data under the same URI changes their cache keys. Nothing starts
+before both checked the run's inputs. The exit handler (`pipeline-end`) closes the parent run
+with the run's final state. The steps read the KFP run id from the environment, so it never
+enters their cache keys (see `pod`).
 
-Every task runs as a cluster pod needs it to (`pod`): the ConfigMap `bert-pipeline-env` and the
-Secrets `bert-s3` (and, optional, `bert-mlflow-auth`) as environment variables
-(`pipelines/cluster.py` names them). The fine-tuning tasks run the `train_image` parameter's
-image with `gpus` GPUs each (both run-time parameters: `gpus=0` and the CPU image by default);
-everything else, pretrain included, runs the CPU image: pretrain submits its training to the
-RayCluster as a Ray job, whose workers use the GPUs (`pretrain_use_gpu`) there, and KFP retries
-it with backoff (it resumes from its last checkpoint).
+Every task runs as a cluster pod needs it to (`pod`): requests and limits, the ConfigMap
+`bert-pipeline-env` and the Secrets `bert-s3` (and, optional, `bert-mlflow-auth`) as environment
+variables (`pipelines/cluster.py` names them); pretrain also loads `bert-ray-auth`, the token of
+the RayCluster it submits its training to as a Ray job (its workers use the GPUs there,
+`pretrain_use_gpu`), and KFP retries it with backoff (it resumes from its last checkpoint). The
+fine-tuning tasks run the `cluster_train_image` image with `cluster_finetune_gpus` GPUs each, on
+nodes chosen by `cluster_gpu_node_selector` and `cluster_gpu_tolerations` (all run-time
+parameters); everything else runs the CPU image.
 
-Parameter defaults come from params.yaml (the file `dvc repro` reads too), so the KFP UI, DVC
-and `make run` start from the same settings, except the data inputs, whose defaults are the
-cluster's s3:// URIs (`pipelines/cluster.py`: a pod has no workstation paths; `local` puts
-params.yaml's back). A parameter is `section_key`; its step's component takes it as `key`, so
+The parameters are the KFP UI's run form, each with its description (`PARAMETERS`), named
+`section_key` after params.yaml's sections (data, vocab and instances: the pre-training data,
+model, pretrain, finetune) plus `cluster_*`: the UI lists them by name, so each group stays
+together. Their defaults are the cluster's (`pipelines/cluster.py` SETTINGS: BERT-Base and the
+paper's settings, data under the bucket), not params.yaml's, which are the 2-core workstation's
+(`make run`, DVC; `local` runs with those). A step's component takes `section_key` as `key`, so
 each params.yaml section is the keyword arguments of its step (`section`).
 
     python -m pipelines.bert_pipeline compile [--image IMAGE] [--train-image IMAGE]
@@ -38,9 +41,9 @@ each params.yaml section is the keyword arguments of its step (`section`).
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +72,75 @@ def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:
 
 
 P = load_params()  # params.yaml's settings (DVC's), workstation data paths included
-DEFAULTS = {**P, **cluster.DATA}  # the pipeline's parameter defaults from params.yaml
+DEFAULTS = cluster.SETTINGS  # the cluster's; the fine-tuning image is the one compiled in
 
-# The pipeline's own parameters, beside params.yaml's: the fine-tuning tasks' image and GPUs.
-# Logged on the MLflow parent run under `kfp.<name>`.
-RUNTIME = ("train_image", "gpus")
+# The run form, one line per parameter: what the KFP UI shows beside each field. Grouped by the
+# name's first word (the UI lists parameters by name): cluster, data, finetune, instances (the
+# pre-training data), model, pretrain, vocab.
+PARAMETERS = {
+    "data_corpus": "[data] Raw text to pre-train on: an s3:// file or prefix of .txt, .jsonl or "
+    ".parquet files (upload it first: docs/cluster.md).",
+    "data_glue": "[data] s3:// prefix holding one folder per GLUE task (train.tsv, dev.tsv).",
+    "data_token": "[data] s3:// prefix holding conll2003/ and squad/ for the token-level tasks.",
+    "vocab_vocab_size": "[pre-training data] WordPiece vocabulary size learned from the corpus "
+    "(the paper's vocabulary: 30,522).",
+    "instances_max_seq_length": "[pre-training data] Tokens per pre-training sequence (the "
+    "paper: 128 for 90% of the steps; at most the model's 512 positions).",
+    "instances_max_predictions_per_seq": "[pre-training data] Most masked positions predicted "
+    "per sequence (the paper: 20 at 128 tokens).",
+    "instances_masked_lm_prob": "[pre-training data] Fraction of tokens masked (the paper: 0.15).",
+    "instances_dupe_factor": "[pre-training data] Passes over the corpus, each with other masks "
+    "(the paper: 10).",
+    "instances_random_seed": "[pre-training data] Seed of the masking and sentence pairing.",
+    "instances_masking_recipe": "[pre-training data] [MASK]/random/unchanged split of the "
+    "masked tokens in %: 80/10/10 is the paper's; its Table 8 ablates e.g. 100/0/0.",
+    "model_preset": "[model] Size: tiny, mini, small, medium, base (BERT-Base, 110M) or large "
+    "(BERT-Large, 340M).",
+    "pretrain_steps": "[pre-training] Optimizer steps (the paper: 1,000,000; a trial run: a few "
+    "thousand).",
+    "pretrain_batch_size": "[pre-training] Sequences per step over all workers (the paper: 256).",
+    "pretrain_num_workers": "[pre-training] Ray Train workers (one GPU each with pretrain_use_gpu)"
+    "; the batch size must divide by it.",
+    "pretrain_learning_rate": "[pre-training] Peak learning rate, warmed up then decayed "
+    "linearly (the paper: 1e-4).",
+    "pretrain_use_gpu": "[pre-training] Train on the RayCluster's GPU workers (false: its CPUs).",
+    "pretrain_objective": "[pre-training] mlm+nsp (the paper's) or mlm (Table 5's No NSP).",
+    "finetune_tasks": "[fine-tuning] GLUE tasks fine-tuned from the pre-trained model, e.g. "
+    '["SST-2", "MRPC"]; each is a folder under data_glue.',
+    "finetune_epochs": "[fine-tuning] Epochs per GLUE task (the paper: 3).",
+    "finetune_batch_size": "[fine-tuning] Batch size, GLUE and token-level (the paper: 32).",
+    "finetune_learning_rate": "[fine-tuning] Learning rate when finetune_lr_sweep is none.",
+    "finetune_max_seq_length": "[fine-tuning] Tokens per GLUE example.",
+    "finetune_max_train_examples": "[fine-tuning] A seeded sample of each GLUE training set; 0: "
+    "all of it.",
+    "finetune_control_tasks": "[fine-tuning] GLUE tasks also fine-tuned from random weights: the "
+    "'random init' row and the gain of pre-training in the results table; [] for none.",
+    "finetune_lr_sweep": "[fine-tuning] paper: try 5e-5, 4e-5, 3e-5, 2e-5 and keep the best on "
+    "dev (the paper's protocol); a comma list of rates; none: finetune_learning_rate alone.",
+    "finetune_restarts": "[fine-tuning] Random restarts per learning rate, best on dev kept (the "
+    "paper used several for BERT-Large on small tasks).",
+    "finetune_token_tasks": "[fine-tuning] Token-level tasks: conll2003 (NER), squad (SQuAD "
+    "v1.1); each is a folder under data_token; [] for none.",
+    "finetune_token_epochs": "[fine-tuning] Epochs per token-level task (the paper: 3 for SQuAD).",
+    "finetune_token_max_seq_length": "[fine-tuning] Tokens per token-level example (the paper: "
+    "384 for SQuAD).",
+    "finetune_token_max_train_examples": "[fine-tuning] A seeded sample of each token-level "
+    "training set; 0: all of it.",
+    "finetune_token_max_eval_examples": "[fine-tuning] A seeded sample of each token-level dev "
+    "set; 0: all of it.",
+    "cluster_train_image": "[cluster] Image of the fine-tuning pods: the CUDA image for GPUs, "
+    'the CPU image with cluster_finetune_gpus "0".',
+    "cluster_finetune_gpus": "[cluster] GPUs per fine-tuning pod (nvidia.com/gpu), as text: "
+    '"1"; "0" on CPU nodes.',
+    "cluster_gpu_node_selector": "[cluster] Node labels the fine-tuning pods must run on, e.g. "
+    '{"nvidia.com/gpu.present": "true"}; {} for any node.',
+    "cluster_gpu_tolerations": "[cluster] Taints the fine-tuning pods tolerate (Kubernetes "
+    "toleration objects); the default tolerates the usual nvidia.com/gpu taint.",
+}
+
+# Parameters outside params.yaml, logged on the MLflow parent run as `kfp.<name>`: where the
+# fine-tuning ran. (The node selector and tolerations are placement, not results: not logged.)
+RUNTIME = ("cluster_train_image", "cluster_finetune_gpus")
 
 
 def section(settings: Mapping[str, Any], name: str, leave_out: Iterable[str] = ()) -> dict:
@@ -82,51 +149,6 @@ def section(settings: Mapping[str, Any], name: str, leave_out: Iterable[str] = (
     prefix = f"{name}_"
     keys = {k: k.removeprefix(prefix) for k in settings if k.startswith(prefix)}
     return {key: settings[k] for k, key in keys.items() if key not in set(leave_out)}
-
-
-@dataclass(frozen=True)
-class FineTuning:
-    """One fine-tuning fan-out: the tasks it loops over, the folder holding their data (one
-    sub-folder per task), that data's digest output of `pipeline-run`, the finetune component's
-    other inputs, and its names in the KFP UI."""
-
-    tasks: Any
-    data_dir: Any
-    digest: str
-    inputs: dict[str, Any]
-    loop: str
-    display: str
-
-
-def fine_tunings(s: Mapping[str, Any]) -> list[FineTuning]:
-    """GLUE (`finetune.*`), its random-init control (`finetune.control_tasks`, the same settings
-    with `init=random`) and the token-level tasks (`finetune.token_*`; batch size, learning rate
-    and sweep are the GLUE ones), in this order: evaluate's `results`, `control_results`,
-    `token_results`."""
-    finetune = section(s, "finetune", leave_out=["tasks", "control_tasks"])
-    glue = {k: v for k, v in finetune.items() if not k.startswith("token_")}
-    token = {**glue, **section(s, "finetune_token", leave_out=["tasks"])}
-    return [
-        FineTuning(
-            s["finetune_tasks"], s["data_glue"], "glue_digest", glue, "glue-tasks", "finetune"
-        ),
-        FineTuning(
-            s["finetune_control_tasks"],
-            s["data_glue"],
-            "glue_digest",
-            {**glue, "init": "random"},
-            "control-tasks",
-            "finetune-control",
-        ),  # fmt: skip
-        FineTuning(
-            s["finetune_token_tasks"],
-            s["data_token"],
-            "token_digest",
-            token,
-            "token-tasks",
-            "finetune-token",
-        ),  # fmt: skip
-    ]
 
 
 def _kfp():
@@ -140,23 +162,50 @@ def _kfp():
 
 # Retries of the pretrain task: its Ray job resumes from the last checkpoint in the bucket, so a
 # lost pod or a failed job costs minutes; backoff 1, 2, 4 minutes lets a restarted head settle.
-PRETRAIN_RETRY = {"num_retries": 3, "backoff_duration": "60s", "backoff_factor": 2.0}
+# Argo counts the retries' max duration from the first attempt's start (argo-workflows
+# operator.go; KFP's default is 3600s): a BERT-Base pre-training runs for days, and a failure
+# after the max duration is never retried, so it is 30 days here.
+PRETRAIN_RETRY = {
+    "num_retries": 3,
+    "backoff_duration": "60s",
+    "backoff_factor": 2.0,
+    "backoff_max_duration": "2592000s",
+}
+
+# Requests and limits per task: (cpu request, cpu limit, memory). Memory's limit is its request
+# (a pod is never killed for using what the scheduler promised it). The data steps are sized for
+# a corpus of a few GB; pretrain only submits and follows its Ray job, the training runs on the
+# RayCluster; a fine-tuning holds BERT-Base, its optimizer state and a dev set.
+RESOURCES = {
+    "pipeline-run": ("500m", "1", "1G"),
+    "finetune-jobs": ("500m", "1", "1G"),
+    "clean": ("2", "4", "8G"),
+    "vocab": ("2", "4", "8G"),
+    "instances": ("4", "8", "16G"),
+    "pretrain": ("1", "2", "4G"),
+    "finetune": ("4", "8", "16G"),
+    "evaluate": ("1", "2", "2G"),
+    "pipeline-end": ("500m", "1", "1G"),
+}
 
 
-def pod(task, name: str, cpu: str, memory: str):
-    """A task as a cluster pod: its display name and resources, the ConfigMap and Secrets of
-    `pipelines/cluster.py` as environment variables (kfp-kubernetes), and the KFP run id as
-    `KFP_RUN_ID` from the pod label (downward API). Passed as an input, the run id would enter
-    every step's cache key and no later run could reuse a step; an environment variable does
-    not, so caching works across runs and each step still nests its MLflow run under its
-    pipeline run."""
+def pod(task, name: str, secrets: Iterable[tuple[str, tuple[str, ...]]] = ()):
+    """A task as a cluster pod: its display name, requests and limits (RESOURCES), the
+    ConfigMap and Secrets of `pipelines/cluster.py` (and `secrets`, pairs of name and keys) as
+    environment variables (kfp-kubernetes), and the KFP run id as `KFP_RUN_ID` from the pod
+    label (downward API). Passed as an input, the run id would enter every step's cache key and
+    no later run could reuse a step; an environment variable does not, so caching works across
+    runs and each step still nests its MLflow run under its pipeline run."""
     from kfp import kubernetes
 
-    task.set_display_name(name).set_cpu_request(cpu).set_memory_request(memory)
+    cpu, cpu_limit, memory = RESOURCES[name]
+    task.set_display_name(name).set_cpu_request(cpu).set_cpu_limit(cpu_limit)
+    task.set_memory_request(memory).set_memory_limit(memory)
     kubernetes.use_config_map_as_env(
         task, cluster.CONFIG_MAP, {key: key for key in cluster.CONFIG_KEYS}
     )
-    kubernetes.use_secret_as_env(task, cluster.SECRET, {key: key for key in cluster.SECRET_KEYS})
+    for secret, keys in [(cluster.SECRET, cluster.SECRET_KEYS), *secrets]:
+        kubernetes.use_secret_as_env(task, secret, {key: key for key in keys})
     kubernetes.use_secret_as_env(
         task, cluster.AUTH_SECRET, {key: key for key in cluster.AUTH_KEYS}, optional=True
     )
@@ -166,12 +215,14 @@ def pod(task, name: str, cpu: str, memory: str):
 
 
 def build_pipeline():
-    """The pipeline function: the DAG of the module docstring, its defaults DEFAULTS.
+    """The pipeline function: the DAG of the module docstring, its defaults DEFAULTS (but the
+    fine-tuning image: `steps.TRAIN_IMAGE`, `--train-image` at compile time), its parameters'
+    descriptions PARAMETERS (KFP reads them from the docstring's Args).
 
     Its parameters are what a user sets for a run (KFP UI, `--set`): one per params.yaml key,
-    `section_key`, and RUNTIME's. The body is `dag`."""
+    `section_key`, and the `cluster_*` ones. The body is `dag`."""
     dsl, steps = _kfp()
-    D = DEFAULTS
+    D = {**DEFAULTS, "cluster_train_image": steps.TRAIN_IMAGE}
 
     def bert_pipeline(
         data_corpus: str = D["data_corpus"],
@@ -205,45 +256,65 @@ def build_pipeline():
         finetune_token_max_seq_length: int = D["finetune_token_max_seq_length"],
         finetune_token_max_train_examples: int = D["finetune_token_max_train_examples"],
         finetune_token_max_eval_examples: int = D["finetune_token_max_eval_examples"],
-        train_image: str = steps.TRAIN_IMAGE,
-        gpus: int = 0,
+        cluster_train_image: str = D["cluster_train_image"],
+        cluster_finetune_gpus: str = D["cluster_finetune_gpus"],
+        cluster_gpu_node_selector: dict = D["cluster_gpu_node_selector"],
+        cluster_gpu_tolerations: list = D["cluster_gpu_tolerations"],
     ):
-        settings = {k: v for k, v in locals().items() if k in D or k in RUNTIME}  # by name
-        dag(dsl, steps, settings)
+        dag(dsl, steps, {k: v for k, v in locals().items() if k in PARAMETERS})  # by name
 
+    args = "\n".join(f"    {name}: {text}" for name, text in PARAMETERS.items())
+    bert_pipeline.__doc__ = f"{DESCRIPTION}\n\nArgs:\n{args}\n"
     return dsl.pipeline(name=NAME, description=DESCRIPTION)(bert_pipeline)
 
 
 def dag(dsl, steps, s: dict[str, Any]) -> None:
     """The pipeline's body: the MLflow bracket (`pipeline-run` first, `pipeline-end` as the exit
-    handler) around clean -> vocab -> instances -> pretrain -> the fine-tuning fan-outs ->
+    handler) around clean -> vocab -> instances -> pretrain -> the fine-tuning fan-out ->
     evaluate. `s`: the pipeline parameters."""
     # the exit handler closes the MLflow parent run, whatever becomes of the steps
-    end = pod(steps.pipeline_end(), "pipeline-end", cpu="1", memory="1G")
+    end = pod(steps.pipeline_end(), "pipeline-end")
     with dsl.ExitHandler(end.set_caching_options(False), name="bert"):
-        start = pod(steps.pipeline_run(**parent_run(s)), "pipeline-run", cpu="1", memory="1G")
+        start = pod(steps.pipeline_run(**parent_run(s)), "pipeline-run")
         digests = start.set_caching_options(False).outputs
+        jobs = pod(steps.finetune_jobs(**parent_run(s)).after(start), "finetune-jobs")
+        jobs.set_caching_options(False)
         cl = steps.clean(corpus=s["data_corpus"], corpus_digest=digests["corpus_digest"])
-        pod(cl, "clean", cpu="2", memory="4G")
+        pod(cl.after(jobs), "clean")  # nothing starts before the run's inputs are checked
         vo = steps.vocab(cleaned=cl.outputs["cleaned"], **section(s, "vocab"))
-        pod(vo, "vocab", cpu="2", memory="4G")
+        pod(vo, "vocab")
         ins = steps.instances(
             cleaned=cl.outputs["cleaned"],
             wordpiece=vo.outputs["wordpiece"],
             **section(s, "instances"),
         )
-        pod(ins, "instances", cpu="2", memory="8G")
+        pod(ins, "instances")
         pretrain = {"preset": s["model_preset"], **section(s, "pretrain")}
         pre = steps.pretrain(shards=ins.outputs["shards"], **pretrain)
-        pod(pre, "pretrain", cpu="2", memory="8G").set_retry(**PRETRAIN_RETRY)
-        results, control_results, token_results = [
-            finetune_loop(dsl, steps, pre.outputs["pretrained"], f, digests[f.digest], s)
-            for f in fine_tunings(s)
-        ]
-        ev = steps.evaluate(
-            results=results, control_results=control_results, token_results=token_results
-        )
-        pod(ev, "evaluate", cpu="1", memory="2G")
+        ray_auth = (cluster.RAY_AUTH_SECRET, cluster.RAY_AUTH_KEYS)
+        pod(pre, "pretrain", secrets=[ray_auth]).set_retry(**PRETRAIN_RETRY)
+        with dsl.ParallelFor(jobs.output, name="finetune") as job:
+            ft = pod(steps.finetune(pretrained=pre.outputs["pretrained"], job=job), "finetune")
+            on_gpu_nodes(ft, s)
+        # never cached: each run's MLflow parent gets its own table (and the exit handler
+        # reads this step's run to tell a finished run, lineage.end_status)
+        ev = steps.evaluate(results=dsl.Collected(ft.outputs["finetuned"]))
+        pod(ev, "evaluate").set_caching_options(False)
+
+
+def on_gpu_nodes(task, s: Mapping[str, Any]) -> None:
+    """A fine-tuning pod: the `cluster_train_image` image, `cluster_finetune_gpus` GPUs, the
+    nodes `cluster_gpu_node_selector` picks and the taints `cluster_gpu_tolerations` allows."""
+    from kfp import kubernetes
+
+    task.set_container_image(s["cluster_train_image"])
+    task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(s["cluster_finetune_gpus"])
+    # kfp 2.17's set_accelerator_limit does not register its channel (set_container_image
+    # does), so inside a ParallelFor the loop never receives it and the backend could not
+    # resolve the GPU count: the pod harness found it. Register it by hand.
+    task.register_pipeline_channels([s["cluster_finetune_gpus"]])
+    kubernetes.add_node_selector_json(task, s["cluster_gpu_node_selector"])
+    kubernetes.add_toleration_json(task, s["cluster_gpu_tolerations"])
 
 
 # The list parameters, `finetune_<name>`: pipeline-run takes each as an input of its own.
@@ -262,72 +333,46 @@ def parent_run(s: Mapping[str, Any]) -> dict[str, Any]:
     return {"settings": settings, **lists}
 
 
-def finetune_loop(dsl, steps, pretrained, fine_tuning: FineTuning, digest, s: Mapping[str, Any]):
-    """One `dsl.ParallelFor` of the finetune component, each task in the `train_image` image
-    with `gpus` GPUs; returns its collected models."""
-    f = fine_tuning
-    with dsl.ParallelFor(f.tasks, name=f.loop) as task:
-        ft = steps.finetune(
-            pretrained=pretrained, data_dir=f.data_dir, task=task, data_digest=digest, **f.inputs
-        )
-        pod(ft, f.display, cpu="2", memory="8G").set_container_image(s["train_image"])
-        ft.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(s["gpus"])
-        # kfp 2.17's set_accelerator_limit does not register its channel (set_container_image
-        # does), so inside a ParallelFor the loop never receives `gpus` and the backend could
-        # not resolve the GPU count: the pod harness found it. Register it by hand.
-        ft.register_pipeline_channels([s["gpus"]])
-    return dsl.Collected(ft.outputs["finetuned"])
-
-
 def compile_spec(path: Path = SPEC) -> Path:
+    """Compile the pipeline to `path`, its header comment made stable (`_stable_header`)."""
     from kfp import compiler
 
     compiler.Compiler().compile(build_pipeline(), str(path))
+    path.write_text(_stable_header(path.read_text()))
     return path
 
 
+def _stable_header(text: str) -> str:
+    """kfp writes a dict default into the spec's header comment in the order of a protobuf map,
+    which changes from one compile to the next: write those defaults as JSON with sorted keys,
+    so the same pipeline always compiles to the same file (a test compares it)."""
+
+    def stable(m: re.Match) -> str:
+        default = DEFAULTS.get(m.group(1))
+        return (
+            f"{m.group(0).split(' [Default: ')[0]} [Default: {json.dumps(default, sort_keys=True)}]"
+        )
+
+    return re.sub(r"^#    (\w+): (?:list|dict) \[Default: .*\]$", stable, text, flags=re.M)
+
+
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`--set finetune_tasks='["SST-2"]' --set pretrain_steps=50`: values parsed as YAML."""
-    out, names = {}, sorted([*P, *RUNTIME])
+    """`--set finetune_tasks='["SST-2"]' --set pretrain_steps=50`: values parsed as YAML, but
+    for a text parameter (`--set cluster_finetune_gpus=1` is "1")."""
+    out, names = {}, sorted(PARAMETERS)
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or key not in names:
             raise SystemExit(f"--set {pair!r}: expected KEY=VALUE with KEY one of {names}")
-        out[key] = yaml.safe_load(value)
+        out[key] = value if isinstance(DEFAULTS[key], str) else yaml.safe_load(value)
     return out
-
-
-def _kfp_local_empty_loops() -> None:
-    """kfp.local (2.17) publishes no outputs for a ParallelFor over an empty list, so a
-    `dsl.Collected` consumer of it fails ("task 'for-loop-2' not found"): with the default
-    empty `finetune_token_tasks`, `evaluate` could not start. Publish an empty list for each
-    output such a loop did not set, the value a loop of no iterations collects."""
-    from kfp.local.orchestrator import enhanced_dag_orchestrator as orchestrator
-
-    original = orchestrator._run_parallel_for_task
-    if getattr(original, "empty_loops_publish_empty_lists", False):
-        return
-
-    def run_loop(**kwargs: Any) -> bool:
-        failed = original(**kwargs)
-        if not failed:
-            name, io_store = kwargs["task_name"], kwargs["io_store"]
-            spec = kwargs["components"][kwargs["task_spec"].component_ref.name]
-            for key in [*spec.output_definitions.artifacts, *spec.output_definitions.parameters]:
-                try:
-                    io_store.get_task_output(name, key)
-                except ValueError:
-                    io_store.put_task_output(name, key, [])
-        return failed
-
-    run_loop.empty_loops_publish_empty_lists = True
-    orchestrator._run_parallel_for_task = run_loop
 
 
 def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     """The whole DAG through kfp.local's SubprocessRunner in this environment (no containers;
     images, resources and the platform spec's ConfigMap / Secrets are ignored). The data
-    defaults are params.yaml's workstation paths, made absolute, not the cluster's s3:// ones.
+    settings are params.yaml's (the workstation's, not the cluster's), its data paths made
+    absolute, and no GPUs.
     There is no pod label here, so the run id the steps read (`KFP_RUN_ID`) is made up and
     inherited, and so is the tracking URI: `MLFLOW_TRACKING_URI`, else ./mlflow.db, named
     explicitly because a step under KFP refuses to guess one (`bert_core.cli.kfp_step`)."""
@@ -335,11 +380,10 @@ def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
 
     from kfp import local
 
-    args = {**P, **overrides}
+    args = {**P, "cluster_finetune_gpus": "0", **overrides}
     for key in DATA:
         if "://" not in str(args[key]):
             args[key] = str((ROOT / args[key]).resolve())
-    _kfp_local_empty_loops()
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=pipeline_root)
     os.environ["KFP_RUN_ID"] = f"local-{uuid.uuid4()}"
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{Path.cwd() / 'mlflow.db'}")
@@ -372,9 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compile", help="write the pipeline spec (YAML)")
     c.add_argument("--output", type=Path, default=SPEC)
     c.add_argument("--image", help="component image (default: $BERT_IMAGE or the project's)")
-    c.add_argument(
-        "--train-image", help="default of the `train_image` parameter (default: the image)"
-    )
+    c.add_argument("--train-image", help="default of cluster_train_image (default: the CUDA image)")
     lo = sub.add_parser("local", help="run the whole DAG here through kfp.local")
     lo.add_argument("--pipeline-root", default=str(ROOT / "runs" / "kfp"))
     lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

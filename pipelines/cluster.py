@@ -27,6 +27,7 @@ CONFIG_KEYS = (
     "RAY_ADDRESS",  # the RayCluster's dashboard / Jobs API, http://<head-svc>:8265
     "BERT_BUCKET",  # s3://bert: data, DVC remote, MLflow artifacts, Ray checkpoints
     "BERT_RAY_STORAGE",  # s3://bert/ray: `bert pretrain --storage-path` default
+    "RAY_AUTH_MODE",  # token: the Ray Jobs API refuses a request without the token below
 )
 
 # The Secret `bert-s3` (generated from infra/k8s/env/s3.env): S3 credentials, required.
@@ -37,6 +38,11 @@ SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 # pods mount it with `optional: true`, so a cluster without it runs unchanged.
 AUTH_SECRET = "bert-mlflow-auth"
 AUTH_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+# The Secret `bert-ray-auth` (generated from infra/k8s/env/ray-auth.env): the RayCluster's token
+# (Ray's token authentication), loaded only by the pretrain task, the one that submits Ray jobs.
+RAY_AUTH_SECRET = "bert-ray-auth"
+RAY_AUTH_KEYS = ("RAY_AUTH_TOKEN",)
 
 # The KFP run id, from the pod label the KFP backend sets (Kubernetes downward API).
 RUN_ID_ENV = "KFP_RUN_ID"
@@ -52,7 +58,59 @@ DATA = {
 }
 
 # Images (infra/docker): every task runs IMAGE but the fine-tuning fan-out, which runs the
-# `train_image` pipeline parameter (default IMAGE; the CUDA image for GPU runs). Overridden
-# at compile time with `--image` / `--train-image` (or BERT_IMAGE / BERT_TRAIN_IMAGE).
-IMAGE = "bert-pipeline/bert:0.1.0"
-CUDA_IMAGE = "bert-pipeline/bert-cuda:0.1.0"
+# `cluster_train_image` pipeline parameter (default CUDA_IMAGE). Overridden at compile time with
+# `--image` / `--train-image` (or BERT_IMAGE / BERT_TRAIN_IMAGE).
+# Fully qualified (registry/repository:tag): a short name resolves to whatever registry the node's
+# container runtime searches first. registry.example.com stands for yours: compile with --image.
+IMAGE = "registry.example.com/bert/bert:0.1.0"
+CUDA_IMAGE = "registry.example.com/bert/bert-cuda:0.1.0"
+
+# The taint GPU nodes usually carry (NVIDIA's GPU operator, the managed clouds' GPU pools): the
+# fine-tuning pods tolerate it by default; harmless where no node has it.
+GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+# The pipeline's parameter defaults on a cluster (what the KFP UI's run form shows): BERT-Base
+# pre-trained with the paper's settings (section 3.1, appendix A.2: 1,000,000 steps of 256
+# sequences of 128 tokens, learning rate 1e-4, 15% masked, at most 20 predictions, dupe factor
+# 10) on 4 GPU workers, then fine-tuned on the paper's GLUE tasks, CoNLL-2003 and SQuAD v1.1
+# with its protocol (3 epochs, batch 32, best of 5e-5, 4e-5, 3e-5, 2e-5 on dev; SQuAD at 384
+# tokens), one GPU each. params.yaml holds the 2-core workstation's (`make run`, DVC); the test
+# harness runs smoke sizes. 0 for a `max_*_examples`: every example.
+SETTINGS = {
+    **DATA,
+    "vocab_vocab_size": 30522,
+    "instances_max_seq_length": 128,
+    "instances_max_predictions_per_seq": 20,
+    "instances_masked_lm_prob": 0.15,
+    "instances_dupe_factor": 10,
+    "instances_random_seed": 12345,
+    "instances_masking_recipe": "80/10/10",
+    "model_preset": "base",
+    "pretrain_steps": 1_000_000,
+    "pretrain_batch_size": 256,
+    "pretrain_num_workers": 4,
+    "pretrain_learning_rate": 1e-4,
+    "pretrain_use_gpu": True,
+    "pretrain_objective": "mlm+nsp",
+    "finetune_tasks": ["CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE"],
+    "finetune_epochs": 3,
+    "finetune_batch_size": 32,
+    "finetune_learning_rate": 2e-5,
+    "finetune_max_seq_length": 128,
+    "finetune_max_train_examples": 0,
+    "finetune_control_tasks": [],
+    "finetune_lr_sweep": "paper",
+    "finetune_restarts": 1,
+    "finetune_token_tasks": ["conll2003", "squad"],
+    "finetune_token_epochs": 3,
+    "finetune_token_max_seq_length": 384,
+    "finetune_token_max_train_examples": 0,
+    "finetune_token_max_eval_examples": 0,
+    "cluster_train_image": CUDA_IMAGE,
+    # text, not a number: the backend fills a GPU count only from a STRING parameter; a number
+    # resolves to "" and the pod gets no GPU, without an error (driver/resolve.go,
+    # resolvePodSpecInputRuntimeParameter: GetStringValue)
+    "cluster_finetune_gpus": "1",
+    "cluster_gpu_node_selector": {},
+    "cluster_gpu_tolerations": GPU_TOLERATIONS,
+}

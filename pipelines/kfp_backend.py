@@ -66,220 +66,233 @@ _IN = "TaskInputsSpec.InputParameterSpec."
 _PH_ARGS = "placeholder in container command/args: "
 _PH_CONST = "placeholder in a runtimeValue constant: "
 
-IMPLEMENTED: Final[Mapping[str, str]] = MappingProxyType({
-    # The spec's frame
-    "PipelineSpec.schemaVersion": _API + " (230): must be 2.1.0",
-    "PipelineSpec.sdkVersion": "informational: no backend code reads it",
-    "PipelineSpec.deploymentSpec": "backend/src/v2/compiler/visitor.go GetDeploymentConfig",
-    "PipelineInfo.name": _API + " (233-238); the driver's --pipeline_name",
-    "PipelineInfo.description": "informational (the API server's pipeline description)",
-    "ComponentSpec.dag": _ARGO + "dag.go task (249-281)",
-    "ComponentSpec.executorLabel": _ARGO + "dag.go task (282-336)",
-    "ComponentRef.name": _ARGO + "dag.go task (229-233)",
-    "PipelineTaskInfo.name": _DRV + "dag.go DAG (106), container.go (130): display name",
-    "PipelineTaskSpec.dependentTasks": _ARGO + "dag.go depends (713-726): Argo X.Succeeded",
-    # Parameter and artifact declarations
-    "ComponentInputsSpec.ParameterSpec.parameterType=STRING": _TYPES,
-    "ComponentInputsSpec.ParameterSpec.parameterType=NUMBER_INTEGER": _TYPES,
-    "ComponentInputsSpec.ParameterSpec.parameterType=NUMBER_DOUBLE": _TYPES,
-    "ComponentInputsSpec.ParameterSpec.parameterType=BOOLEAN": _TYPES,
-    "ComponentInputsSpec.ParameterSpec.parameterType=LIST": _TYPES,
-    "ComponentInputsSpec.ParameterSpec.parameterType=STRUCT": _TYPES,
-    "ComponentInputsSpec.ParameterSpec.parameterType=TASK_FINAL_STATUS": _TYPES + " (246-247)",
-    "ComponentInputsSpec.ParameterSpec.defaultValue": _DEFAULTS,
-    "ComponentInputsSpec.ParameterSpec.isOptional": _DRV + "resolve.go resolveInputs (186-200)",
-    "ComponentInputsSpec.ParameterSpec.description": _API + " (226) parses it; no runtime use",
-    "ComponentOutputsSpec.ParameterSpec.description": "parsed, no backend code reads it",
-    "ComponentInputsSpec.ArtifactSpec.description": "parsed, no backend code reads it",
-    "ComponentOutputsSpec.ArtifactSpec.description": "parsed, no backend code reads it",
-    "ComponentOutputsSpec.ParameterSpec.parameterType=STRING": _OUT_TYPES,
-    "ComponentOutputsSpec.ParameterSpec.parameterType=NUMBER_INTEGER": _OUT_TYPES,
-    "ComponentOutputsSpec.ParameterSpec.parameterType=NUMBER_DOUBLE": _OUT_TYPES,
-    "ComponentOutputsSpec.ParameterSpec.parameterType=BOOLEAN": _OUT_TYPES,
-    "ComponentOutputsSpec.ParameterSpec.parameterType=LIST": _OUT_TYPES,
-    "ComponentOutputsSpec.ParameterSpec.parameterType=STRUCT": _OUT_TYPES,
-    "ArtifactTypeSchema.schemaTitle": _LAUNCHER + " getArtifactSchema; driver.go provisionOutputs",
-    "ArtifactTypeSchema.schemaVersion": _DRV + "driver.go provisionOutputs: carried in the type",
-    "ComponentInputsSpec.ArtifactSpec.isArtifactList": (
-        "not read by the backend: an input is always an ArtifactList (resolve.go "
-        "resolveInputArtifact, CollectInputs); the SDK executor makes the Python list"
-    ),
-    "ComponentOutputsSpec.ArtifactSpec.isArtifactList": "as ArtifactSpec.isArtifactList above",
-    # Task inputs
-    _IN + "componentInputParameter": _DRV + "resolve.go resolveInputParameter (389-405)",
-    _IN + "taskOutputParameter": _DRV + "resolve.go resolveUpstreamParameters (577-694)",
-    _IN + "runtimeValue": _DRV + "resolve.go resolveInputParameter (422-457)",
-    "ValueOrRuntimeParameter.constant": _DRV + "resolve.go resolveInputParameter (425-454)",
-    _IN + "taskFinalStatus": (
-        _DRV + "resolve.go resolveInputParameter (458-493); the producer is "
-        "task.dependentTasks[0] (464-467), TaskFinalStatus.producerTask is not read"
-    ),
-    "TaskInputsSpec.InputParameterSpec.TaskFinalStatus.producerTask": (
-        "compiled by the SDK, ignored by the driver (it uses dependentTasks[0])"
-    ),
-    _IN + "TaskOutputParameterSpec.producerTask": _DRV + "resolve.go resolveUpstreamParameters",
-    _IN + "TaskOutputParameterSpec.outputParameterKey": _DRV + "resolve.go (584-587)",
-    _IN + "parameterExpressionSelector": _DRV + "resolve.go resolveInputs (145-165), CEL",
-    "TaskInputsSpec.InputArtifactSpec.componentInputArtifact": _DRV + "resolve.go (544-553)",
-    "TaskInputsSpec.InputArtifactSpec.taskOutputArtifact": _DRV + "resolve.go (554-567, 700-805)",
-    "TaskInputsSpec.InputArtifactSpec.TaskOutputArtifactSpec.producerTask": (
-        _DRV + "resolve.go resolveUpstreamArtifacts (704-711)"
-    ),
-    "TaskInputsSpec.InputArtifactSpec.TaskOutputArtifactSpec.outputArtifactKey": (
-        _DRV + "resolve.go resolveUpstreamArtifacts (738)"
-    ),
-    # Fan-out, fan-in, exit handler, conditions
-    "PipelineTaskSpec.parameterIterator": (
-        _ARGO + "dag.go iteratorTask/iterationItemTask (withSequence count = the DAG driver's "
-        "iteration count); " + _DRV + "dag.go DAG (163-203)"
-    ),
-    "ParameterIteratorSpec.itemInput": _DRV + "resolve.go resolveInputs (276-298)",
-    "ParameterIteratorSpec.ItemsSpec.inputParameter": (
-        _DRV + "dag.go DAG (174-179), util.go getItems; items may be structs, each passed whole "
-        "(resolve.go 290-298)"
-    ),
-    "ParameterIteratorSpec.ItemsSpec.raw": _DRV + "dag.go DAG (180-192)",
-    "PipelineTaskSpec.IteratorPolicy.parallelismLimit": _ARGO + "dag.go iteratorTask (382-385)",
-    "DagOutputsSpec.ArtifactSelectorSpec.producerSubtask": (
-        _DRV + "resolve.go GetProducerTask (1039-1091); over a loop: CollectInputs (869-996)"
-    ),
-    "DagOutputsSpec.ArtifactSelectorSpec.outputArtifactKey": _DRV + "resolve.go GetProducerTask",
-    "DagOutputsSpec.DagOutputParameterSpec.valueFromParameter": _DRV + "resolve.go (1107-1109)",
-    "DagOutputsSpec.DagOutputParameterSpec.valueFromOneof": _DRV + "resolve.go (1110-1146)",
-    "DagOutputsSpec.ParameterSelectorSpec.producerSubtask": _DRV + "resolve.go GetProducerTask",
-    "DagOutputsSpec.ParameterSelectorSpec.outputParameterKey": _DRV + "resolve.go GetProducerTask",
-    "PipelineTaskSpec.TriggerPolicy.strategy=ALL_UPSTREAM_TASKS_COMPLETED": (
-        _ARGO + "dag.go DAG (62-110): an Argo exit lifecycle hook on the dependent DAG task "
-        "(common.go addExitTask)"
-    ),
-    "PipelineTaskSpec.TriggerPolicy.condition": (
-        _DRV + "dag.go DAG (84-91), container.go Container (88-95); "
-        + _ARGO + "dag.go task (278-280), container.go containerExecutorTask (311-314)"
-    ),
-    # Caching and retries
-    "PipelineTaskSpec.cachingOptions": _DRV + "container.go Container (217): {} = no cache",
-    "PipelineTaskSpec.CachingOptions.enableCache": _DRV + "container.go Container (214-240)",
-    "PipelineTaskSpec.RetryPolicy.maxRetryCount": (
-        _ARGO + "container.go getTaskRetryParametersWithValues, getTaskRetryStrategyFromInput: "
-        "Argo retryStrategy on the launcher pod only (577-588)"
-    ),
-    "PipelineTaskSpec.RetryPolicy.backoffDuration": _ARGO + "container.go: Backoff.Duration",
-    "PipelineTaskSpec.RetryPolicy.backoffFactor": (
-        _ARGO + "container.go: Backoff.Factor as a string; argo-workflows v4.0.5 "
-        "util/intstr/parametrizable.go Int32 parses it with Atoi (integers only)"
-    ),
-    "PipelineTaskSpec.RetryPolicy.backoffMaxDuration": (
-        _ARGO + "container.go: Backoff.MaxDuration; argo-workflows v4.0.5 workflow/controller/"
-        "operator.go (1028-1041): no retry once this long has passed since the FIRST attempt "
-        "started"
-    ),
-    # Containers
-    "PipelineDeploymentConfig.ExecutorSpec.container": _ARGO + "dag.go task (288-336)",
-    _C + "image": _RES + " (449-452)",
-    _C + "command": _RES + " (307-319); " + _LAUNCHER + " compileCmdAndArgs",
-    _C + "args": _RES + " (307-319); " + _LAUNCHER + " compileCmdAndArgs",
-    _C + "EnvVar.name": _RES + " (290-293)",
-    _C + "EnvVar.value": _RES + " (290-293): copied verbatim, no placeholders",
-    _C + "ResourceSpec.cpuRequest": _RES + " (402-413) getPodResource",
-    _C + "ResourceSpec.cpuLimit": _RES + " (389-400) getPodResource",
-    _C + "ResourceSpec.memoryRequest": _RES + " (376-387) getPodResource",
-    _C + "ResourceSpec.memoryLimit": _RES + " (363-374) getPodResource",
-    _C + "ResourceSpec.resourceCpuRequest": _RES + " (402-413): wins over cpuRequest",
-    _C + "ResourceSpec.resourceCpuLimit": _RES + " (389-400): wins over cpuLimit",
-    _C + "ResourceSpec.resourceMemoryRequest": _RES + " (376-387): wins over memoryRequest",
-    _C + "ResourceSpec.resourceMemoryLimit": _RES + " (363-374): wins over memoryLimit",
-    _C + "ResourceSpec.AcceleratorConfig.type": _RES + " (423-425), if resourceType is empty",
-    _C + "ResourceSpec.AcceleratorConfig.count": _RES + " (436-438), if resourceCount is empty",
-    _C + "ResourceSpec.AcceleratorConfig.resourceType": _RES + " (418-422): limits only",
-    _C + "ResourceSpec.AcceleratorConfig.resourceCount": _RES + " (429-446): limits only",
-    # Placeholders (kinds made by `_placeholder_kinds`; [*] stands for any name)
-    _PH_ARGS + "{{$}}": _LAUNCHER + " compileCmdAndArgs (1051-1074)",
-    _PH_ARGS + "{{$.inputs.parameters[*]}}": (
-        _DRV + "util.go resolveContainerArgs (263-288); " + _LAUNCHER + " getPlaceholders"
-    ),
-    _PH_ARGS + "{{$.inputs.artifacts[*].path}}": _LAUNCHER + " getPlaceholders (1089-1122)",
-    _PH_ARGS + "{{$.inputs.artifacts[*].uri}}": _LAUNCHER + " getPlaceholders (1089-1122)",
-    _PH_ARGS + "{{$.outputs.artifacts[*].path}}": _LAUNCHER + " getPlaceholders (1124-1137)",
-    _PH_ARGS + "{{$.outputs.artifacts[*].uri}}": _LAUNCHER + " getPlaceholders (1124-1137)",
-    _PH_ARGS + "{{$.outputs.parameters[*].output_file}}": _LAUNCHER + " getPlaceholders (1166)",
-    _PH_ARGS + "IfPresent": _DRV + "util.go resolveCondition (211-261)",
-    "placeholder in container image: {{$.inputs.parameters[*]}}": (
-        _DRV + "resolve.go resolvePodSpecInputRuntimeParameter (818-831): the whole string, "
-        "and only a STRING value (GetStringValue)"
-    ),
-    "placeholder in container resources: {{$.inputs.parameters[*]}}": (
-        _DRV + "driver.go getPodResource / initPodSpecPatch via "
-        "resolvePodSpecInputRuntimeParameter: the whole string, only a STRING value"
-    ),
-    _PH_CONST + "{{$.inputs.parameters[*]}}": (
-        "not resolved by the driver (resolve.go 450-451 passes the constant as is); "
-        + _LAUNCHER + " compileCmdAndArgs replaces it as text inside the {{$}} JSON: "
-        "STRING/NUMBER/BOOLEAN channels only"
-    ),
-    "placeholder in a runtimeValue constant (part of a string): {{$.inputs.parameters[*]}}": (
-        "as the whole-constant case: text substitution by the launcher"
-    ),
-    _PH_CONST + "{{$.pipeline_job_name}}": _DRV + "resolve.go (436-437), whole constant only",
-    _PH_CONST + "{{$.pipeline_job_resource_name}}": _DRV + "resolve.go (438-439)",
-    _PH_CONST + "{{$.pipeline_job_uuid}}": _DRV + "resolve.go (440-441), whole constant only",
-    _PH_CONST + "{{$.pipeline_task_name}}": _DRV + "resolve.go (442-443), whole constant only",
-    _PH_CONST + "{{$.pipeline_task_uuid}}": _DRV + "resolve.go (444-445), whole constant only",
-    _PH_CONST + "{{$.pipeline_job_create_time_utc}}": _DRV + "resolve.go (446-447)",
-    _PH_CONST + "{{$.pipeline_job_schedule_time_utc}}": _DRV + "resolve.go (448-449)",
-    # The platform spec: every field of a task's KubernetesExecutorConfig
-    _K + "KubernetesExecutorConfig.secretAsEnv": _K8S + " (346-393)",
-    _K + "KubernetesExecutorConfig.configMapAsEnv": _K8S + " (442-489)",
-    _K + "KubernetesExecutorConfig.secretAsVolume": _K8S + " (301-344)",
-    _K + "KubernetesExecutorConfig.configMapAsVolume": _K8S + " (395-440)",
-    _K + "KubernetesExecutorConfig.fieldPathAsEnv": _K8S + " (519-537)",
-    _K + "KubernetesExecutorConfig.nodeSelector": _K8S + " (193-222)",
-    _K + "KubernetesExecutorConfig.tolerations": _K8S + " (224-299)",
-    _K + "KubernetesExecutorConfig.podMetadata": _ARGO + "container.go containerExecutorTask",
-    _K + "SecretAsEnv.keyToEnv": _K8S + " (348)",
-    _K + "ConfigMapAsEnv.keyToEnv": _K8S + " (444)",
-    _K + "SecretAsEnv.secretName": _K8S + " (346-393)",
-    _K + "SecretAsEnv.secretNameParameter": _K8S + " (366-375), resolveInputParameterStr",
-    _K + "SecretAsEnv.optional": _K8S + " (353-356): SecretKeySelector.optional",
-    _K + "SecretAsEnv.SecretKeyToEnvMap.secretKey": _K8S + " (349-351)",
-    _K + "SecretAsEnv.SecretKeyToEnvMap.envVar": _K8S + " (358-363)",
-    _K + "ConfigMapAsEnv.configMapName": _K8S + " (442-489)",
-    _K + "ConfigMapAsEnv.configMapNameParameter": _K8S + " (462-471), resolveInputParameterStr",
-    _K + "ConfigMapAsEnv.optional": _K8S + " (449-452): ConfigMapKeySelector.optional",
-    _K + "ConfigMapAsEnv.ConfigMapKeyToEnvMap.configMapKey": _K8S + " (445-447)",
-    _K + "ConfigMapAsEnv.ConfigMapKeyToEnvMap.envVar": _K8S + " (454-459)",
-    _K + "SecretAsVolume.secretName": _K8S + " (301-344)",
-    _K + "SecretAsVolume.secretNameParameter": _K8S + " (304-313)",
-    _K + "SecretAsVolume.mountPath": _K8S + " (330-333)",
-    _K + "SecretAsVolume.optional": _K8S + " (320)",
-    _K + "ConfigMapAsVolume.configMapName": _K8S + " (395-440)",
-    _K + "ConfigMapAsVolume.configMapNameParameter": _K8S + " (398-407)",
-    _K + "ConfigMapAsVolume.mountPath": _K8S + " (426-429)",
-    _K + "ConfigMapAsVolume.optional": _K8S + " (414)",
-    _K + "FieldPathAsEnv.name": _K8S + " (519-537)",
-    _K + "FieldPathAsEnv.fieldPath": (
-        _K8S + " (519-537): a downward-API fieldRef; the pipeline/runid pod label is set by "
-        + _API + " (420) and, for recurring runs, "
-        "backend/src/crd/controller/scheduledworkflow/util/scheduled_workflow.go (181), as the "
-        "workflow's spec.podMetadata, which argo-workflows v4.0.5 workflow/controller/"
-        "workflowpod.go (907-910) copies onto every pod"
-    ),
-    _K + "NodeSelector.labels": _K8S + " (209-211)",
-    _K + "NodeSelector.nodeSelectorJson": (
-        _K8S + " (193-222), resolve.go resolveK8sJsonParameter: a STRUCT; {} sets no selector"
-    ),
-    _K + "Toleration.key": _K8S + " (281-288)",
-    _K + "Toleration.operator": _K8S + " (281-288)",
-    _K + "Toleration.value": _K8S + " (281-288)",
-    _K + "Toleration.effect": _K8S + " (281-288)",
-    _K + "Toleration.tolerationSeconds": _K8S + " (281-288)",
-    _K + "Toleration.tolerationJson": (
-        _K8S + " (232-280): a STRUCT (one) or LIST; {} and [] add none"
-    ),
-    _K + "KubernetesExecutorConfig.imagePullPolicy": _K8S + " (175-191)",
-    _K + "KubernetesExecutorConfig.activeDeadlineSeconds": _K8S + " (539-543)",
-    _K + "PodMetadata.labels": _ARGO + "container.go extendPodMetadata (744-790)",
-    _K + "PodMetadata.annotations": _ARGO + "container.go extendPodMetadata (744-790)",
-})
+IMPLEMENTED: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        # The spec's frame
+        "PipelineSpec.schemaVersion": _API + " (230): must be 2.1.0",
+        "PipelineSpec.sdkVersion": "informational: no backend code reads it",
+        "PipelineSpec.deploymentSpec": "backend/src/v2/compiler/visitor.go GetDeploymentConfig",
+        "PipelineInfo.name": _API + " (233-238); the driver's --pipeline_name",
+        "PipelineInfo.description": "informational (the API server's pipeline description)",
+        "ComponentSpec.dag": _ARGO + "dag.go task (249-281)",
+        "ComponentSpec.executorLabel": _ARGO + "dag.go task (282-336)",
+        "ComponentRef.name": _ARGO + "dag.go task (229-233)",
+        "PipelineTaskInfo.name": _DRV + "dag.go DAG (106), container.go (130): display name",
+        "PipelineTaskSpec.dependentTasks": _ARGO + "dag.go depends (713-726): Argo X.Succeeded",
+        # Parameter and artifact declarations
+        "ComponentInputsSpec.ParameterSpec.parameterType=STRING": _TYPES,
+        "ComponentInputsSpec.ParameterSpec.parameterType=NUMBER_INTEGER": _TYPES,
+        "ComponentInputsSpec.ParameterSpec.parameterType=NUMBER_DOUBLE": _TYPES,
+        "ComponentInputsSpec.ParameterSpec.parameterType=BOOLEAN": _TYPES,
+        "ComponentInputsSpec.ParameterSpec.parameterType=LIST": _TYPES,
+        "ComponentInputsSpec.ParameterSpec.parameterType=STRUCT": _TYPES,
+        "ComponentInputsSpec.ParameterSpec.parameterType=TASK_FINAL_STATUS": _TYPES + " (246-247)",
+        "ComponentInputsSpec.ParameterSpec.defaultValue": _DEFAULTS,
+        "ComponentInputsSpec.ParameterSpec.isOptional": _DRV + "resolve.go resolveInputs (186-200)",
+        "ComponentInputsSpec.ParameterSpec.description": _API + " (226) parses it; no runtime use",
+        "ComponentOutputsSpec.ParameterSpec.description": "parsed, no backend code reads it",
+        "ComponentInputsSpec.ArtifactSpec.description": "parsed, no backend code reads it",
+        "ComponentOutputsSpec.ArtifactSpec.description": "parsed, no backend code reads it",
+        "ComponentOutputsSpec.ParameterSpec.parameterType=STRING": _OUT_TYPES,
+        "ComponentOutputsSpec.ParameterSpec.parameterType=NUMBER_INTEGER": _OUT_TYPES,
+        "ComponentOutputsSpec.ParameterSpec.parameterType=NUMBER_DOUBLE": _OUT_TYPES,
+        "ComponentOutputsSpec.ParameterSpec.parameterType=BOOLEAN": _OUT_TYPES,
+        "ComponentOutputsSpec.ParameterSpec.parameterType=LIST": _OUT_TYPES,
+        "ComponentOutputsSpec.ParameterSpec.parameterType=STRUCT": _OUT_TYPES,
+        "ArtifactTypeSchema.schemaTitle": _LAUNCHER
+        + " getArtifactSchema; driver.go provisionOutputs",
+        "ArtifactTypeSchema.schemaVersion": _DRV
+        + "driver.go provisionOutputs: carried in the type",
+        "ComponentInputsSpec.ArtifactSpec.isArtifactList": (
+            "not read by the backend: an input is always an ArtifactList (resolve.go "
+            "resolveInputArtifact, CollectInputs); the SDK executor makes the Python list"
+        ),
+        "ComponentOutputsSpec.ArtifactSpec.isArtifactList": "as ArtifactSpec.isArtifactList above",
+        # Task inputs
+        _IN + "componentInputParameter": _DRV + "resolve.go resolveInputParameter (389-405)",
+        _IN + "taskOutputParameter": _DRV + "resolve.go resolveUpstreamParameters (577-694)",
+        _IN + "runtimeValue": _DRV + "resolve.go resolveInputParameter (422-457)",
+        "ValueOrRuntimeParameter.constant": _DRV + "resolve.go resolveInputParameter (425-454)",
+        _IN + "taskFinalStatus": (
+            _DRV + "resolve.go resolveInputParameter (458-493); the producer is "
+            "task.dependentTasks[0] (464-467), TaskFinalStatus.producerTask is not read"
+        ),
+        "TaskInputsSpec.InputParameterSpec.TaskFinalStatus.producerTask": (
+            "compiled by the SDK, ignored by the driver (it uses dependentTasks[0])"
+        ),
+        _IN + "TaskOutputParameterSpec.producerTask": _DRV + "resolve.go resolveUpstreamParameters",
+        _IN + "TaskOutputParameterSpec.outputParameterKey": _DRV + "resolve.go (584-587)",
+        _IN + "parameterExpressionSelector": _DRV + "resolve.go resolveInputs (145-165), CEL",
+        "TaskInputsSpec.InputArtifactSpec.componentInputArtifact": _DRV + "resolve.go (544-553)",
+        "TaskInputsSpec.InputArtifactSpec.taskOutputArtifact": _DRV
+        + "resolve.go (554-567, 700-805)",
+        "TaskInputsSpec.InputArtifactSpec.TaskOutputArtifactSpec.producerTask": (
+            _DRV + "resolve.go resolveUpstreamArtifacts (704-711)"
+        ),
+        "TaskInputsSpec.InputArtifactSpec.TaskOutputArtifactSpec.outputArtifactKey": (
+            _DRV + "resolve.go resolveUpstreamArtifacts (738)"
+        ),
+        # Fan-out, fan-in, exit handler, conditions
+        "PipelineTaskSpec.parameterIterator": (
+            _ARGO + "dag.go iteratorTask/iterationItemTask (withSequence count = the DAG driver's "
+            "iteration count); " + _DRV + "dag.go DAG (163-203)"
+        ),
+        "ParameterIteratorSpec.itemInput": _DRV + "resolve.go resolveInputs (276-298)",
+        "ParameterIteratorSpec.ItemsSpec.inputParameter": (
+            _DRV
+            + "dag.go DAG (174-179), util.go getItems; items may be structs, each passed whole "
+            "(resolve.go 290-298)"
+        ),
+        "ParameterIteratorSpec.ItemsSpec.raw": _DRV + "dag.go DAG (180-192)",
+        "PipelineTaskSpec.IteratorPolicy.parallelismLimit": _ARGO + "dag.go iteratorTask (382-385)",
+        "DagOutputsSpec.ArtifactSelectorSpec.producerSubtask": (
+            _DRV + "resolve.go GetProducerTask (1039-1091); over a loop: CollectInputs (869-996)"
+        ),
+        "DagOutputsSpec.ArtifactSelectorSpec.outputArtifactKey": _DRV
+        + "resolve.go GetProducerTask",
+        "DagOutputsSpec.DagOutputParameterSpec.valueFromParameter": _DRV + "resolve.go (1107-1109)",
+        "DagOutputsSpec.DagOutputParameterSpec.valueFromOneof": _DRV + "resolve.go (1110-1146)",
+        "DagOutputsSpec.ParameterSelectorSpec.producerSubtask": _DRV + "resolve.go GetProducerTask",
+        "DagOutputsSpec.ParameterSelectorSpec.outputParameterKey": _DRV
+        + "resolve.go GetProducerTask",
+        "PipelineTaskSpec.TriggerPolicy.strategy=ALL_UPSTREAM_TASKS_COMPLETED": (
+            _ARGO + "dag.go DAG (62-110): an Argo exit lifecycle hook on the dependent DAG task "
+            "(common.go addExitTask)"
+        ),
+        "PipelineTaskSpec.TriggerPolicy.condition": (
+            _DRV
+            + "dag.go DAG (84-91), container.go Container (88-95); "
+            + _ARGO
+            + "dag.go task (278-280), container.go containerExecutorTask (311-314)"
+        ),
+        # Caching and retries
+        "PipelineTaskSpec.cachingOptions": _DRV + "container.go Container (217): {} = no cache",
+        "PipelineTaskSpec.CachingOptions.enableCache": _DRV + "container.go Container (214-240)",
+        "PipelineTaskSpec.RetryPolicy.maxRetryCount": (
+            _ARGO + "container.go getTaskRetryParametersWithValues, getTaskRetryStrategyFromInput: "
+            "Argo retryStrategy on the launcher pod only (577-588)"
+        ),
+        "PipelineTaskSpec.RetryPolicy.backoffDuration": _ARGO + "container.go: Backoff.Duration",
+        "PipelineTaskSpec.RetryPolicy.backoffFactor": (
+            _ARGO + "container.go: Backoff.Factor as a string; argo-workflows v4.0.5 "
+            "util/intstr/parametrizable.go Int32 parses it with Atoi (integers only)"
+        ),
+        "PipelineTaskSpec.RetryPolicy.backoffMaxDuration": (
+            _ARGO + "container.go: Backoff.MaxDuration; argo-workflows v4.0.5 workflow/controller/"
+            "operator.go (1028-1041): no retry once this long has passed since the FIRST attempt "
+            "started"
+        ),
+        # Containers
+        "PipelineDeploymentConfig.ExecutorSpec.container": _ARGO + "dag.go task (288-336)",
+        _C + "image": _RES + " (449-452)",
+        _C + "command": _RES + " (307-319); " + _LAUNCHER + " compileCmdAndArgs",
+        _C + "args": _RES + " (307-319); " + _LAUNCHER + " compileCmdAndArgs",
+        _C + "EnvVar.name": _RES + " (290-293)",
+        _C + "EnvVar.value": _RES + " (290-293): copied verbatim, no placeholders",
+        _C + "ResourceSpec.cpuRequest": _RES + " (402-413) getPodResource",
+        _C + "ResourceSpec.cpuLimit": _RES + " (389-400) getPodResource",
+        _C + "ResourceSpec.memoryRequest": _RES + " (376-387) getPodResource",
+        _C + "ResourceSpec.memoryLimit": _RES + " (363-374) getPodResource",
+        _C + "ResourceSpec.resourceCpuRequest": _RES + " (402-413): wins over cpuRequest",
+        _C + "ResourceSpec.resourceCpuLimit": _RES + " (389-400): wins over cpuLimit",
+        _C + "ResourceSpec.resourceMemoryRequest": _RES + " (376-387): wins over memoryRequest",
+        _C + "ResourceSpec.resourceMemoryLimit": _RES + " (363-374): wins over memoryLimit",
+        _C + "ResourceSpec.AcceleratorConfig.type": _RES + " (423-425), if resourceType is empty",
+        _C + "ResourceSpec.AcceleratorConfig.count": _RES + " (436-438), if resourceCount is empty",
+        _C + "ResourceSpec.AcceleratorConfig.resourceType": _RES + " (418-422): limits only",
+        _C + "ResourceSpec.AcceleratorConfig.resourceCount": _RES + " (429-446): limits only",
+        # Placeholders (kinds made by `_placeholder_kinds`; [*] stands for any name)
+        _PH_ARGS + "{{$}}": _LAUNCHER + " compileCmdAndArgs (1051-1074)",
+        _PH_ARGS + "{{$.inputs.parameters[*]}}": (
+            _DRV + "util.go resolveContainerArgs (263-288); " + _LAUNCHER + " getPlaceholders"
+        ),
+        _PH_ARGS + "{{$.inputs.artifacts[*].path}}": _LAUNCHER + " getPlaceholders (1089-1122)",
+        _PH_ARGS + "{{$.inputs.artifacts[*].uri}}": _LAUNCHER + " getPlaceholders (1089-1122)",
+        _PH_ARGS + "{{$.outputs.artifacts[*].path}}": _LAUNCHER + " getPlaceholders (1124-1137)",
+        _PH_ARGS + "{{$.outputs.artifacts[*].uri}}": _LAUNCHER + " getPlaceholders (1124-1137)",
+        _PH_ARGS + "{{$.outputs.parameters[*].output_file}}": _LAUNCHER + " getPlaceholders (1166)",
+        _PH_ARGS + "IfPresent": _DRV + "util.go resolveCondition (211-261)",
+        "placeholder in container image: {{$.inputs.parameters[*]}}": (
+            _DRV + "resolve.go resolvePodSpecInputRuntimeParameter (818-831): the whole string, "
+            "and only a STRING value (GetStringValue)"
+        ),
+        "placeholder in container resources: {{$.inputs.parameters[*]}}": (
+            _DRV + "driver.go getPodResource / initPodSpecPatch via "
+            "resolvePodSpecInputRuntimeParameter: the whole string, only a STRING value"
+        ),
+        _PH_CONST + "{{$.inputs.parameters[*]}}": (
+            "not resolved by the driver (resolve.go 450-451 passes the constant as is); "
+            + _LAUNCHER
+            + " compileCmdAndArgs replaces it as text inside the {{$}} JSON: "
+            "STRING/NUMBER/BOOLEAN channels only"
+        ),
+        "placeholder in a runtimeValue constant (part of a string): {{$.inputs.parameters[*]}}": (
+            "as the whole-constant case: text substitution by the launcher"
+        ),
+        _PH_CONST + "{{$.pipeline_job_name}}": _DRV + "resolve.go (436-437), whole constant only",
+        _PH_CONST + "{{$.pipeline_job_resource_name}}": _DRV + "resolve.go (438-439)",
+        _PH_CONST + "{{$.pipeline_job_uuid}}": _DRV + "resolve.go (440-441), whole constant only",
+        _PH_CONST + "{{$.pipeline_task_name}}": _DRV + "resolve.go (442-443), whole constant only",
+        _PH_CONST + "{{$.pipeline_task_uuid}}": _DRV + "resolve.go (444-445), whole constant only",
+        _PH_CONST + "{{$.pipeline_job_create_time_utc}}": _DRV + "resolve.go (446-447)",
+        _PH_CONST + "{{$.pipeline_job_schedule_time_utc}}": _DRV + "resolve.go (448-449)",
+        # The platform spec: every field of a task's KubernetesExecutorConfig
+        _K + "KubernetesExecutorConfig.secretAsEnv": _K8S + " (346-393)",
+        _K + "KubernetesExecutorConfig.configMapAsEnv": _K8S + " (442-489)",
+        _K + "KubernetesExecutorConfig.secretAsVolume": _K8S + " (301-344)",
+        _K + "KubernetesExecutorConfig.configMapAsVolume": _K8S + " (395-440)",
+        _K + "KubernetesExecutorConfig.fieldPathAsEnv": _K8S + " (519-537)",
+        _K + "KubernetesExecutorConfig.nodeSelector": _K8S + " (193-222)",
+        _K + "KubernetesExecutorConfig.tolerations": _K8S + " (224-299)",
+        _K + "KubernetesExecutorConfig.podMetadata": _ARGO + "container.go containerExecutorTask",
+        _K + "SecretAsEnv.keyToEnv": _K8S + " (348)",
+        _K + "ConfigMapAsEnv.keyToEnv": _K8S + " (444)",
+        _K + "SecretAsEnv.secretName": _K8S + " (346-393)",
+        _K + "SecretAsEnv.secretNameParameter": _K8S + " (366-375), resolveInputParameterStr",
+        _K + "SecretAsEnv.optional": _K8S + " (353-356): SecretKeySelector.optional",
+        _K + "SecretAsEnv.SecretKeyToEnvMap.secretKey": _K8S + " (349-351)",
+        _K + "SecretAsEnv.SecretKeyToEnvMap.envVar": _K8S + " (358-363)",
+        _K + "ConfigMapAsEnv.configMapName": _K8S + " (442-489)",
+        _K + "ConfigMapAsEnv.configMapNameParameter": _K8S + " (462-471), resolveInputParameterStr",
+        _K + "ConfigMapAsEnv.optional": _K8S + " (449-452): ConfigMapKeySelector.optional",
+        _K + "ConfigMapAsEnv.ConfigMapKeyToEnvMap.configMapKey": _K8S + " (445-447)",
+        _K + "ConfigMapAsEnv.ConfigMapKeyToEnvMap.envVar": _K8S + " (454-459)",
+        _K + "SecretAsVolume.secretName": _K8S + " (301-344)",
+        _K + "SecretAsVolume.secretNameParameter": _K8S + " (304-313)",
+        _K + "SecretAsVolume.mountPath": _K8S + " (330-333)",
+        _K + "SecretAsVolume.optional": _K8S + " (320)",
+        _K + "ConfigMapAsVolume.configMapName": _K8S + " (395-440)",
+        _K + "ConfigMapAsVolume.configMapNameParameter": _K8S + " (398-407)",
+        _K + "ConfigMapAsVolume.mountPath": _K8S + " (426-429)",
+        _K + "ConfigMapAsVolume.optional": _K8S + " (414)",
+        _K + "FieldPathAsEnv.name": _K8S + " (519-537)",
+        _K + "FieldPathAsEnv.fieldPath": (
+            _K8S
+            + " (519-537): a downward-API fieldRef; the pipeline/runid pod label is set by "
+            + _API
+            + " (420) and, for recurring runs, "
+            "backend/src/crd/controller/scheduledworkflow/util/scheduled_workflow.go (181), as the "
+            "workflow's spec.podMetadata, which argo-workflows v4.0.5 workflow/controller/"
+            "workflowpod.go (907-910) copies onto every pod"
+        ),
+        _K + "NodeSelector.labels": _K8S + " (209-211)",
+        _K + "NodeSelector.nodeSelectorJson": (
+            _K8S + " (193-222), resolve.go resolveK8sJsonParameter: a STRUCT; {} sets no selector"
+        ),
+        _K + "Toleration.key": _K8S + " (281-288)",
+        _K + "Toleration.operator": _K8S + " (281-288)",
+        _K + "Toleration.value": _K8S + " (281-288)",
+        _K + "Toleration.effect": _K8S + " (281-288)",
+        _K + "Toleration.tolerationSeconds": _K8S + " (281-288)",
+        _K + "Toleration.tolerationJson": (
+            _K8S + " (232-280): a STRUCT (one) or LIST; {} and [] add none"
+        ),
+        _K + "KubernetesExecutorConfig.imagePullPolicy": _K8S + " (175-191)",
+        _K + "KubernetesExecutorConfig.activeDeadlineSeconds": _K8S + " (539-543)",
+        _K + "PodMetadata.labels": _ARGO + "container.go extendPodMetadata (744-790)",
+        _K + "PodMetadata.annotations": _ARGO + "container.go extendPodMetadata (744-790)",
+    }
+)
 """Kind -> where the 2.17.0 source implements it (paths under kubeflow/pipelines, lines at the
 tag). A kind is a proto field the spec sets (`Message.field`, enums as `Message.field=VALUE`,
 kubernetes ones prefixed `kfp_kubernetes.`) or a placeholder and where it sits. Kinds only of
@@ -288,7 +301,13 @@ what this pipeline uses or plausibly will; anything else the spec uses is `unsup
 # (a) PipelineTaskFinalStatus.state -----------------------------------------------------------
 
 MLMD_EXECUTION_STATES: Final = (
-    "UNKNOWN", "NEW", "RUNNING", "COMPLETE", "FAILED", "CACHED", "CANCELED",
+    "UNKNOWN",
+    "NEW",
+    "RUNNING",
+    "COMPLETE",
+    "FAILED",
+    "CACHED",
+    "CANCELED",
 )
 """Every value of an exit handler's `status.state`: the driver sends the producer's MLMD
 `Execution.State` name, `producer.GetExecution().GetLastKnownState().String()`
@@ -424,20 +443,30 @@ def load_strict(path: str | Path) -> tuple[PipelineSpec, dict[str, KubernetesExe
 
 # What the spec uses --------------------------------------------------------------------------
 
-_LEAVES = frozenset({
-    "google.protobuf.Value", "google.protobuf.Struct", "google.protobuf.ListValue",
-    "google.protobuf.Duration",
-})
+_LEAVES = frozenset(
+    {
+        "google.protobuf.Value",
+        "google.protobuf.Struct",
+        "google.protobuf.ListValue",
+        "google.protobuf.Duration",
+    }
+)
 _PLACEHOLDER = re.compile(r"\{\{\$(?:\.[^{}]*)?\}\}")
 _NAMED = re.compile(r"\['[^']*'\]")
 _PARAM = re.compile(r"\{\{\$\.inputs\.parameters\['([^']*)'\]\}\}")
 _SCALAR_TYPES = frozenset({"STRING", "NUMBER_INTEGER", "NUMBER_DOUBLE", "BOOLEAN"})
 _NUMBERS = frozenset({"NUMBER_INTEGER", "NUMBER_DOUBLE"})
 _STRUCTS = frozenset({"STRUCT", "TASK_FINAL_STATUS"})
-_ACCEPTS: Final = MappingProxyType({
-    "NUMBER_INTEGER": _NUMBERS, "NUMBER_DOUBLE": _NUMBERS, "BOOLEAN": frozenset({"BOOLEAN"}),
-    "LIST": frozenset({"LIST"}), "STRUCT": _STRUCTS, "TASK_FINAL_STATUS": _STRUCTS,
-})
+_ACCEPTS: Final = MappingProxyType(
+    {
+        "NUMBER_INTEGER": _NUMBERS,
+        "NUMBER_DOUBLE": _NUMBERS,
+        "BOOLEAN": frozenset({"BOOLEAN"}),
+        "LIST": frozenset({"LIST"}),
+        "STRUCT": _STRUCTS,
+        "TASK_FINAL_STATUS": _STRUCTS,
+    }
+)
 """Declared input type -> the value types the driver lets through (resolve.go resolveInputs
 218-249); a STRING input takes any value, as JSON text (203-217). A value's type is what its
 source declares: a DAG driver has already converted its own inputs to their declared types (a
@@ -474,8 +503,10 @@ def _field_kinds(message: Message, where: str, every: bool = False) -> Iterator[
                     yield from _field_kinds(item, f"{at}.{key}", every)
         else:
             oneof = field.containing_oneof
-            if every or (oneof is not None and len(oneof.fields) > 1) or not (
-                field.is_repeated or value.ListFields()
+            if (
+                every
+                or (oneof is not None and len(oneof.fields) > 1)
+                or not (field.is_repeated or value.ListFields())
             ):
                 yield kind, where
             items = enumerate(value) if field.is_repeated else [(None, value)]
@@ -506,8 +537,10 @@ def _placeholder_kinds(where: str, text: str) -> Iterator[str]:
         except (ValueError, StopIteration, TypeError):
             pass
     for match in _PLACEHOLDER.finditer(text):
-        partial = "" if where.startswith("container command/args") or match.group() == text else (
-            " (part of a string)"
+        partial = (
+            ""
+            if where.startswith("container command/args") or match.group() == text
+            else (" (part of a string)")
         )
         yield f"placeholder in {where}{partial}: {_NAMED.sub('[*]', match.group())}"
 
@@ -534,8 +567,13 @@ def _producers(task: PipelineTaskSpec) -> set[str]:
 
 def _value_type(value: Any) -> str:
     kind = value.WhichOneof("kind")
-    return {"string_value": "STRING", "number_value": "NUMBER_DOUBLE", "bool_value": "BOOLEAN",
-            "list_value": "LIST", "struct_value": "STRUCT"}.get(kind, "NULL")
+    return {
+        "string_value": "STRING",
+        "number_value": "NUMBER_DOUBLE",
+        "bool_value": "BOOLEAN",
+        "list_value": "LIST",
+        "struct_value": "STRUCT",
+    }.get(kind, "NULL")
 
 
 def _source_type(
@@ -599,8 +637,13 @@ def uses(
     for name, executor in deployment(spec).executors.items():
         container = json_format.MessageToDict(executor.container)
         where = f"deploymentSpec.executors.{name}.container"
-        for field, label in [("command", "command/args"), ("args", "command/args"),
-                             ("image", "image"), ("resources", "resources"), ("env", "env")]:
+        for field, label in [
+            ("command", "command/args"),
+            ("args", "command/args"),
+            ("image", "image"),
+            ("resources", "resources"),
+            ("env", "env"),
+        ]:
             for text in _strings(container.get(field)):
                 found += [(k, where) for k in _placeholder_kinds(f"container {label}", text)]
     for dag_name, _, task_name, task in _tasks(spec):
@@ -609,8 +652,9 @@ def uses(
                 constant = json_format.MessageToDict(source.runtime_value.constant)
                 where = f"{dag_name}.{task_name}.inputs.{input_name}"
                 for text in _strings(constant):
-                    found += [(k, where) for k in _placeholder_kinds("a runtimeValue constant",
-                                                                      text)]
+                    found += [
+                        (k, where) for k in _placeholder_kinds("a runtimeValue constant", text)
+                    ]
     for kind, where in found:
         places.setdefault(kind, []).append(where)
     return places
@@ -624,9 +668,10 @@ def _wiring(spec: PipelineSpec, executors: Mapping[str, KubernetesExecutorConfig
     for dag_name, parent, task_name, task in _tasks(spec):
         at = f"{dag_name}.{task_name}"
         for name, source in task.inputs.parameters.items():
-            if source.HasField("component_input_parameter") and _source_type(
-                spec, parent, source
-            ) is None:
+            if (
+                source.HasField("component_input_parameter")
+                and _source_type(spec, parent, source) is None
+            ):
                 problems.append(
                     f"{at}: input {name} reads {source.component_input_parameter}, which DAG "
                     f"{dag_name} does not declare: the driver fails 'parent DAG does not have "
@@ -634,12 +679,18 @@ def _wiring(spec: PipelineSpec, executors: Mapping[str, KubernetesExecutorConfig
                 )
             declared = _component_of(spec, task).input_definitions.parameters.get(name)
             found = _source_type(spec, parent, source)
-            if declared and found and found not in _ACCEPTS.get(
-                _type_name(declared.parameter_type), {found}
+            if (
+                declared
+                and found
+                and found not in _ACCEPTS.get(_type_name(declared.parameter_type), {found})
             ):
-                hint = "" if not source.component_input_parameter.endswith("-loop-item") else (
-                    "; a ParallelFor item is STRING unless the items are typed List[T], e.g. "
-                    "an output annotated List[dict]"
+                hint = (
+                    ""
+                    if not source.component_input_parameter.endswith("-loop-item")
+                    else (
+                        "; a ParallelFor item is STRING unless the items are typed List[T], e.g. "
+                        "an output annotated List[dict]"
+                    )
                 )
                 problems.append(
                     f"{at}: input {name} gets a {found} value, {task.component_ref.name} declares "
@@ -671,17 +722,26 @@ def _wiring(spec: PipelineSpec, executors: Mapping[str, KubernetesExecutorConfig
             continue
         container = json_format.MessageToDict(containers[label].container)
         pod_fields = [("image", container.get("image", ""))]
-        pod_fields += [(f"resources.{k}", v) for k, v in container.get("resources", {}).items()
-                       if isinstance(v, str)]
-        pod_fields += [(f"accelerator.{k}", v) for k, v in container.get("resources", {})
-                       .get("accelerator", {}).items() if isinstance(v, str)]
+        pod_fields += [
+            (f"resources.{k}", v)
+            for k, v in container.get("resources", {}).items()
+            if isinstance(v, str)
+        ]
+        pod_fields += [
+            (f"accelerator.{k}", v)
+            for k, v in container.get("resources", {}).get("accelerator", {}).items()
+            if isinstance(v, str)
+        ]
         for field, text in pod_fields:
             for channel in _PARAM.findall(text):
                 source = task.inputs.parameters.get(channel)
                 found = source and _source_type(spec, parent, source)
                 if found != "STRING":
-                    effect = ("the GPU limit is silently not set" if field.endswith("Count")
-                              else "the driver gets '' for it")
+                    effect = (
+                        "the GPU limit is silently not set"
+                        if field.endswith("Count")
+                        else "the driver gets '' for it"
+                    )
                     problems.append(
                         f"{at}: container {field} reads {channel} ({found or 'unresolved'}): "
                         "the driver takes only a STRING value (resolve.go "
@@ -712,18 +772,18 @@ def _k8s_channels(
     for toleration in config.tolerations:
         if toleration.HasField("toleration_json"):
             yield "tolerationJson", toleration.toleration_json, frozenset({"STRUCT", "LIST"})
-    for group, field in [(config.secret_as_env, "secret_name_parameter"),
-                         (config.secret_as_volume, "secret_name_parameter"),
-                         (config.config_map_as_env, "config_map_name_parameter"),
-                         (config.config_map_as_volume, "config_map_name_parameter")]:
+    for group, field in [
+        (config.secret_as_env, "secret_name_parameter"),
+        (config.secret_as_volume, "secret_name_parameter"),
+        (config.config_map_as_env, "config_map_name_parameter"),
+        (config.config_map_as_volume, "config_map_name_parameter"),
+    ]:
         for item in group:
             if item.HasField(field):
                 yield field, getattr(item, field), names
 
 
-def unsupported(
-    spec: PipelineSpec, executors: Mapping[str, KubernetesExecutorConfig]
-) -> list[str]:
+def unsupported(spec: PipelineSpec, executors: Mapping[str, KubernetesExecutorConfig]) -> list[str]:
     """Every feature the compiled spec uses that KFP `BACKEND` does not implement (a kind not in
     `IMPLEMENTED`), every wiring its driver would reject or get silently wrong (`_wiring`), and
     every fan-in whose default run gives its ParallelFor no items (`FanIn`); one line each,

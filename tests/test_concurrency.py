@@ -182,11 +182,12 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(concurren
     for name, h in c.harnesses.items():
         loop = [f"/exit-handler-1/for-loop-2[{i}]/finetune" for i in range(len(tasks_of(name)))]
         assert [t.path for t in h.tasks] == [
-            "/exit-handler-1/pipeline-run", "/exit-handler-1/clean", "/exit-handler-1/vocab",
-            "/exit-handler-1/instances", "/exit-handler-1/pretrain", *loop,
+            "/exit-handler-1/pipeline-run", "/exit-handler-1/finetune-jobs",
+            "/exit-handler-1/clean", "/exit-handler-1/vocab", "/exit-handler-1/instances",
+            "/exit-handler-1/pretrain", *loop,
             "/exit-handler-1/evaluate", "/pipeline-end",
         ]  # fmt: skip
-        assert {t.state for t in h.tasks} == {pod_harness.SUCCEEDED}
+        assert {t.state for t in h.tasks} == {pod_harness.COMPLETE}
         assert {t.env["KFP_RUN_ID"] for t in h.tasks} == {h.run_id}
 
     client = MlflowClient(c.mlflow.url)

@@ -8,18 +8,13 @@ the `bert pretrain` command with `RAY_ADDRESS=http://127.0.0.1:<port>`, as in a 
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import fields
 from pathlib import Path
 
@@ -29,7 +24,7 @@ from bert_core import pretrain as pt
 from bert_core import ray_jobs
 from bert_core import storage as st
 from bert_core.pretrain_config import PretrainConfig, parse_args
-from tests.pipeline_helpers import local_services, pretraining_instances
+from tests.pipeline_helpers import RayHead, local_services, pretraining_instances
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "bert-jobs"
@@ -113,86 +108,6 @@ def test_copy_between_local_and_s3(s3, tmp_path, monkeypatch):
     assert (tmp_path / "deep" / "one.json").read_text() == "{}"
     with pytest.raises(FileNotFoundError, match="copy/missing: no such file or folder"):
         st.copy(f"s3://{BUCKET}/copy/missing", tmp_path / "x")
-
-
-def _free_port() -> int:
-    return services.free_port()
-
-
-class RayHead:
-    """`ray start --head --block` in its own session; `stop` kills it and every process it
-    started (found before killing, since orphans lose their parent), never `ray stop`, which
-    would stop every Ray instance on the machine."""
-
-    def __init__(self, env: dict[str, str]):
-        self.token = secrets.token_hex(32)
-        self.port = _free_port()
-        self.tmp = tempfile.mkdtemp(prefix="rayjobs-", dir="/tmp")  # short: unix socket paths
-        self.env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
-        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        self.env.pop("RAY_ADDRESS", None)
-        cmd = [
-            str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-            "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
-            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.port}", f"--ray-client-server-port={_free_port()}",
-            f"--dashboard-agent-listen-port={_free_port()}",
-            f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--runtime-env-agent-port={_free_port()}",
-            "--num-cpus=2", "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={self.tmp}",
-        ]  # fmt: skip
-        self.log = Path(self.tmp) / "head.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                cmd, env=self.env, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def api(self, method: str, path: str):
-        req = urllib.request.Request(self.url + path, method=method)
-        req.add_header("Authorization", f"Bearer {self.token}")
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return json.loads(r.read() or b"null")
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        end = time.time() + timeout
-        while time.time() < end:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                self.api("GET", "/api/jobs/")
-                return
-            except OSError:
-                time.sleep(1)
-        raise AssertionError(f"Ray dashboard not up in {timeout}s: {self.log.read_text()[-3000:]}")
-
-    def jobs(self, prefix: str = "bert-pretrain-") -> dict[str, dict]:
-        return {
-            j["submission_id"]: j
-            for j in self.api("GET", "/api/jobs/")
-            if (j.get("submission_id") or "").startswith(prefix)
-        }
-
-    def stop(self) -> None:
-        import psutil
-
-        try:
-            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]
-        except psutil.NoSuchProcess:
-            procs = []
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=5)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ dropped, a GPU limit never set). This module checks the compiled file by the bac
   channels, and returns what the pinned backend does not implement, one line each. What it
   implements is the `IMPLEMENTED` table: kind -> where in the backend source at tag `BACKEND`
   it is handled (each entry read there, not assumed).
-* Two behaviours of that backend the pod harness depends on: the state an exit handler's
-  `PipelineTaskFinalStatus` carries (`MLMD_EXECUTION_STATES`, `exit_handler_outcome`) and what a
-  ParallelFor with no iterations does to a `dsl.Collected` consumer (`fan_ins`).
+* What a ParallelFor with no iterations does to a `dsl.Collected` consumer (`FanIn`,
+  `fan_ins`); the state an exit handler is handed is `bert_core.lineage.end_status`'s and the
+  pod harness's business (both cite the source).
 
 Source citations are paths in github.com/kubeflow/pipelines at tag 2.17.0, and for Argo
 (the workflow controller the 2.17.0 manifests deploy: v4.0.5) in argoproj/argo-workflows.
@@ -31,7 +31,7 @@ import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Final, Literal, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import yaml
 from google.protobuf import json_format
@@ -297,52 +297,6 @@ IMPLEMENTED: Final[Mapping[str, str]] = MappingProxyType(
 tag). A kind is a proto field the spec sets (`Message.field`, enums as `Message.field=VALUE`,
 kubernetes ones prefixed `kfp_kubernetes.`) or a placeholder and where it sits. Kinds only of
 what this pipeline uses or plausibly will; anything else the spec uses is `unsupported`."""
-
-# (a) PipelineTaskFinalStatus.state -----------------------------------------------------------
-
-MLMD_EXECUTION_STATES: Final = (
-    "UNKNOWN",
-    "NEW",
-    "RUNNING",
-    "COMPLETE",
-    "FAILED",
-    "CACHED",
-    "CANCELED",
-)
-"""Every value of an exit handler's `status.state`: the driver sends the producer's MLMD
-`Execution.State` name, `producer.GetExecution().GetLastKnownState().String()`
-(backend/src/v2/driver/resolve.go 472; the enum: third_party/ml-metadata/go/ml_metadata/
-metadata_store.pb.go 355-361). `error` is always empty (resolve.go 475-476)."""
-
-
-def exit_handler_outcome(state: str) -> Literal["succeeded", "failed", "undetermined"]:
-    """What an exit handler's `status.state` says about the run under KFP 2.17.0.
-
-    The producer is the exit handler's DAG execution (`dependentTasks[0]`, resolve.go 464-467).
-    A DAG execution is created RUNNING by its DAG driver (driver/dag.go 211 ->
-    metadata/client.go CreateExecution 659; CANCELED only when a trigger condition was false,
-    660-665) and changed only by metadata/client.go UpdateDAGExecutionsState (798-878), which
-    only the container launcher calls, after it published its own execution
-    (component/launcher_v2.go Execute 219-230). It counts COMPLETE, CACHED and CANCELED tasks as
-    done: COMPLETE once all total_dag_tasks (or iteration_count) are done, FAILED once any is
-    FAILED, and passes a terminal state up to the parent DAGs (864-877). Nothing else writes a
-    DAG's state: not the DAG driver, not the container driver on a cache hit (it publishes its
-    own execution CACHED, driver/container.go 234), not the importer, not the persistence
-    agent (no MLMD client outside backend/src/v2), not the metadata writer (it skips v2 pods:
-    backend/metadata_writer/src/metadata_writer.py 198-200).
-
-    So COMPLETE and FAILED are conclusive, except that FAILED may be a failed attempt a retry
-    then fixed (only a later launcher recomputes the state). RUNNING means nobody recomputed
-    the DAG after its last task: the last tasks were cache hits, a sub-DAG never became COMPLETE
-    (all its tasks cached, or a ParallelFor with no iterations), a driver failed (no launcher
-    ran), or a pod died before publishing (OOM, eviction, a terminated run).
-    """
-    if state not in MLMD_EXECUTION_STATES:
-        raise ValueError(f"{state!r} is not an MLMD execution state {MLMD_EXECUTION_STATES}")
-    if state == "COMPLETE":
-        return "succeeded"
-    return "failed" if state == "FAILED" else "undetermined"
-
 
 # (b) ParallelFor with no iterations feeding dsl.Collected -------------------------------------
 

@@ -127,7 +127,8 @@ def test_an_artifact_iterator_is_reported(tmp_path):
         task = next(t for d in dags for t in d["tasks"].values() if "parameterIterator" in t)
         iterator = task.pop("parameterIterator")
         task["artifactIterator"] = {
-            "itemInput": iterator["itemInput"], "items": {"inputArtifact": "some-artifacts"}
+            "itemInput": iterator["itemInput"],
+            "items": {"inputArtifact": "some-artifacts"},
         }
 
     lines = unsupported(*load_strict(_rewrite(tmp_path, edit)))
@@ -183,8 +184,9 @@ def _train_pod(task, image, accelerator, gpus, node_selector, tolerations):
     task.set_accelerator_type(accelerator).set_accelerator_limit(gpus)
     # kfp 2.17's accelerator setters do not register their channels (set_container_image does)
     task.register_pipeline_channels([accelerator, gpus])
-    task.set_retry(num_retries=3, backoff_duration="60s", backoff_factor=2.0,
-                   backoff_max_duration="3600s")
+    task.set_retry(
+        num_retries=3, backoff_duration="60s", backoff_factor=2.0, backoff_max_duration="3600s"
+    )
     kubernetes.add_node_selector_json(task, node_selector)
     kubernetes.add_toleration_json(task, tolerations)
     kubernetes.use_secret_as_env(task, "bert-s3", {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID"})
@@ -309,18 +311,3 @@ def test_an_empty_fan_in_by_default_is_reported(tmp_path):
     (fan_in,) = kfp_backend.fan_ins(spec)
     assert (fan_in.items, fan_in.items_default) == ("pipeline parameter tasks", [])
     assert any("are [] by default" in line for line in unsupported(spec, executors))
-
-
-# The exit handler's status --------------------------------------------------------------------
-
-
-def test_exit_handler_outcome():
-    """driver/resolve.go 472 sends the exit handler DAG's MLMD state name; only
-    metadata/client.go UpdateDAGExecutionsState (COMPLETE or FAILED) changes it from RUNNING."""
-    outcome = kfp_backend.exit_handler_outcome
-    assert outcome("COMPLETE") == "succeeded"
-    assert outcome("FAILED") == "failed"
-    for state in ["RUNNING", "CANCELED", "CACHED", "NEW", "UNKNOWN"]:
-        assert outcome(state) == "undetermined"
-    with pytest.raises(ValueError):
-        outcome("SUCCEEDED")

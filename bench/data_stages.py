@@ -26,9 +26,9 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bert_core.corpus import CleanConfig, clean_corpus  # noqa: E402
-from bert_core.instances import InstanceConfig, create_instances  # noqa: E402
-from bert_core.tokenizer import VocabConfig, train_vocab  # noqa: E402
+from bert_core.data.corpus import CleanConfig, clean_corpus  # noqa: E402
+from bert_core.data.instances import InstanceConfig, create_instances  # noqa: E402
+from bert_core.data.tokenizer import VocabConfig, train_vocab  # noqa: E402
 
 REFERENCE = {
     "source": "issue 7: original create_pretraining_data.py, 1 process, this machine kind",

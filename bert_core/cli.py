@@ -30,16 +30,16 @@ from typing import Any
 from bert_core.errors import BertError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "clean": ("bert_core.corpus", "raw text -> normalised, de-duplicated, split documents"),
-    "vocab": ("bert_core.tokenizer", "train a WordPiece vocabulary (vocab.txt, tokenizer.json)"),
-    "instances": ("bert_core.instances", "create MLM/NSP pre-training instances (Parquet shards)"),
-    "pretrain": ("bert_core.pretrain", "pre-train BERT with Ray Train (MLM + NSP)"),
-    "finetune": ("bert_core.finetune", "fine-tune on one GLUE task"),
-    "evaluate": ("bert_core.evaluate", "collect GLUE metrics into one table, plot and MLflow run"),
-    "runs": ("bert_core.runs", "compare recent pipeline runs: GLUE scores and settings (MLflow)"),
-    "predict": ("bert_core.predict", "answers of a fine-tuned model for a file of inputs"),
-    "promote": ("bert_core.registry", "move a task's `champion` alias to a better version"),
-    "embed": ("bert_core.embed", "per-token or pooled vectors from chosen layers, to Parquet"),
+    "clean": ("bert_core.data.corpus", "raw text -> normalised, de-duplicated, split documents"),
+    "vocab": ("bert_core.data.tokenizer", "train a WordPiece vocabulary (vocab.txt, tokenizer.json)"),
+    "instances": ("bert_core.data.instances", "create MLM/NSP pre-training instances (Parquet shards)"),
+    "pretrain": ("bert_core.pretrain.command", "pre-train BERT with Ray Train (MLM + NSP)"),
+    "finetune": ("bert_core.finetune.engine", "fine-tune on one GLUE task"),
+    "evaluate": ("bert_core.report.evaluate", "collect GLUE metrics into one table, plot and MLflow run"),
+    "runs": ("bert_core.track.runs", "compare recent pipeline runs: GLUE scores and settings (MLflow)"),
+    "predict": ("bert_core.serve.predict", "answers of a fine-tuned model for a file of inputs"),
+    "promote": ("bert_core.serve.registry", "move a task's `champion` alias to a better version"),
+    "embed": ("bert_core.serve.embed", "per-token or pooled vectors from chosen layers, to Parquet"),
 }
 
 
@@ -90,7 +90,7 @@ def kfp_step(argv: list[Any], pipeline: str | None = None) -> None:
     The KFP run id comes from `KFP_RUN_ID` (the pod's `pipeline/runid` label under Kubeflow, set
     by the local runner under kfp.local); without it the step logs a standalone run.
     """
-    from bert_core import lineage
+    from bert_core.track import lineage
 
     require_tracking_server()
     kfp_run_id = os.environ.get("KFP_RUN_ID", "")  # empty where the pod has no such label
@@ -118,7 +118,7 @@ def kfp_pipeline_run(settings: dict[str, Any], *lists: list) -> Any:
     (`mlflow.log_input`) and return the digests, the task's outputs (a `lineage.DataDigests`).
     Missing data fails here, before any step starts. lineage is imported in each KFP helper,
     not at the top: `bert clean` never loads it."""
-    from bert_core import lineage
+    from bert_core.track import lineage
 
     require_tracking_server()
     settings = _run_settings(settings, *lists)
@@ -133,10 +133,11 @@ def kfp_pipeline_run(settings: dict[str, Any], *lists: list) -> Any:
 
 def kfp_finetune_jobs(settings: dict[str, Any], *lists: list) -> list[dict]:
     """The run's fine-tunings (from its `settings` and task `lists`), one list for the
-    pipeline's one fan-out (`bert_core.finetune_jobs`), each job with its options and its task
+    pipeline's one fan-out (`bert_core.finetune.jobs`), each job with its options and its task
     data's digest; nothing to fine-tune fails here, before any step starts."""
-    from bert_core import lineage, storage
-    from bert_core.finetune_jobs import finetune_jobs
+    from bert_core import storage
+    from bert_core.finetune.jobs import finetune_jobs
+    from bert_core.track import lineage
 
     settings = lineage.parse_settings(_run_settings(settings, *lists))
     jobs = finetune_jobs(settings, storage.digest)
@@ -146,7 +147,7 @@ def kfp_finetune_jobs(settings: dict[str, Any], *lists: list) -> list[dict]:
 
 def kfp_pipeline_end(state: str) -> str | None:
     """The exit handler: close this KFP run's MLflow parent run with its final state."""
-    from bert_core import lineage
+    from bert_core.track import lineage
 
     require_tracking_server()
     return lineage.kfp_pipeline_end(state)
@@ -156,7 +157,7 @@ def kfp_register_pretrained(output: str | os.PathLike) -> dict[str, float]:
     """After `bert pretrain --output OUTPUT` ran as a KFP step: log and register its model in
     MLflow (on the step's run under the pipeline run) and return the last logged pre-training
     metrics, for the step's KFP Metrics output."""
-    from bert_core import lineage
+    from bert_core.track import lineage
 
     require_tracking_server()
     output = Path(output)
@@ -168,7 +169,7 @@ def kfp_metrics(result_file: str | os.PathLike) -> dict[str, float]:
     """A step's KFP Metrics, named and scaled as its MLflow metrics (`evaluate.mlflow_metrics`:
     fractions): from a `bert finetune` output's metrics.json or `bert evaluate`'s
     glue_results.json."""
-    from bert_core.evaluate import mlflow_metrics
+    from bert_core.report.evaluate import mlflow_metrics
 
     return mlflow_metrics(json.loads(Path(result_file).read_text()))
 

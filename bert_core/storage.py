@@ -331,7 +331,7 @@ if __name__ == "__main__":
 
 
 # ---------------------------------------------------------------- copies between local and s3://
-# (used by `bert pretrain` for `--output s3://...` and by its Ray jobs, bert_core.ray_jobs)
+# (used by `bert pretrain` for `--output s3://...` and by its Ray jobs, bert_core.pretrain.ray_jobs)
 
 
 def exists(path: str | os.PathLike) -> bool:

@@ -26,7 +26,7 @@ the same machine marks such a run KILLED once that process is gone (`end_stale_r
 tracking server that dies during a step fails the step within seconds (`HTTP_DEFAULTS`) with one
 line naming the server, instead of MLflow's traceback after minutes of retries.
 
-The pipeline side (parent runs, DVC hashes, the model registry) is `bert_core.lineage`, which
+The pipeline side (parent runs, DVC hashes, the model registry) is `bert_core.track.lineage`, which
 builds on this module; nothing here knows about pipelines.
 """
 

@@ -57,7 +57,7 @@ def pipeline_run(settings: dict, tasks: list, control_tasks: list, token_tasks: 
 def finetune_jobs(
     settings: dict, tasks: list, control_tasks: list, token_tasks: list
 ) -> List[dict]:  # noqa: UP006
-    """The run's fine-tunings as one list, the pipeline's one fan-out (`bert_core.finetune_jobs`:
+    """The run's fine-tunings as one list, the pipeline's one fan-out (`bert_core.finetune.jobs`:
     the GLUE, control and token-level lists, each job with its `bert finetune` options and its
     task data's digest, for the cache key). Never cached: the digests are always fresh. A task
     of its own, with one output: kfp.local loops only over a task's single `Output`. Typed
@@ -136,7 +136,7 @@ def pretrain(
 
     On a cluster the pod's RAY_ADDRESS is the RayCluster's dashboard (http://...:8265), so the
     command submits itself as a Ray job, follows it and copies the model back into `pretrained`
-    (bert_core.ray_jobs). The Ray run is named after the KFP run (`kfp-<KFP_RUN_ID>`), so its
+    (bert_core.pretrain.ray_jobs). The Ray run is named after the KFP run (`kfp-<KFP_RUN_ID>`), so its
     checkpoints, under $BERT_RAY_STORAGE/kfp-<id>, belong to this run only and a retry of this
     task finds them: it follows the job still running, or resubmits it to resume."""
     import os

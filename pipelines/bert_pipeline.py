@@ -9,7 +9,7 @@ control (`finetune_control_tasks`: the "random init" row and the gain of evaluat
 the token-level tasks (`finetune_token_tasks`: conll2003, squad). Two small uncached tasks come
 first: `pipeline-run` opens the run's MLflow parent run with its settings and records and
 outputs the content digest of each data input; `finetune-jobs` turns the three lists into one
-(`bert_core.finetune_jobs`, which says why: a loop over an empty list stops the run on the
+(`bert_core.finetune.jobs`, which says why: a loop over an empty list stops the run on the
 Kubeflow backend), each job with its own task data's digest. The steps reading the data take
 those digests as inputs, so new data under the same URI changes their cache keys. Nothing starts
 before both checked the run's inputs. The exit handler (`pipeline-end`) closes the parent run

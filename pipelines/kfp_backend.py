@@ -17,7 +17,7 @@ dropped, a GPU limit never set). This module checks the compiled file by the bac
   implements is the `IMPLEMENTED` table: kind -> where in the backend source at tag `BACKEND`
   it is handled (each entry read there, not assumed).
 * What a ParallelFor with no iterations does to a `dsl.Collected` consumer (`FanIn`,
-  `fan_ins`); the state an exit handler is handed is `bert_core.lineage.end_status`'s and the
+  `fan_ins`); the state an exit handler is handed is `bert_core.track.lineage.end_status`'s and the
   pod harness's business (both cite the source).
 
 Source citations are paths in github.com/kubeflow/pipelines at tag 2.17.0, and for Argo

@@ -6,7 +6,7 @@ works the same way. This wrapper only adds what DVC does not: it opens the paren
 first and exports its id (BERT_PARENT_RUN_ID), so each stage's `bert` command nests its run
 under it; afterwards it tags the runs with the DVC hashes of their inputs, registers the
 pre-trained model (when pretrain ran), logs the GLUE (and NER / SQuAD) results on the parent run
-(the evaluate step's metrics, `bert_core.evaluate.mlflow_metrics`) and prints the GLUE table and
+(the evaluate step's metrics, `bert_core.report.evaluate.mlflow_metrics`) and prints the GLUE table and
 the command that opens the MLflow UI.
 
     python pipelines/run_dvc.py                       # dvc repro
@@ -26,8 +26,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bert_core import lineage  # noqa: E402
-from bert_core.evaluate import mlflow_metrics  # noqa: E402
+from bert_core.report.evaluate import mlflow_metrics  # noqa: E402
+from bert_core.track import lineage  # noqa: E402
 from bert_core.tracking import tracking_uri  # noqa: E402
 
 

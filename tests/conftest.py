@@ -37,8 +37,8 @@ def tiny_dir(tmp_path_factory, minilm_dir) -> Path:
     a model folder to fine-tune in seconds."""
     import torch
 
-    from bert_core.heads import BertForSequenceClassification
-    from bert_core.model import BertConfig
+    from bert_core.model.heads import BertForSequenceClassification
+    from bert_core.model.modeling import BertConfig
 
     path = tmp_path_factory.mktemp("tiny") / "model"
     torch.manual_seed(0)

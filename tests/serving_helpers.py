@@ -1,4 +1,4 @@
-"""Model folders of every kind `bert_core.predictors` serves, built in seconds.
+"""Model folders of every kind `bert_core.serve.predictors` serves, built in seconds.
 
 Each is the real 6-layer MiniLM encoder (`minilm_dir`) under a freshly initialised (seeded) head,
 saved as `bert finetune` saves its model: label names and task in config.json, the vocab and
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from bert_core import heads, ner
-from bert_core.model import BertForPreTraining
+from bert_core.finetune.tasks import ner
+from bert_core.model.modeling import BertForPreTraining, heads
 
 KINDS = {
     # kind: (head class, config overrides)

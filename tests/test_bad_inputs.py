@@ -25,12 +25,12 @@ import pytest
 import torch
 
 from bert_core import cli
-from bert_core.bert_config import BertConfig
-from bert_core.corpus import CleanConfig, clean_corpus
-from bert_core.heads import BertForSequenceClassification
-from bert_core.instances import InstanceConfig, create_instances
-from bert_core.model import BertForPreTraining
-from bert_core.tokenizer import VocabConfig, train_vocab, write_tokenizer_settings, write_vocab
+from bert_core.data.corpus import CleanConfig, clean_corpus
+from bert_core.data.instances import InstanceConfig, create_instances
+from bert_core.data.tokenizer import VocabConfig, train_vocab, write_tokenizer_settings, write_vocab
+from bert_core.model.config import BertConfig
+from bert_core.model.heads import BertForSequenceClassification
+from bert_core.model.modeling import BertForPreTraining
 from tests.pipeline_helpers import local_services
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

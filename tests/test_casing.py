@@ -11,11 +11,11 @@ import pytest
 from transformers import BertTokenizerFast
 
 from bert_core import cli
-from bert_core.model import TOKENIZER_FILES
-from bert_core.pretrain_config import PretrainConfig
-from bert_core.pretrain_state import fetch_tokenizer_files, rng_state, save_checkpoint
-from bert_core.pretrain_worker import setup
-from bert_core.tokenizer import read_lowercase, read_vocab
+from bert_core.data.tokenizer import read_lowercase, read_vocab
+from bert_core.model.modeling import TOKENIZER_FILES
+from bert_core.pretrain.config import PretrainConfig
+from bert_core.pretrain.state import fetch_tokenizer_files, rng_state, save_checkpoint
+from bert_core.pretrain.worker import setup
 
 CITIES = ["Paris", "London", "Berlin", "Madrid", "Vienna", "Rome"]
 

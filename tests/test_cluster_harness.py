@@ -362,7 +362,7 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
 ):
     from mlflow import MlflowClient
 
-    from bert_core import lineage
+    from bert_core.track import lineage
 
     harness, state, logs = pipeline_run
     assert state == pod_harness.SUCCEEDED, logs

@@ -168,9 +168,10 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(concurren
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
-    from bert_core import lineage, registry
-    from bert_core.heads import BertForSequenceClassification
-    from bert_core.model import BertForPreTraining
+    from bert_core.model.heads import BertForSequenceClassification
+    from bert_core.model.modeling import BertForPreTraining
+    from bert_core.serve import registry
+    from bert_core.track import lineage
 
     c = concurrent
     for name, state in c.states.items():

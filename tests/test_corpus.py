@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bert_core import cli
-from bert_core.corpus import CleanConfig, clean_corpus
+from bert_core.data.corpus import CleanConfig, clean_corpus
 
 BOOKS = [
     "a_christmas_carol.txt",  # UTF-8 BOM, CRLF, modern Gutenberg header/footer

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bert_core import cli
-from bert_core.embed import parse_layers
-from bert_core.model import BertModel
+from bert_core.model.modeling import BertModel
+from bert_core.serve.embed import parse_layers
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "BERT reads both ways!", "ok"]
 
@@ -75,8 +75,8 @@ def test_embed_equals_transformers_hidden_states(
 
 
 def test_layer_choices_are_checked(minilm_dir):
-    from bert_core.embed import Embedder
-    from bert_core.predictors import Settings
+    from bert_core.serve.embed import Embedder
+    from bert_core.serve.predictors import Settings
 
     assert parse_layers("last4") == (-4, -3, -2, -1) and parse_layers("0,6") == (0, 6)
     with pytest.raises(ValueError, match="integers like"):

@@ -11,7 +11,7 @@ import mlflow
 import pytest
 
 from bert_core import cli
-from bert_core.evaluate import collect, evaluate
+from bert_core.report.evaluate import collect, evaluate
 
 # BERT-Large's GLUE test numbers (paper Table 1 + leaderboard); the leaderboard's score is 80.5.
 BERT_LARGE = {
@@ -161,7 +161,7 @@ def test_every_caller_logs_the_same_metrics_at_one_scale(tmp_path, mlflow_env, m
     components' Metrics carry the same names and values: fractions, as metrics.json holds them."""
     from mlflow import MlflowClient
 
-    from bert_core import lineage
+    from bert_core.track import lineage
     from pipelines import run_dvc
 
     for key in ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "KFP_RUN_ID", "DVC_STAGE"):
@@ -196,7 +196,7 @@ def _system(root, tasks: dict[str, dict], init: str) -> list[str]:
 def test_control_and_systems_are_rows_of_one_table_with_the_gain(tmp_path, mlflow_env, capsys):
     """Pre-trained and random-init results side by side (grouped by their metrics.json `init`
     or named with --system), the gain row, MLflow names per system, and `bert runs`."""
-    from bert_core import lineage
+    from bert_core.track import lineage
 
     ours = {"SST-2": {"accuracy": 0.9}, "MRPC": {"f1": 0.8, "accuracy": 0.7},
             "conll2003": {"f1": 0.9, "conlleval_f1": 0.91}}  # fmt: skip

@@ -330,8 +330,8 @@ class References:
         weights: more than `full_disk`'s limit)."""
         import torch
 
-        from bert_core.model import BertConfig, BertForPreTraining
-        from bert_core.tokenizer import read_vocab
+        from bert_core.data.tokenizer import read_vocab
+        from bert_core.model.modeling import BertConfig, BertForPreTraining
 
         vocab = self.vocab.output / "vocab.txt"
         torch.manual_seed(0)

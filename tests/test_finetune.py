@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from bert_core import cli, glue
-from bert_core.finetune import (
+from bert_core import cli
+from bert_core.finetune.engine import (
     TASKS,
     FinetuneConfig,
     FinetuneTask,
@@ -27,7 +27,8 @@ from bert_core.finetune import (
     load_tokenizer,
     predict_batches,
 )
-from bert_core.finetune_glue import (
+from bert_core.finetune.tasks import glue_data as glue
+from bert_core.finetune.tasks.glue import (
     Features,
     collate,
     featurize,
@@ -35,8 +36,8 @@ from bert_core.finetune_glue import (
     to_predictions,
     truncate_pair_from_end,
 )
-from bert_core.glue import Example, compute_metrics, get_task, read_task
-from bert_core.heads import BertForSequenceClassification
+from bert_core.finetune.tasks.glue_data import Example, compute_metrics, get_task, read_task
+from bert_core.model.heads import BertForSequenceClassification
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -274,8 +275,8 @@ def test_task_table_covers_every_task() -> None:
     with pytest.raises(ValueError, match="unknown GLUE task 'SQuAD'"):
         load_task("SQuAD")  # token task names are exact, as in metrics.json
     # the engine imports no task module: they import it, and are found through the table
-    modules = "{'bert_core.finetune_glue', 'bert_core.ner', 'bert_core.squad', 'bert_core.swag'}"
-    code = f"import sys, bert_core.finetune; print(sorted({modules} & set(sys.modules)))"
+    modules = "{'bert_core.finetune.tasks.glue', 'bert_core.finetune.tasks.ner', 'bert_core.finetune.tasks.squad', 'bert_core.finetune.tasks.swag'}"
+    code = f"import sys, bert_core.finetune.engine; print(sorted({modules} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -426,8 +427,8 @@ def test_sweep_and_control_end_to_end(tmp_path, shared_data, tiny_dir, mlflow_en
 def test_pick_best_joins_a_fanned_out_sweep(tmp_path) -> None:
     """One `bert finetune` per learning rate (a pipeline's fan-out), joined by pick_best: the
     best folder by dev score, whole, with the sweep section a one-step sweep writes."""
-    from bert_core.sweep import main as sweep_main
-    from bert_core.sweep import pick_best
+    from bert_core.finetune.sweep import main as sweep_main
+    from bert_core.finetune.sweep import pick_best
 
     folders = []
     for i, (lr, score) in enumerate([(5e-5, 0.71), (3e-5, 0.74), (2e-5, 0.74)]):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bert_core.errors import InputError
-from bert_core.glue import (
+from bert_core.finetune.tasks.glue_data import (
     TASKS,
     compute_metrics,
     get_task,

@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from bert_core import cli
-from bert_core.corpus import CleanConfig, clean_corpus
-from bert_core.instance_sampling import truncate_pair_randomly
-from bert_core.instance_shards import read_documents
-from bert_core.instances import SCHEMA, InstanceConfig, create_instances
-from bert_core.pretrain_data import list_row_groups
-from bert_core.tokenizer import load_tokenizer, read_vocab
+from bert_core.data.corpus import CleanConfig, clean_corpus
+from bert_core.data.instance_sampling import truncate_pair_randomly
+from bert_core.data.instance_shards import read_documents
+from bert_core.data.instances import SCHEMA, InstanceConfig, create_instances
+from bert_core.data.tokenizer import load_tokenizer, read_vocab
+from bert_core.pretrain.data import list_row_groups
 
 BOOKS = [
     "a_study_in_scarlet.txt",

@@ -1,4 +1,4 @@
-"""The one masked-LM rule (`bert_core.masking`) and its three callers: instances' vectorised and
+"""The one masked-LM rule (`bert_core.data.masking`) and its three callers: instances' vectorised and
 whole-word masking, and pre-training's dynamic masking."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from bert_core import masking
-from bert_core.instance_sampling import Vocab, mask_batch, mask_whole_words
-from bert_core.instances import InstanceConfig
-from bert_core.masking import KEEP, MASK, RANDOM, MaskingRecipe
-from bert_core.pretrain_data import MaskingConfig, dynamic_mask
+from bert_core.data import masking
+from bert_core.data.instance_sampling import Vocab, mask_batch, mask_whole_words
+from bert_core.data.instances import InstanceConfig
+from bert_core.data.masking import KEEP, MASK, RANDOM, MaskingRecipe
+from bert_core.pretrain.data import MaskingConfig, dynamic_mask
 
 VOCAB_SIZE, CLS, SEP, MASK_ID = 500, 2, 3, 4
 

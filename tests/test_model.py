@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from bert_core.bert_config import PRESETS
-from bert_core.heads import BertForSequenceClassification
-from bert_core.model import BertConfig, BertForPreTraining, BertModel
+from bert_core.model.config import PRESETS
+from bert_core.model.heads import BertForSequenceClassification
+from bert_core.model.modeling import BertConfig, BertForPreTraining, BertModel
 
 torch.set_num_threads(2)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bert_core.errors import InputError
-from bert_core.model import BertConfig, BertModel
+from bert_core.model.modeling import BertConfig, BertModel
 
 
 @pytest.fixture

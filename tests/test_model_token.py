@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from bert_core.heads import BertForQuestionAnswering, BertForTokenClassification
+from bert_core.model.heads import BertForQuestionAnswering, BertForTokenClassification
 
 torch.set_num_threads(1)
 

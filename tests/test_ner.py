@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from bert_core import cli
-from bert_core.conlleval import conlleval
 from bert_core.errors import InputError
-from bert_core.finetune import load_tokenizer
-from bert_core.model import BertConfig, BertForPreTraining
-from bert_core.ner import (
+from bert_core.finetune.engine import load_tokenizer
+from bert_core.finetune.tasks.conlleval import conlleval
+from bert_core.finetune.tasks.ner import (
     LABELS,
     download,
     entity_metrics,
@@ -23,6 +22,7 @@ from bert_core.ner import (
     iob1_to_iob2,
     read_conll,
 )
+from bert_core.model.modeling import BertConfig, BertForPreTraining
 
 torch.set_num_threads(1)  # as the other fine-tuning tests: CI's cores are shared
 

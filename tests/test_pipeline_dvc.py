@@ -163,7 +163,7 @@ def test_a_code_change_marks_the_stages_running_that_code(dvc_run):
 def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch):
     from mlflow import MlflowClient
 
-    from bert_core import lineage
+    from bert_core.track import lineage
 
     repo, env, _ = dvc_run
     monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
@@ -207,7 +207,7 @@ def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch)
 
     (version,) = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
     assert version.run_id == children["pretrain"].info.run_id
-    from bert_core.serving import local_model
+    from bert_core.serve.mlflow_model import local_model
 
     # an MLflow model (pyfunc: masked-token filling) holding the HF-layout folder
     with local_model(f"models:/{lineage.REGISTERED_MODEL}/1") as (folder, _):
@@ -300,7 +300,8 @@ def stage_code(command: str, extra: set[str] = frozenset()) -> set[str]:
 
 def _task_modules(glue_tasks: bool) -> set[str]:
     """The modules `bert finetune` loads by name for GLUE tasks, or for the token-level ones."""
-    from bert_core import finetune, glue
+    from bert_core.finetune import engine as finetune
+    from bert_core.finetune.tasks import glue_data as glue
 
     return {v.split(":")[0] for k, v in finetune.TASKS.items() if (k in glue.TASKS) == glue_tasks}
 
@@ -321,11 +322,11 @@ def test_every_stage_depends_on_the_code_it_runs():
     # ray_jobs at the top), the KFP helpers of the CLI do not (kfp_metrics imports evaluate),
     # modules loaded by name do (NER, for the token tasks only: the GLUE task module is also
     # imported statically, by the MLflow model's predictors)
-    assert {"bert_core/pretrain_worker.py", "bert_core/ray_jobs.py"} <= stage_code("pretrain")
-    assert "bert_core/evaluate.py" not in stage_code("clean")
-    assert "bert_core/lineage.py" not in stage_code("clean")  # the CLI's KFP helpers only
-    assert "bert_core/ner.py" not in stage_code("finetune")
-    assert "bert_core/ner.py" in stage_code("finetune", _task_modules(False))
+    assert {"bert_core/pretrain/worker.py", "bert_core/pretrain/ray_jobs.py"} <= stage_code("pretrain")
+    assert "bert_core/report/evaluate.py" not in stage_code("clean")
+    assert "bert_core/track/lineage.py" not in stage_code("clean")  # the CLI's KFP helpers only
+    assert "bert_core/finetune/tasks/ner.py" not in stage_code("finetune")
+    assert "bert_core/finetune/tasks/ner.py" in stage_code("finetune", _task_modules(False))
 
 
 # ---------------------------------------------------------------- the default remote

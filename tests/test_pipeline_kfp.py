@@ -19,7 +19,7 @@ import yaml
 
 from bert_core import cli, storage
 from bert_core.errors import BertError
-from bert_core.finetune_jobs import finetune_jobs
+from bert_core.finetune.jobs import finetune_jobs
 from pipelines import cluster
 from pipelines.bert_pipeline import (
     DEFAULTS,
@@ -158,7 +158,7 @@ def test_finetune_jobs_are_one_list_with_each_jobs_options_and_data_digest():
     assert options[3]["--max-eval-examples"] == "50"
     assert options[3]["--batch-size"] == options[0]["--batch-size"]  # shared with GLUE
     # every job's options parse as `bert finetune`'s own, with a model and output added
-    from bert_core import finetune
+    from bert_core.finetune import engine as finetune
 
     for job in jobs:
         task = finetune.load_task(job["options"][1])
@@ -386,7 +386,7 @@ def test_a_kfp_step_without_a_tracking_server_fails_at_once(tmp_path, monkeypatc
 def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     from mlflow import MlflowClient
 
-    from bert_core import lineage
+    from bert_core.track import lineage
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = env_for(ROOT, uri)

@@ -10,8 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bert_core import cli, predict, records
-from bert_core.predictors import load_predictor
+from bert_core import cli
+from bert_core.serve import predict, records
+from bert_core.serve.predictors import load_predictor
 from tests.serving_helpers import build
 
 SENTENCES = [

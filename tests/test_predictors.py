@@ -1,4 +1,4 @@
-"""`bert_core.predictors`: the answers of every kind of model equal a reference's.
+"""`bert_core.serve.predictors`: the answers of every kind of model equal a reference's.
 
 References: transformers' pipelines on the same folder (classification, NER with "first"
 aggregation, fill-mask), and, for question answering, our own SQuAD fine-tuning decoder on real
@@ -14,10 +14,10 @@ import pandas as pd
 import pytest
 import torch
 
-from bert_core import squad
-from bert_core.finetune import load_tokenizer
-from bert_core.predictors import BadInput, Settings, load_predictor, predictor_class
-from bert_core.predictors_span import EntityTagger, entities
+from bert_core.finetune.engine import load_tokenizer
+from bert_core.finetune.tasks import squad
+from bert_core.serve.predictors import BadInput, Settings, load_predictor, predictor_class
+from bert_core.serve.predictors_span import EntityTagger, entities
 from tests.serving_helpers import build
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -138,7 +138,7 @@ def test_fill_mask_equals_transformers(folders):
 
 
 def test_choices_equal_swag_finetuning_predictions(folders):
-    from bert_core import swag
+    from bert_core.finetune.tasks import swag
 
     examples = [
         swag.SwagExample("0", "A man fills a kettle with water.", "He",

@@ -18,22 +18,22 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from bert_core import pretrain as pt
+from bert_core.data.instance_shards import SCHEMA
+from bert_core.data.tokenizer import read_lowercase, read_vocab
 from bert_core.errors import BertError
-from bert_core.instance_shards import SCHEMA
-from bert_core.model import BertConfig, BertForPreTraining
-from bert_core.pretrain_config import PretrainConfig, build_parser, parse_args
-from bert_core.pretrain_data import (
+from bert_core.model.modeling import BertConfig, BertForPreTraining
+from bert_core.pretrain import command as pt
+from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
+from bert_core.pretrain.data import (
     InstanceStream,
     collate,
     list_row_groups,
     masking_config_from_vocab,
     read_rows,
 )
-from bert_core.pretrain_eval import HeldOutEval
-from bert_core.pretrain_state import Meter, seed_all
-from bert_core.pretrain_worker import build_model, setup, train_step
-from bert_core.tokenizer import read_lowercase, read_vocab
+from bert_core.pretrain.heldout import HeldOutEval
+from bert_core.pretrain.state import Meter, seed_all
+from bert_core.pretrain.worker import build_model, setup, train_step
 from tests.pipeline_helpers import pretraining_instances
 
 

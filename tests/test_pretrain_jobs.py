@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from bert_core import pretrain as pt
-from bert_core import ray_jobs
 from bert_core import storage as st
-from bert_core.pretrain_config import PretrainConfig, parse_args
+from bert_core.pretrain import command as pt
+from bert_core.pretrain import ray_jobs
+from bert_core.pretrain.config import PretrainConfig, parse_args
 from tests.pipeline_helpers import RayHead, local_services, pretraining_instances
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The MLflow flavor (`bert_core.serving`) and the registry (`bert_core.registry`): logged models
+"""The MLflow flavor (`bert_core.serve.mlflow_model`) and the registry (`bert_core.serve.registry`): logged models
 load with `mlflow.pyfunc`, answer as the predictors do, need neither transformers nor the
 project installed; `bert finetune` registers its model and `bert promote` moves `champion` only
 to a better version."""
@@ -16,8 +16,10 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.models import Model
 
-from bert_core import cli, registry, serving
-from bert_core.predictors import load_predictor
+from bert_core import cli
+from bert_core.serve import mlflow_model as serving
+from bert_core.serve import registry
+from bert_core.serve.predictors import load_predictor
 from tests.serving_helpers import build
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

@@ -22,7 +22,9 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from bert_core import cli, registry, serving
+from bert_core import cli
+from bert_core.serve import mlflow_model as serving
+from bert_core.serve import registry
 from tests.serving_helpers import build
 
 ROOT = Path(__file__).resolve().parents[1]

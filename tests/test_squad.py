@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from bert_core import cli
-from bert_core.finetune import load_tokenizer
-from bert_core.model import BertConfig, BertForPreTraining
-from bert_core.squad import (
+from bert_core.finetune.engine import load_tokenizer
+from bert_core.finetune.tasks.squad import (
     Example,
     SquadConfig,
     answer_tokens,
@@ -28,6 +27,7 @@ from bert_core.squad import (
     read_squad,
     squad_metrics,
 )
+from bert_core.model.modeling import BertConfig, BertForPreTraining
 
 torch.set_num_threads(1)  # as the other fine-tuning tests: CI's cores are shared
 
@@ -123,7 +123,7 @@ def test_decode_picks_best_valid_span_and_null() -> None:
     ex = Example("q", "who?", "Marie Curie won.", [("Marie Curie", 0)])
     offsets = np.array([[-1, -1], [-1, -1], [-1, -1], [0, 5], [6, 11], [12, 15], [15, 16],
                         [-1, -1]])  # fmt: skip
-    from bert_core.squad import Features
+    from bert_core.finetune.tasks.squad import Features
 
     f = Features([np.zeros(8, np.int64)], [], np.array([0]), [offsets], [offsets[:, 0] >= 0],
                  np.zeros(1), np.zeros(1))  # fmt: skip

@@ -15,9 +15,9 @@ import torch
 import transformers
 
 from bert_core import cli
-from bert_core.finetune import load_tokenizer
-from bert_core.heads import BertForMultipleChoice
-from bert_core.swag import NUM_CHOICES, collate, download, featurize, read_swag
+from bert_core.finetune.engine import load_tokenizer
+from bert_core.finetune.tasks.swag import NUM_CHOICES, collate, download, featurize, read_swag
+from bert_core.model.heads import BertForMultipleChoice
 
 HEADER = ["", "video-id", "fold-ind", "startphrase", "sent1", "sent2", "gold-source",
           "ending0", "ending1", "ending2", "ending3", "label"]  # fmt: skip

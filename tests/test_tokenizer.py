@@ -9,9 +9,9 @@ from tokenizers import Tokenizer
 from transformers import BertTokenizerFast
 
 from bert_core import cli
-from bert_core.corpus import CleanConfig, clean_file
+from bert_core.data.corpus import CleanConfig, clean_file
+from bert_core.data.tokenizer import SPECIAL_TOKENS, encode_lines, load_tokenizer, read_vocab
 from bert_core.errors import InputError
-from bert_core.tokenizer import SPECIAL_TOKENS, encode_lines, load_tokenizer, read_vocab
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_vocab_cli_trains_a_loadable_wordpiece(shared_data, tmp_path, monkeypatc
 
 
 def test_cased_vocab_keeps_case(tmp_path, sentences):
-    from bert_core.tokenizer import VocabConfig, train_vocab
+    from bert_core.data.tokenizer import VocabConfig, train_vocab
 
     (tmp_path / "a.txt").write_text("\n".join(sentences[:2000]) + "\n")
     tok = train_vocab(tmp_path, VocabConfig(vocab_size=1000, lowercase=False))

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from bert_core import cli, lineage, tracking
+from bert_core import cli, tracking
 from bert_core.cli import main as bert
+from bert_core.track import lineage
 
 CHILD = """
 import mlflow
@@ -146,7 +147,7 @@ def test_the_exit_handler_ends_the_parent_run_as_the_backend_state_says(
 def test_register_pretrained_logs_and_versions_the_model(uri, tmp_path):
     import torch
 
-    from bert_core.model import BertConfig, BertForPreTraining
+    from bert_core.model.modeling import BertConfig, BertForPreTraining
 
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefgh"]))
@@ -164,7 +165,7 @@ def test_register_pretrained_logs_and_versions_the_model(uri, tmp_path):
     import mlflow
     import pandas as pd
 
-    from bert_core.serving import local_model
+    from bert_core.serve.mlflow_model import local_model
 
     # an MLflow model (pyfunc flavor: masked-token filling) holding the HF-layout folder
     uri = f"models:/{lineage.REGISTERED_MODEL}/1"

@@ -18,7 +18,7 @@ Why each step exists:
   warning names the first file:line): old Gutenberg files carry stray Latin-1 bytes, and
   rejecting a whole corpus for one accented letter helps nobody. A file that is mostly such
   bytes or control characters (random bytes, a binary file, another encoding) is an error
-  naming it (`bert_core.text_quality`): it is not text, and would become a vocabulary of junk.
+  naming it (`bert_core.data.text_quality`): it is not text, and would become a vocabulary of junk.
 
 Memory: input files are cleaned in parallel worker processes, one file at a time; the main
 process only keeps the 16-byte hashes of documents already written, so memory is bounded by the
@@ -43,8 +43,8 @@ from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 from bert_core import storage
+from bert_core.data.text_quality import JunkMeter
 from bert_core.errors import InputError
-from bert_core.text_quality import JunkMeter
 
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 

@@ -15,7 +15,7 @@ by function: how one document becomes MLM/NSP instances, and how their tokens ar
   keys, and the first `num_to_predict` taken, exactly the original's shuffle-then-take; the
   80/10/10 draws are i.i.d. as in the original) and `mask_whole_words` (whole-word masking, the
   original's per-instance loop and its exact sequence of random calls). Both follow the one
-  masking rule of `bert_core.masking`.
+  masking rule of `bert_core.data.masking`.
 
 Python's `random` drives the per-document decisions as in the original; `randint(a, b)` is
 computed from one `random()` call (3x faster than `random.randint`).
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bert_core import masking
+from bert_core.data import masking
 
 if TYPE_CHECKING:
-    from bert_core.instances import InstanceConfig
+    from bert_core.data.instances import InstanceConfig
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Vocab:
 
     @classmethod
     def from_file(cls, vocab_file: Path) -> Vocab:
-        from bert_core.tokenizer import read_vocab
+        from bert_core.data.tokenizer import read_vocab
 
         vocab = read_vocab(vocab_file, required=("[UNK]", "[CLS]", "[SEP]", "[MASK]"))
         is_subword = np.zeros(len(vocab), dtype=bool)
@@ -71,7 +71,7 @@ def truncate_pair_randomly(
     closed form rather than token by token.
 
     Not fine-tuning's rule, which only ever cuts from the end (`run_classifier`'s
-    `_truncate_seq_pair`, in `bert_core.finetune`): the random front cuts are a pre-training
+    `_truncate_seq_pair`, in `bert_core.finetune.engine`): the random front cuts are a pre-training
     regulariser ("to add more randomness and avoid biases"), while a fine-tuning example must
     keep its beginning.
 

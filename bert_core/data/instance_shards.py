@@ -2,7 +2,7 @@
 
 The unit of work of `bert instances` is one input shard, as Google ran the original (once per
 shard): documents are read (BERT's input format: one sentence a line, blank lines between
-documents), tokenised, turned into instances `dupe_factor` times (`bert_core.instance_sampling`),
+documents), tokenised, turned into instances `dupe_factor` times (`bert_core.data.instance_sampling`),
 masked, shuffled and written. Random-next segments come from the same shard, and every random
 stream is seeded by (random_seed, shard index, dupe round, purpose), so the output is
 byte-identical whatever the number of worker processes, and a worker holds one shard (times the
@@ -29,16 +29,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bert_core.errors import utf8_errors
-from bert_core.instance_sampling import (
+from bert_core.data.instance_sampling import (
     Vocab,
     create_instances_from_document,
     mask_batch,
     mask_whole_words,
 )
+from bert_core.errors import utf8_errors
 
 if TYPE_CHECKING:
-    from bert_core.instances import InstanceConfig
+    from bert_core.data.instances import InstanceConfig
 
 SCHEMA = pa.schema(
     [
@@ -75,7 +75,7 @@ def tokenize_documents(
     docs: list[list[str]], tokenizer, cache: dict | None = None
 ) -> list[list[list[int]]]:
     """Token ids per sentence per document, in batches through the Rust tokenizer."""
-    from bert_core.tokenizer import encode_lines
+    from bert_core.data.tokenizer import encode_lines
 
     encoded = encode_lines(tokenizer, list(chain.from_iterable(docs)), cache)
     out: list[list[list[int]]] = []
@@ -155,7 +155,7 @@ def _shard_tools(vocab_file: Path, lowercase: bool) -> tuple[Vocab, object, dict
     """Vocabulary, tokenizer and piece cache, loaded once per worker process and reused for
     every shard it handles (a pure function of the vocabulary: output does not depend on which
     worker ran which shard)."""
-    from bert_core.tokenizer import load_tokenizer
+    from bert_core.data.tokenizer import load_tokenizer
 
     return Vocab.from_file(vocab_file), load_tokenizer(vocab_file, lowercase), {}
 

@@ -4,10 +4,10 @@
 Three modules, one job each:
 - this one, the step: its settings (`InstanceConfig`), input checks, the pool of worker
   processes over the input shards, `stats.json`, the command line;
-- `bert_core.instance_shards`: one input shard -> one Parquet file (reading, tokenisation,
+- `bert_core.data.instance_shards`: one input shard -> one Parquet file (reading, tokenisation,
   seeding, layout);
-- `bert_core.instance_sampling`: the original's algorithm itself (instances from a document,
-  random truncation, masking by the rule of `bert_core.masking`).
+- `bert_core.data.instance_sampling`: the original's algorithm itself (instances from a document,
+  random truncation, masking by the rule of `bert_core.data.masking`).
 
 Every random stream is seeded by (random_seed, shard index, dupe round, purpose), so the output
 is byte-identical whatever `--num-workers` is. Output: one Parquet file per input shard
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bert_core import masking, storage
-from bert_core.errors import InputError, utf8_errors
-from bert_core.instance_sampling import Vocab
-from bert_core.instance_shards import (
+from bert_core import storage
+from bert_core.data import masking
+from bert_core.data.instance_sampling import Vocab
+from bert_core.data.instance_shards import (
     HELDOUT,
     SCHEMA,
     SPLIT,
@@ -41,13 +41,14 @@ from bert_core.instance_shards import (
     seed_for,
     write_instances,
 )
-from bert_core.masking import MaskingRecipe
-from bert_core.tokenizer import (
+from bert_core.data.masking import MaskingRecipe
+from bert_core.data.tokenizer import (
     TOKENIZER_CONFIG,
     read_lowercase,
     text_shards,
     write_tokenizer_settings,
 )
+from bert_core.errors import InputError, utf8_errors
 
 __all__ = ["SCHEMA", "InstanceConfig", "create_instances", "main"]
 
@@ -68,7 +69,7 @@ class InstanceConfig:
     random_seed: int = 12345
     whole_word_mask: bool = False
     lowercase: bool = True
-    masking_recipe: str = masking.DEFAULT_RECIPE  # [MASK]/random/keep percent, bert_core.masking
+    masking_recipe: str = masking.DEFAULT_RECIPE  # [MASK]/random/keep percent, bert_core.data.masking
     heldout_fraction: float = 0.02  # share of the documents kept out of training
     heldout_documents: int | None = None  # exactly this many instead (0: none)
     preset: str | None = None  # the model size they are for: its positions bound max_seq_length
@@ -131,7 +132,7 @@ def max_positions(preset: str | None) -> tuple[int, str]:
     """(longest sequence, the model named) for instances made for `preset`: its
     max_position_embeddings; without a preset BERT's 512, which every preset has. Checked
     here, where the length is set, not 40 s into `bert pretrain`."""
-    from bert_core.bert_config import BertConfig
+    from bert_core.model.config import BertConfig
 
     if preset is None:
         return BertConfig.max_position_embeddings, "BERT (every --preset)"

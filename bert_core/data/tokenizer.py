@@ -32,8 +32,8 @@ from tokenizers import (
 )
 
 from bert_core import storage
+from bert_core.data.text_quality import JunkMeter
 from bert_core.errors import InputError, utf8_errors
-from bert_core.text_quality import JunkMeter
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MAX_INPUT_CHARS_PER_WORD = 100  # as google-research/bert's WordpieceTokenizer
@@ -222,7 +222,7 @@ def text_shards(input_dir: str | Path) -> list[Path]:
 
 def iter_text(input_dir: Path) -> Iterator[str]:
     """Non-empty lines (sentences) of the cleaned shards, streamed. A shard that is not UTF-8
-    or does not look like text (`bert_core.text_quality`) is an error naming it: `bert clean`
+    or does not look like text (`bert_core.data.text_quality`) is an error naming it: `bert clean`
     writes neither, so such a file was put there by hand, and a vocabulary of junk is worse
     than none."""
     for file in text_shards(input_dir):

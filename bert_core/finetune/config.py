@@ -73,7 +73,7 @@ class FinetuneConfig:
     )  # fmt: skip
     lr_sweep: tuple[float, ...] | None = option(
         None, "learning rates to try, e.g. 5e-5,4e-5,3e-5,2e-5 ('paper': that grid); each "
-        "trial is a nested MLflow run and the best on dev is kept (bert_core.sweep)",
+        "trial is a nested MLflow run and the best on dev is kept (bert_core.finetune.sweep)",
     )  # fmt: skip
     restarts: int = option(
         1, "seeds per learning rate (--seed, --seed+1, ...): the paper's random restarts on "
@@ -94,7 +94,7 @@ class FinetuneConfig:
 
     @property
     def is_sweep(self) -> bool:
-        """More than one trial: the run goes through `bert_core.sweep`."""
+        """More than one trial: the run goes through `bert_core.finetune.sweep`."""
         return self.lr_sweep is not None or self.restarts > 1
 
 

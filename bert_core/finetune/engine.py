@@ -1,21 +1,21 @@
 """`bert finetune`: fine-tune a BERT on one task (GLUE, CoNLL-2003, SQuAD, SWAG), one engine.
 
 The recipe is the paper's (section 4, appendix A.3) and the same for every task: a task head on
-the pre-trained encoder, AdamW (no weight decay on biases and LayerNorm, `bert_core.optim`),
+the pre-trained encoder, AdamW (no weight decay on biases and LayerNorm, `bert_core.model.optim`),
 linear warm-up over the first 10 % of steps then linear decay to zero, gradient clipping at 1.0,
 dynamic padding (a batch is padded only to its longest sequence: most of the speed on a CPU),
 bf16 autocast on GPUs. The dev set is scored after every epoch and the best epoch (by the task's
 score) is the one kept, written and reported.
 
-This module is the engine: the tokenizer (`bert_core.tokenizer`'s), the training loop (`fit`),
+This module is the engine: the tokenizer (`bert_core.data.tokenizer`'s), the training loop (`fit`),
 the length-sorted prediction loop (`predict_batches`), the model loader (label names into
 config.json; `--init random` for the control), one training run (`train`) and the step itself,
 from reading the input to metrics.json and MLflow (`finetune`). The configuration and its
-command line are `bert_core.finetune_config`; the paper's learning-rate sweep and restarts
-(trials as nested MLflow runs, the best on dev kept) are `bert_core.sweep`, on `train`. A task
+command line are `bert_core.finetune.config`; the paper's learning-rate sweep and restarts
+(trials as nested MLflow runs, the best on dev kept) are `bert_core.finetune.sweep`, on `train`. A task
 holds only what is its own (reading its data, featurisation, collate, decoding, metrics and
-output files): a `FinetuneTask` subclass in `bert_core.finetune_glue`, `bert_core.ner`,
-`bert_core.squad` or `bert_core.swag`, found by name in `TASKS` and imported only when run.
+output files): a `FinetuneTask` subclass in `bert_core.finetune.tasks.glue`, `bert_core.finetune.tasks.ner`,
+`bert_core.finetune.tasks.squad` or `bert_core.finetune.tasks.swag`, found by name in `TASKS` and imported only when run.
 
 Output (atomic: all or nothing): `model/` (HF layout, label names in config.json, the vocab),
 `metrics.json` (`task, init, metrics, score, best_epoch, epochs, config`, `test_metrics` and
@@ -38,26 +38,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_core import glue, optim
 from bert_core.errors import InputError
-from bert_core.finetune_config import (  # noqa: F401 (re-exported: the engine's public names)
+from bert_core.finetune.config import (  # noqa: F401 (re-exported: the engine's public names)
     FinetuneConfig,
     config_from_args,
     config_options,
     option,
 )
-from bert_core.registry import log_finetuned
+from bert_core.finetune.tasks import glue_data as glue
+from bert_core.model import optim
+from bert_core.serve.registry import log_finetuned
 from bert_core.storage import local_copy, output_dir
 
 # Every task `bert finetune` runs: exact name -> "module:class" of its `FinetuneTask`, imported
 # only when that task runs (the task modules import this one, never the other way round).
 # GLUE names are also found forgiving case and dashes (`sst2`, `mnli`), as `glue.get_task`.
 TASKS: dict[str, str] = {
-    **dict.fromkeys(glue.TASKS, "bert_core.finetune_glue:GlueFinetune"),
-    "conll2003": "bert_core.ner:NerFinetune",
-    "squad": "bert_core.squad:SquadFinetune",
-    "squad_v2": "bert_core.squad:SquadFinetune",
-    "swag": "bert_core.swag:SwagFinetune",
+    **dict.fromkeys(glue.TASKS, "bert_core.finetune.tasks.glue:GlueFinetune"),
+    "conll2003": "bert_core.finetune.tasks.ner:NerFinetune",
+    "squad": "bert_core.finetune.tasks.squad:SquadFinetune",
+    "squad_v2": "bert_core.finetune.tasks.squad:SquadFinetune",
+    "swag": "bert_core.finetune.tasks.swag:SwagFinetune",
 }
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")  # a batch's non-target keys
 
@@ -75,7 +76,7 @@ class FinetuneTask:
     """
 
     config_class: type[FinetuneConfig] = FinetuneConfig
-    model_class = "BertForSequenceClassification"  # a head class of `bert_core.heads`
+    model_class = "BertForSequenceClassification"  # a head class of `bert_core.model.heads`
     replace_mismatched_head = False  # a checkpoint head of another shape: replaced, not an error
     download_help: str | None = None  # set: `--download` fetches the data when missing
 
@@ -126,10 +127,10 @@ def load_task(name: str) -> FinetuneTask:
 
 
 def load_tokenizer(model_dir: str | Path):
-    """The model folder's tokenizer: `bert_core.tokenizer`'s, on its vocab.txt (casing from
+    """The model folder's tokenizer: `bert_core.data.tokenizer`'s, on its vocab.txt (casing from
     tokenizer_config.json's `do_lower_case`; lowercase when absent, as uncased BERT)."""
-    from bert_core.tokenizer import load_tokenizer as wordpiece
-    from bert_core.tokenizer import read_lowercase
+    from bert_core.data.tokenizer import load_tokenizer as wordpiece
+    from bert_core.data.tokenizer import read_lowercase
 
     model_dir = Path(model_dir)
     vocab = model_dir / "vocab.txt"
@@ -181,7 +182,7 @@ def padding_mask(rows: Sequence[np.ndarray], index: Sequence[int]) -> torch.Tens
 def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None = None):
     """The folder's BertConfig with the task's label names; checks that `max_seq_length`
     fits its positions (read before any training, so a bad folder fails first)."""
-    from bert_core import model as bert
+    from bert_core.model import modeling as bert
 
     if not (model_dir / bert.CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{model_dir}: no {bert.CONFIG_NAME} (not a BERT model folder)")
@@ -206,8 +207,8 @@ def load_model(task: FinetuneTask, model_dir: str | Path, init: str = "pretraine
     `init="random"`: the same architecture (the folder's config.json) with every weight freshly
     initialised from torch's current seed, none read from the checkpoint: the control run that
     shows what pre-training brings (the vocabulary is still the folder's)."""
-    from bert_core import heads
-    from bert_core import model as bert
+    from bert_core.model import heads
+    from bert_core.model import modeling as bert
 
     model_dir = Path(model_dir)
     model = getattr(heads, task.model_class)(model_config(task, model_dir))
@@ -227,7 +228,7 @@ def load_model(task: FinetuneTask, model_dir: str | Path, init: str = "pretraine
 
 
 def build_optimizer(model: torch.nn.Module, cfg: FinetuneConfig, total_steps: int):
-    """(AdamW, linear warm-up/decay schedule) over `total_steps`, as `bert_core.optim` builds
+    """(AdamW, linear warm-up/decay schedule) over `total_steps`, as `bert_core.model.optim` builds
     them for pre-training too."""
     optimizer = optim.adamw(model, cfg.learning_rate, cfg.weight_decay, cfg.adam_epsilon)
     warmup = int(cfg.warmup_proportion * total_steps)
@@ -341,7 +342,7 @@ def train(task: FinetuneTask, model_dir: str | Path, cfg, device: torch.device,
     """One training run on the prepared task: the model (seeded with `cfg.seed`, from the
     folder's weights or random ones by `cfg.init`) fitted with `cfg`, the best epoch loaded.
     Returns (model, best epoch's record, all epochs, training seconds). The whole step, or one
-    trial of a sweep (`bert_core.sweep`)."""
+    trial of a sweep (`bert_core.finetune.sweep`)."""
     torch.manual_seed(cfg.seed)
     model = load_model(task, model_dir, cfg.init).to(device)
     trial = f" lr {cfg.learning_rate:g} seed {cfg.seed}" if cfg.is_sweep else ""
@@ -377,7 +378,7 @@ def finetune(
         import mlflow
 
         if cfg.is_sweep:
-            from bert_core.sweep import run_trials
+            from bert_core.finetune.sweep import run_trials
 
             run, cfg, sweep = run_trials(task, model_dir, cfg, device, train)
         else:
@@ -418,7 +419,7 @@ def finish(out: Path, result: dict) -> None:
     mlflow.log_metrics({"best_epoch": result["best_epoch"], "best_dev_score": result["score"]})
     mlflow.log_metrics({f"best_dev_{k}": v for k, v in result["metrics"].items()})
     mlflow.log_artifact(str(out / "metrics.json"))
-    log_finetuned(out, result)  # the model as an MLflow model, registered (bert_core.registry)
+    log_finetuned(out, result)  # the model as an MLflow model, registered (bert_core.serve.registry)
 
 
 def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ is the step's output, its `learning_rate`/`seed` the step run's parameters, the 
 `sweep.*` and in metrics.json's `sweep` section.
 
 A pipeline can instead fan the trials out, one `bert finetune --lr X --seed S` step each, and
-join them with `pick_best` (`python -m bert_core.sweep --results A B ... --output BEST`): the
+join them with `pick_best` (`python -m bert_core.finetune.sweep --results A B ... --output BEST`): the
 best folder by dev score is copied to BEST with the same `sweep` section.
 """
 
@@ -41,7 +41,7 @@ def trial_configs(cfg) -> list:
 
 
 def _record(i: int, cfg, best: dict, seconds: float, run_id: str | None) -> dict:
-    from bert_core.finetune import numeric
+    from bert_core.finetune.engine import numeric
 
     return {
         "trial": i, "learning_rate": cfg.learning_rate, "seed": cfg.seed, "score": best["score"],
@@ -69,7 +69,7 @@ def run_trials(task, model_dir, cfg, device: torch.device, train: Callable):
     the best on dev. Returns (the chosen trial's `train` result, its config, `sweep` section)."""
     import mlflow
 
-    from bert_core.finetune import epoch_metrics
+    from bert_core.finetune.engine import epoch_metrics
     from bert_core.tracking import default_tags
 
     trials, kept, kept_cfg, chosen = [], None, None, 0
@@ -126,7 +126,7 @@ def pick_best(folders: list[str | Path], output: str | Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bert_core.sweep", description=pick_best.__doc__)
+    p = argparse.ArgumentParser(prog="python -m bert_core.finetune.sweep", description=pick_best.__doc__)
     p.add_argument("--results", nargs="+", required=True, help="`bert finetune` outputs")
     p.add_argument("--output", required=True, help="the chosen one is copied here")
     args = p.parse_args(argv)

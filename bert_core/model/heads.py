@@ -1,4 +1,4 @@
-"""The fine-tuning heads of BERT's section 4 on top of the encoder in `bert_core.model`.
+"""The fine-tuning heads of BERT's section 4 on top of the encoder in `bert_core.model.modeling`.
 
 One class per kind of task, with transformers' class and parameter names (`classifier.*`,
 `qa_outputs.*`), so a fine-tuned checkpoint loads in either library:
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bert_core.model import BertConfig, BertModel, BertPreTrainedModel
+from bert_core.model.modeling import BertConfig, BertModel, BertPreTrainedModel
 
 
 class ClassifierOutput(NamedTuple):

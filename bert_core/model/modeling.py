@@ -1,7 +1,7 @@
 """BERT (Devlin et al., 2018): the encoder, its checkpoints and its pre-training heads.
 
 The fine-tuning heads (sequence classification, token classification, question answering) are
-in `bert_core.heads`, on top of `BertModel` and `BertPreTrainedModel` from here.
+in `bert_core.model.heads`, on top of `BertModel` and `BertPreTrainedModel` from here.
 
 Module and parameter names follow the Hugging Face `transformers` BERT layout exactly
 (`bert.encoder.layer.0.attention.self.query.weight`, ...), so a checkpoint written by either
@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bert_core.bert_config import (
+from bert_core.errors import InputError, atomic_dir
+from bert_core.model.config import (
     ACTIVATIONS,
     CONFIG_NAME,
     LEGACY_WEIGHTS_NAME,
@@ -36,7 +37,6 @@ from bert_core.bert_config import (
     WEIGHTS_NAME,
     BertConfig,
 )
-from bert_core.errors import InputError, atomic_dir
 
 log = logging.getLogger(__name__)
 

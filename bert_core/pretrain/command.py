@@ -1,10 +1,10 @@
 """`bert pretrain`: BERT pre-training (masked LM + next sentence) on Ray Train; the driver.
 
 The driver (`pretrain`) checks its inputs, starts or joins Ray, opens the MLflow run and builds a
-`TorchTrainer`; every worker runs `bert_core.pretrain_worker.train_loop_per_worker`, which reads
-its own share of the instance shards (`bert_core.pretrain_data`), trains with the paper's
-optimiser (`bert_core.optim`) and reports metrics and checkpoints (`bert_core.pretrain_state`).
-The run's settings are `bert_core.pretrain_config.PretrainConfig`, whose fields are also the
+`TorchTrainer`; every worker runs `bert_core.pretrain.worker.train_loop_per_worker`, which reads
+its own share of the instance shards (`bert_core.pretrain.data`), trains with the paper's
+optimiser (`bert_core.model.optim`) and reports metrics and checkpoints (`bert_core.pretrain.state`).
+The run's settings are `bert_core.pretrain.config.PretrainConfig`, whose fields are also the
 command's options.
 
 Resume: Ray Train (V2) keeps a snapshot of the reported checkpoints in
@@ -17,7 +17,7 @@ Where things go: Ray checkpoints under `storage_path(cfg)` (`--storage-path`, el
 `$BERT_RAY_STORAGE/<run-name>` when the cluster's ConfigMap sets it, else OUTPUT/ray); an s3://
 `--output` is written to a local folder first and uploaded at the end. With `RAY_ADDRESS` set to
 a Ray dashboard URL (http://...:8265) the command does not train here: it submits itself as a Ray
-job and follows it (`bert_core.ray_jobs`).
+job and follows it (`bert_core.pretrain.ray_jobs`).
 
 Two-phase training as in the paper (90% of steps at 128 tokens, then 512): run phase one on
 128-token instances, then phase two on 512-token instances with `--init-model PHASE1/model`.
@@ -36,13 +36,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bert_core import ray_jobs
+from bert_core.data.tokenizer import read_vocab
 from bert_core.errors import BertError, InputError, atomic_dir
-from bert_core.pretrain_config import PretrainConfig, build_parser, parse_args
-from bert_core.pretrain_data import check_seq_length, list_row_groups
-from bert_core.pretrain_state import HELDOUT_COLUMNS, load_state, write_metrics_csv
+from bert_core.pretrain import ray_jobs
+from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
+from bert_core.pretrain.data import check_seq_length, list_row_groups
+from bert_core.pretrain.state import HELDOUT_COLUMNS, load_state, write_metrics_csv
 from bert_core.storage import copy, filesystem, is_s3, preflight
-from bert_core.tokenizer import read_vocab
 
 __all__ = ["PretrainConfig", "build_parser", "init_local_ray", "main", "pretrain", "storage_path"]
 
@@ -99,7 +99,7 @@ def _check_inputs(cfg: PretrainConfig) -> int:
     list_row_groups(cfg.instances)
     vocab = read_vocab(cfg.vocab_file)
     if cfg.init_model:
-        from bert_core.model import CONFIG_NAME, BertForPreTraining
+        from bert_core.model.modeling import CONFIG_NAME, BertForPreTraining
 
         config_file = Path(cfg.init_model) / CONFIG_NAME
         if not config_file.is_file():
@@ -113,7 +113,7 @@ def _check_inputs(cfg: PretrainConfig) -> int:
             )
         model = f"--init-model {cfg.init_model}"
     else:
-        from bert_core.bert_config import BertConfig
+        from bert_core.model.config import BertConfig
 
         config, model = BertConfig.from_preset(cfg.preset), f"the {cfg.preset} preset"
     check_seq_length(cfg.instances, config.max_position_embeddings, model)
@@ -229,7 +229,7 @@ def _trainer(cfg: PretrainConfig, storage: str, loop_config: dict[str, Any]):
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from bert_core.pretrain_worker import train_loop_per_worker
+    from bert_core.pretrain.worker import train_loop_per_worker
 
     return TorchTrainer(
         train_loop_per_worker,

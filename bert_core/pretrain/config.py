@@ -13,8 +13,8 @@ import types
 import typing
 from dataclasses import MISSING, Field, dataclass, field, fields
 
+from bert_core.data.masking import DEFAULT_RECIPE, MaskingRecipe
 from bert_core.errors import BertError
-from bert_core.masking import DEFAULT_RECIPE, MaskingRecipe
 
 # The paper's objective (masked LM + next sentence) and its "No NSP" ablation (Table 5).
 OBJECTIVES = ("mlm+nsp", "mlm")
@@ -116,7 +116,7 @@ class PretrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise BertError(f"--{name.replace('_', '-')} must be >= 1")
-        from bert_core.bert_config import PRESETS
+        from bert_core.model.config import PRESETS
 
         if self.preset not in PRESETS:
             raise BertError(f"--preset must be one of {', '.join(PRESETS)}, not {self.preset!r}")

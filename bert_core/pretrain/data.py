@@ -14,7 +14,7 @@ Rows inside a row group are shuffled too (`create_pretraining_data` already shuf
 
 Dynamic masking (RoBERTa): with `masking` set, every sequence gets fresh masked positions each
 time it is read, so unmasked shards (empty `masked_lm_positions`) can be used and masked shards
-are re-masked from their original tokens, by the rule of `bert_core.masking`.
+are re-masked from their original tokens, by the rule of `bert_core.data.masking`.
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
-from bert_core import masking
+from bert_core.data import masking
+from bert_core.data.masking import MaskingRecipe
 from bert_core.errors import InputError
-from bert_core.masking import MaskingRecipe
 from bert_core.storage import filesystem
 
 COLUMNS = ("input_ids", "token_type_ids", "masked_lm_positions", "masked_lm_ids")
 LABEL_COLUMN = "next_sentence_label"
 # The Parquet metadata key `bert instances` writes its --max-seq-length under (as the columns,
-# the shards' format is `bert_core.instance_shards`'; not imported, to keep the steps apart).
+# the shards' format is `bert_core.data.instance_shards`'; not imported, to keep the steps apart).
 SEQ_LENGTH_KEY = b"bert.max_seq_length"
 
 
@@ -260,7 +260,7 @@ def read_rows(groups: list[RowGroup], limit: int) -> list[tuple[np.ndarray, ...]
 def dynamic_mask(
     ids: np.ndarray, cfg: MaskingConfig, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Mask one sequence as BERT does (`bert_core.masking`): choose ~masked_lm_prob of the
+    """Mask one sequence as BERT does (`bert_core.data.masking`): choose ~masked_lm_prob of the
     non-special tokens, show each as [MASK], a random token or itself by `cfg.recipe` (80/10/10).
     Returns (input_ids, positions, labels)."""
     candidates = np.flatnonzero(masking.candidates(ids, cfg.special_ids))

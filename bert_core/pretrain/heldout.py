@@ -27,16 +27,16 @@ import pyarrow.fs as pafs
 import torch
 import torch.nn.functional as F
 
-from bert_core import optim
-from bert_core.pretrain_config import PretrainConfig
-from bert_core.pretrain_data import (
+from bert_core.model import optim
+from bert_core.pretrain.config import PretrainConfig
+from bert_core.pretrain.data import (
     RowGroup,
     collate,
     list_row_groups,
     open_parquet,
     read_rows,
 )
-from bert_core.pretrain_state import all_reduce_sum
+from bert_core.pretrain.state import all_reduce_sum
 from bert_core.storage import filesystem
 
 # Training labels counted for the baselines (from the first row groups: enough to rank the

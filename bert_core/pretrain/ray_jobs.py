@@ -14,7 +14,7 @@ is an http(s) URL `bert pretrain` submits itself (`run_as_job`):
    (`bert-pretrain-<hash>`), so a second attempt of the same step (a KFP retry: a new pod running
    the same command) finds the job: PENDING or RUNNING -> follow it; SUCCEEDED -> only fetch the
    outputs; FAILED or STOPPED -> submit it again as `<id>-r2`, `-r3`, ..., which resumes from the
-   last checkpoint under `--storage-path` (Ray Train's own resume, bert_core.pretrain);
+   last checkpoint under `--storage-path` (Ray Train's own resume, bert_core.pretrain.command);
 3. the job's logs are printed as they come; a job that ends in any state but SUCCEEDED is an
    error naming the job and how to read its logs;
 4. the final model and the metrics CSVs are copied into the caller's `--output`.
@@ -41,7 +41,7 @@ from typing import Any
 
 from bert_core import storage as st
 from bert_core.errors import BertError, atomic_dir
-from bert_core.pretrain_config import PretrainConfig
+from bert_core.pretrain.config import PretrainConfig
 
 # Passed to the job when set: the MLflow parent run and experiment (so the job's run nests
 # under the pipeline's), the tracking server the caller checked, the KFP run id, the code's
@@ -133,7 +133,7 @@ def _upload_instances(local: Path, storage: str) -> str:
 
 def run_as_job(cfg: PretrainConfig, storage: str) -> dict[str, Any]:
     """Run `cfg` as a Ray job on the cluster at RAY_ADDRESS (see the module's docstring);
-    returns the summary `bert_core.pretrain.pretrain` returns."""
+    returns the summary `bert_core.pretrain.command.pretrain` returns."""
     address = dashboard_address()
     client = _client(address)
     job = job_config(cfg, storage)

@@ -22,7 +22,7 @@ import pyarrow.fs as pafs
 import torch
 
 from bert_core.errors import atomic_file
-from bert_core.pretrain_config import PretrainConfig
+from bert_core.pretrain.config import PretrainConfig
 from bert_core.storage import filesystem, is_s3
 
 CSV_COLUMNS = (
@@ -39,7 +39,7 @@ CSV_COLUMNS = (
     "data_wait_share",
     "mfu",
 )
-# `heldout_metrics.csv`: the held-out evaluations (`bert_core.pretrain_eval`), one row each.
+# `heldout_metrics.csv`: the held-out evaluations (`bert_core.pretrain.heldout`), one row each.
 HELDOUT_COLUMNS = (
     "step",
     "heldout_mlm_loss",
@@ -146,7 +146,7 @@ def save_checkpoint(
 
 def fetch_tokenizer_files(instances: str, folder: Path) -> Path:
     """vocab.txt and the tokenizer settings of instances (s3:// or local), copied into `folder`."""
-    from bert_core.model import TOKENIZER_FILES
+    from bert_core.model.modeling import TOKENIZER_FILES
 
     folder.mkdir()
     for name in TOKENIZER_FILES:

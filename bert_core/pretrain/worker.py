@@ -1,13 +1,13 @@
 """One pre-training worker: set-up, the training step, and the Ray Train loop around them.
 
-`setup` builds what a rank trains with (model, the paper's optimiser from `bert_core.optim`:
+`setup` builds what a rank trains with (model, the paper's optimiser from `bert_core.model.optim`:
 AdamW, lr 1e-4, betas 0.9/0.999, weight decay 0.01 except LayerNorm and biases, linear warm-up
-then linear decay; and its share of the instance shards, `bert_core.pretrain_data`), restored
+then linear decay; and its share of the instance shards, `bert_core.pretrain.data`), restored
 from a checkpoint when there is one. `train_step` is one optimizer step (gradient accumulation,
 clipping at 1.0). Both serve the Ray worker (`train_loop_per_worker`) and the bare loop of
 bench/pretrain.py, so the bench measures exactly what Ray Train adds.
 
-Every `checkpoint_every` steps rank 0 reports a Ray checkpoint (`bert_core.pretrain_state`) that
+Every `checkpoint_every` steps rank 0 reports a Ray checkpoint (`bert_core.pretrain.state`) that
 holds every rank's RNG states, so a restart continues bit for bit.
 """
 
@@ -23,17 +23,18 @@ from typing import Any
 
 import torch
 
-from bert_core import optim
-from bert_core.pretrain_config import PretrainConfig
-from bert_core.pretrain_data import (
+from bert_core.data.tokenizer import read_vocab
+from bert_core.model import optim
+from bert_core.pretrain.config import PretrainConfig
+from bert_core.pretrain.data import (
     InstanceStream,
     list_row_groups,
     masking_config_from_vocab,
     prefetch,
     read_instances_config,
 )
-from bert_core.pretrain_eval import HeldOutEval
-from bert_core.pretrain_state import (
+from bert_core.pretrain.heldout import HeldOutEval
+from bert_core.pretrain.state import (
     CSV_COLUMNS,
     Meter,
     MetricSink,
@@ -46,11 +47,10 @@ from bert_core.pretrain_state import (
     save_checkpoint,
     seed_all,
 )
-from bert_core.tokenizer import read_vocab
 
 
 def build_model(cfg: PretrainConfig, vocab_size: int) -> torch.nn.Module:
-    from bert_core.model import BertConfig, BertForPreTraining
+    from bert_core.model.modeling import BertConfig, BertForPreTraining
 
     overrides: dict[str, Any] = {}
     if cfg.dropout is not None:

@@ -3,7 +3,7 @@ MLflow run.
 
 Each `--results` folder is one `bert finetune` output; its `metrics.json` names the task and holds
 the dev metrics of the best epoch, so nothing else is needed. Task scores and the GLUE score are
-recomputed here from the metrics with the leaderboard's rule (`bert_core.glue`), never trusted
+recomputed here from the metrics with the leaderboard's rule (`bert_core.finetune.tasks.glue_data`), never trusted
 from the input. The table is laid out like BERT's Table 1 (tasks in the paper's order, the
 paper's metric per task, MNLI as matched/mismatched) with the GLUE score added; when fewer than
 nine tasks are given, the score is the mean over those present and is marked partial.
@@ -25,7 +25,7 @@ never averaged into the GLUE score.
 Scales: metrics are fractions everywhere (metrics.json, glue_results.json, MLflow); the task and
 GLUE scores and the gains are percent in glue_results.json and the table (the paper's scale) and
 fractions in MLflow, where `mlflow_metrics` names and scales every number the same way for every
-caller. The tables and the plot are `bert_core.evaluate_report`.
+caller. The tables and the plot are `bert_core.report.tables`.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ from pathlib import Path
 
 from bert_core import storage
 from bert_core.errors import InputError, utf8_errors
-from bert_core.evaluate_report import (  # noqa: F401 (TABLE_ORDER: re-exported)
+from bert_core.finetune.tasks.glue_data import TASKS, get_task, glue_score, task_score
+from bert_core.report.tables import (  # noqa: F401 (TABLE_ORDER: re-exported)
     REQUIRED,
     TABLE_ORDER,
     TOKEN_TASKS,
     markdown_table,
     plot_scores,
 )
-from bert_core.glue import TASKS, get_task, glue_score, task_score
 
 SYSTEM_OF_INIT = {"pretrained": "BERT (ours)", "random": "random init"}
 CONTROL_INIT = "random"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bert_core.glue import TASKS
+from bert_core.finetune.tasks.glue_data import TASKS
 
 # BERT's Table 1 column order, with WNLI (left out of the paper's table) at the end.
 TABLE_ORDER = ["MNLI", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE", "WNLI"]

@@ -10,7 +10,7 @@ states (0 = the embeddings' output, 1..L the layers, negative counts from the en
 per token (`tokens`, `vectors`) and `mean` / `cls` give one per row (`vector`: the mean over
 the row's tokens, padding excluded, or the [CLS] token's).
 
-Inputs are `bert predict`'s (`bert_core.records`: `text` and optional `text_pair`, streamed in
+Inputs are `bert predict`'s (`bert_core.serve.records`: `text` and optional `text_pair`, streamed in
 chunks, length-sorted batches through `finetune.predict_batches`, a GPU when present), tokenised
 and cut at `--max-seq-length` as GLUE fine-tuning does; any BERT folder works, a fine-tuned
 one's head is ignored. Output: Parquet (float32), one row per input row: `row`, `id` when the
@@ -29,9 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from bert_core import finetune, finetune_glue, records
-from bert_core.glue import Example
-from bert_core.predictors import BadInput, Predictor, Settings
+from bert_core.finetune import engine as finetune
+from bert_core.finetune.tasks import glue as finetune_glue
+from bert_core.finetune.tasks.glue_data import Example
+from bert_core.serve import records
+from bert_core.serve.predictors import BadInput, Predictor, Settings
 
 LAYER_SETS = {"last4": (-4, -3, -2, -1), "last": (-1,), "second-to-last": (-2,), "embeddings": (0,)}
 COMBINE = ("concat", "sum", "mean")
@@ -86,7 +88,7 @@ class Embedder(Predictor):
         self.dim = hidden * len(layers) if combine == "concat" else hidden
 
     def load_model(self) -> torch.nn.Module:
-        from bert_core.model import BertModel
+        from bert_core.model.modeling import BertModel
 
         return BertModel.from_pretrained(self.model_dir)
 
@@ -202,8 +204,8 @@ def _layers_value(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bert_core.predict import parse_columns
-    from bert_core.serving import local_model
+    from bert_core.serve.mlflow_model import local_model
+    from bert_core.serve.predict import parse_columns
     from bert_core.storage import local_copy
     from bert_core.tracking import start_run
 

@@ -8,10 +8,10 @@ names, vocab.txt and tokenizer_config.json: the casing) as the artifact `model`,
 its code (`code_paths`, so loading needs no install of the project), the inference settings of
 the training run as `model_config`, an input/output signature and an input example, and pinned
 requirements of our model code only (no `transformers`). `mlflow.pyfunc.load_model`,
-`mlflow models serve` and `bert predict` then all answer through `bert_core.predictors`.
+`mlflow models serve` and `bert predict` then all answer through `bert_core.serve.predictors`.
 
 `log_model` logs one onto a run (the open one, or `run_id`'s): `bert finetune` calls it through
-`bert_core.registry.log_finetuned`, the pipeline's `lineage.register_pretrained` for the
+`bert_core.serve.registry.log_finetuned`, the pipeline's `lineage.register_pretrained` for the
 pre-trained model (masked-token filling). `resolve` turns any model reference a user may hold
 (a folder, `runs:/...`, `models:/name@alias`) into a local folder and its settings
 (`local_model`).
@@ -35,10 +35,16 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 from bert_core.errors import BertError
-from bert_core.predictors import BadInput, Settings, load_predictor, predictor_class, read_config
+from bert_core.serve.predictors import (
+    BadInput,
+    Settings,
+    load_predictor,
+    predictor_class,
+    read_config,
+)
 
 ARTIFACT = "model"  # the artifacts key (and folder name) of the HF-layout model folder
-# what `bert_core.predictors` imports at inference; pinned to the versions that logged the model
+# what `bert_core.serve.predictors` imports at inference; pinned to the versions that logged the model
 REQUIREMENTS = ("mlflow", "torch", "numpy", "pandas", "pyarrow", "safetensors", "tokenizers")
 # model_config = {"inference": settings}: MLflow also logs it as run parameters, flattened with
 # "/", so the key keeps them apart from the training run's own (`batch_size` is both)
@@ -47,7 +53,7 @@ RUNTIME = ("batch_size", "device")  # settings of where a model runs, not of the
 
 
 class BertPyfunc(mlflow.pyfunc.PythonModel):
-    """The flavor: a `bert_core.predictors` predictor behind MLflow's pyfunc interface.
+    """The flavor: a `bert_core.serve.predictors` predictor behind MLflow's pyfunc interface.
 
     Bad input raises `MlflowException(INVALID_PARAMETER_VALUE)`, which the scoring server
     answers with HTTP 400 and the message (any other exception would be a 400 with only a
@@ -153,7 +159,7 @@ def _layout(path: Path) -> tuple[Path, dict]:
         flavor = Model.load(str(path / "MLmodel")).flavors.get("python_function", {})
         artifact = (flavor.get("artifacts") or {}).get(ARTIFACT)
         if artifact is None:
-            raise FileNotFoundError(f"{path}: an MLflow model, but not one of `bert_core.serving`")
+            raise FileNotFoundError(f"{path}: an MLflow model, but not one of `bert_core.serve.mlflow_model`")
         return path / artifact["path"], dict((flavor.get("config") or {}).get(CONFIG_KEY) or {})
     if (path / "model" / "config.json").is_file() and (path / "metrics.json").is_file():
         config = json.loads((path / "metrics.json").read_text()).get("config") or {}

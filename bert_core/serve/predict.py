@@ -3,10 +3,10 @@
 The model is any reference a user holds: a `bert finetune` output folder (its settings, e.g.
 `max_seq_length`, come from its metrics.json), a model folder, or an MLflow model
 (`runs:/<run>/model`, `models:/bert-sst2@champion`: downloaded, settings from the MLflow model).
-Answers are those of `bert_core.predictors`, the code the MLflow model and
+Answers are those of `bert_core.serve.predictors`, the code the MLflow model and
 `mlflow models serve` run, so a file's answers equal the served ones.
 
-Inputs and outputs are `bert_core.records`': `.txt`, `.tsv`, `.jsonl` or `.parquet` in (the
+Inputs and outputs are `bert_core.serve.records`': `.txt`, `.tsv`, `.jsonl` or `.parquet` in (the
 model's columns: `text` [+ `text_pair`], or `question` + `context`; `--column text=sentence`
 reads another column), `.jsonl` or `.parquet` out, written atomically: one row per input row,
 `row` (its 0-based number), `id` when the input has one (as text), then the answer's fields.
@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from bert_core import records
-from bert_core.predictors import BadInput, Predictor, Settings, load_predictor
+from bert_core.serve import records
+from bert_core.serve.predictors import BadInput, Predictor, Settings, load_predictor
 
 OVERRIDES = ("batch_size", "device", "max_seq_length", "max_chars", "top_k")
 
@@ -34,7 +34,7 @@ OVERRIDES = ("batch_size", "device", "max_seq_length", "max_chars", "top_k")
 def load(model: str | Path, overrides: dict | None = None) -> Predictor:
     """The predictor for any model reference (see the module doc); `overrides` win over the
     model's own settings (None values ignored)."""
-    from bert_core.serving import local_model
+    from bert_core.serve.mlflow_model import local_model
 
     with local_model(model) as (folder, settings):
         settings |= {k: v for k, v in (overrides or {}).items() if v is not None}

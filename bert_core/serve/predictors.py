@@ -1,6 +1,6 @@
 """Raw text in, answers out: one small class per kind of model, the one inference code path.
 
-`bert predict`, the MLflow model (`bert_core.serving`, also behind `mlflow models serve`) and the
+`bert predict`, the MLflow model (`bert_core.serve.mlflow_model`, also behind `mlflow models serve`) and the
 benchmarks all answer through these classes, so a served answer and a batch answer are the same
 computation. Each class reuses its task's fine-tuning code (featurisation, collate, the
 length-sorted `finetune.predict_batches` loop), so inference sees inputs exactly as the dev set
@@ -20,7 +20,7 @@ did during fine-tuning:
 A new kind is one subclass (its head class, input columns,
 `output_types`, `example` and `answer`) and one `PREDICTORS` entry: the head class name that
 config.json's `architectures` records -> the subclass. The span-level kinds (offsets into the
-input) are in `bert_core.predictors_span`.
+input) are in `bert_core.serve.predictors_span`.
 
 Every input is checked first (`Predictor.columns`): a missing column, a value that is not text,
 empty text or text over `max_chars` is a `BadInput` naming the row, which the callers turn into
@@ -38,10 +38,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from bert_core import finetune, finetune_glue, optim, swag
-from bert_core.bert_config import CONFIG_NAME, BertConfig
 from bert_core.errors import InputError, utf8_errors
-from bert_core.glue import Example, get_task
+from bert_core.finetune import engine as finetune
+from bert_core.finetune.tasks import glue as finetune_glue
+from bert_core.finetune.tasks import swag
+from bert_core.finetune.tasks.glue_data import Example, get_task
+from bert_core.model import optim
+from bert_core.model.config import CONFIG_NAME, BertConfig
 
 
 class BadInput(ValueError):
@@ -91,7 +94,7 @@ class Predictor:
     """One model folder (HF layout, with its vocab) ready to answer; see the module doc."""
 
     kind: ClassVar[str]
-    head: ClassVar[str]  # the `bert_core.heads` class it loads
+    head: ClassVar[str]  # the `bert_core.model.heads` class it loads
     inputs: ClassVar[tuple[str, ...]] = ("text",)  # required columns
     optional: ClassVar[tuple[str, ...]] = ()
     default_max_seq_length: ClassVar[int] = 128  # the fine-tuning default
@@ -109,7 +112,7 @@ class Predictor:
         )
 
     def load_model(self) -> torch.nn.Module:
-        from bert_core import heads
+        from bert_core.model import heads
 
         return getattr(heads, self.head).from_pretrained(self.model_dir)
 
@@ -237,7 +240,7 @@ class MaskFiller(Predictor):
     """The pre-trained model's own task: the masked-LM head's best tokens for each [MASK]."""
 
     kind = "fill-mask"
-    head = "BertForPreTraining"  # in bert_core.model (load_model); MLM-only checkpoints load too
+    head = "BertForPreTraining"  # in bert_core.model.modeling (load_model); MLM-only checkpoints load too
     default_max_seq_length = 512
     MASK = "[MASK]"
 
@@ -251,7 +254,7 @@ class MaskFiller(Predictor):
         return {"text": "The capital of France is [MASK]."}
 
     def load_model(self) -> torch.nn.Module:
-        from bert_core.model import BertForPreTraining
+        from bert_core.model.modeling import BertForPreTraining
 
         return BertForPreTraining.from_pretrained(self.model_dir)  # MLM-only heads load too
 
@@ -338,12 +341,12 @@ class ChoiceRanker(Predictor):
 # config.json's head class -> "module:class" of its predictor, imported only when used. A new
 # kind is one entry here and one `Predictor` subclass.
 PREDICTORS: dict[str, str] = {
-    "BertForSequenceClassification": "bert_core.predictors:TextClassifier",
-    "BertForTokenClassification": "bert_core.predictors_span:EntityTagger",
-    "BertForQuestionAnswering": "bert_core.predictors_span:QuestionAnswerer",
-    "BertForMultipleChoice": "bert_core.predictors:ChoiceRanker",
-    "BertForPreTraining": "bert_core.predictors:MaskFiller",
-    "BertForMaskedLM": "bert_core.predictors:MaskFiller",
+    "BertForSequenceClassification": "bert_core.serve.predictors:TextClassifier",
+    "BertForTokenClassification": "bert_core.serve.predictors_span:EntityTagger",
+    "BertForQuestionAnswering": "bert_core.serve.predictors_span:QuestionAnswerer",
+    "BertForMultipleChoice": "bert_core.serve.predictors:ChoiceRanker",
+    "BertForPreTraining": "bert_core.serve.predictors:MaskFiller",
+    "BertForMaskedLM": "bert_core.serve.predictors:MaskFiller",
 }
 
 

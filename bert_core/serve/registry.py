@@ -1,6 +1,6 @@
 """The model registry: one registered model per task, aliases, and `bert promote`.
 
-`bert finetune` ends by logging its model as an MLflow model (`bert_core.serving`) on its run
+`bert finetune` ends by logging its model as an MLflow model (`bert_core.serve.mlflow_model`) on its run
 and registering a new version of the task's registered model (`log_finetuned`), named from
 `BERT_REGISTERED_MODEL` (a template, default `bert-{task}`: `bert-sst2`, `bert-conll2003`,
 `bert-squad`; `none` logs the model without registering it). The version carries the run's dev
@@ -51,7 +51,7 @@ def log_finetuned(out: Path, result: dict) -> dict:
     registered: it is a measurement, not a candidate for the task's model."""
     import mlflow
 
-    from bert_core.serving import log_model
+    from bert_core.serve.mlflow_model import log_model
 
     info = log_model(out / "model", result.get("config"))
     record: dict[str, Any] = {"model_uri": info.model_uri, "run_id": info.run_id}

@@ -316,7 +316,7 @@ def register_pretrained(
     model_dir: str | os.PathLike, parent_run_id: str | None = None, name: str = REGISTERED_MODEL
 ) -> Any:
     """Log the pre-trained model (HF layout) on its pretrain run as an MLflow model (the pyfunc
-    flavor of `bert_core.serving`: masked-token filling) and register a new version.
+    flavor of `bert_core.serve.mlflow_model`: masked-token filling) and register a new version.
 
     The pretrain run is the latest `bert.step = pretrain` child of the pipeline run; without one
     (a step run alone) a `register` run holds the files. Returns the MLflow ModelVersion.
@@ -324,7 +324,7 @@ def register_pretrained(
     import mlflow
     from mlflow import MlflowClient
 
-    from bert_core.serving import log_model
+    from bert_core.serve.mlflow_model import log_model
 
     client = MlflowClient(tracking_uri())
     runs = child_runs(parent_run_id, "pretrain") if parent_run_id else []

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bert_core.lineage import PIPELINE_EXPERIMENT, child_runs
+from bert_core.track.lineage import PIPELINE_EXPERIMENT, child_runs
 from bert_core.tracking import tracking_uri
 
 # the settings that usually explain a difference in GLUE score

@@ -19,7 +19,7 @@ Two things from the paper beside the default recipe:
 - `--document-context`: "we include the maximal document context provided by the data": each
   window is filled up with the document's neighbouring tokens on both sides (as many left as
   right, the rest to whichever side has more), labels only on the target sentence's words;
-- the official `conlleval` score (`bert_core.conlleval`: its tolerant chunk reading) beside
+- the official `conlleval` score (`bert_core.finetune.tasks.conlleval`: its tolerant chunk reading) beside
   seqeval's strict one: `conlleval_precision/recall/f1` in the metrics.
 
 Output (atomic: all or nothing): `model/` (HF layout, label names in config.json),
@@ -38,9 +38,8 @@ import numpy as np
 import torch
 
 from bert_core import storage
-from bert_core.conlleval import conlleval
 from bert_core.errors import InputError, utf8_errors
-from bert_core.finetune import (
+from bert_core.finetune.engine import (
     FinetuneConfig,
     FinetuneTask,
     option,
@@ -49,6 +48,7 @@ from bert_core.finetune import (
     predict_batches,
     sample,
 )
+from bert_core.finetune.tasks.conlleval import conlleval
 
 TASK = "conll2003"
 ENTITY_TYPES = ("PER", "ORG", "LOC", "MISC")

@@ -11,7 +11,7 @@ keeps valid spans up to `max_answer_length` tokens and picks the best start+end 
 SQuAD 2.0 the null answer ([CLS] start and end) wins when its score beats the best span's by
 more than `null_score_diff_threshold`.
 
-Scores are the official evaluate-v1.1.py / evaluate-v2.0.py ones (`bert_core.squad_metrics`),
+Scores are the official evaluate-v1.1.py / evaluate-v2.0.py ones (`bert_core.finetune.tasks.squad_metrics`),
 as fractions; for SQuAD 2.0 also with the null threshold tuned on dev as the v2 script's
 best-threshold search does (`best_exact`, `best_f1` and their `*_thresh`), beside the untuned
 `exact_match`/`f1` (at `--null-score-diff-threshold`), which choose the best epoch.
@@ -36,7 +36,7 @@ import torch
 
 from bert_core import storage
 from bert_core.errors import InputError, utf8_errors
-from bert_core.finetune import (
+from bert_core.finetune.engine import (
     FinetuneConfig,
     FinetuneTask,
     option,
@@ -45,7 +45,7 @@ from bert_core.finetune import (
     predict_batches,
     sample,
 )
-from bert_core.squad_metrics import (  # noqa: F401 (the official scores, re-exported)
+from bert_core.finetune.tasks.squad_metrics import (  # noqa: F401 (the official scores, re-exported)
     apply_threshold,
     best_thresholds,
     exact_match,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from bert_core.squad import Example
+    from bert_core.finetune.tasks.squad import Example
 
 
 def normalize_answer(s: str) -> str:

@@ -31,9 +31,15 @@ import torch
 
 from bert_core import storage
 from bert_core.errors import InputError, utf8_errors
-from bert_core.finetune import FinetuneConfig, FinetuneTask, pad, padding_mask, predict_batches
-from bert_core.finetune import sample as sample_examples
-from bert_core.finetune_glue import truncate_pair_from_end
+from bert_core.finetune.engine import (
+    FinetuneConfig,
+    FinetuneTask,
+    pad,
+    padding_mask,
+    predict_batches,
+)
+from bert_core.finetune.engine import sample as sample_examples
+from bert_core.finetune.tasks.glue import truncate_pair_from_end
 
 TASK = "swag"
 OFFICIAL_URL = "https://raw.githubusercontent.com/rowanz/swagaf/master/data/"

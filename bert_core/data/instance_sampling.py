@@ -27,14 +27,11 @@ import random
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bert_core.data import masking
-
-if TYPE_CHECKING:
-    from bert_core.data.instances import InstanceConfig
+from bert_core.data.instance_config import InstanceConfig
 
 
 @dataclass(frozen=True)

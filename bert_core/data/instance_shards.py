@@ -23,12 +23,12 @@ import random
 import re
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bert_core.data.instance_config import InstanceConfig
 from bert_core.data.instance_sampling import (
     Vocab,
     create_instances_from_document,
@@ -36,9 +36,6 @@ from bert_core.data.instance_sampling import (
     mask_whole_words,
 )
 from bert_core.errors import utf8_errors
-
-if TYPE_CHECKING:
-    from bert_core.data.instances import InstanceConfig
 
 SCHEMA = pa.schema(
     [

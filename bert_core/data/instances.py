@@ -1,9 +1,10 @@
 """`bert instances`: MLM/NSP pre-training instances, the algorithm of google-research/bert's
 `create_pretraining_data.py`, made fast and parallel without changing what it samples.
 
-Three modules, one job each:
-- this one, the step: its settings (`InstanceConfig`), input checks, the pool of worker
-  processes over the input shards, `stats.json`, the command line;
+Four modules, one job each:
+- this one, the step: input checks, the pool of worker processes over the input shards,
+  `stats.json`, the command line;
+- `bert_core.data.instance_config`: its settings (`InstanceConfig`), read by all four;
 - `bert_core.data.instance_shards`: one input shard -> one Parquet file (reading, tokenisation,
   seeding, layout);
 - `bert_core.data.instance_sampling`: the original's algorithm itself (instances from a document,
@@ -23,14 +24,14 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 import numpy as np
 
 from bert_core import storage
-from bert_core.data import masking
+from bert_core.data.instance_config import InstanceConfig
 from bert_core.data.instance_sampling import Vocab
 from bert_core.data.instance_shards import (
     HELDOUT,
@@ -41,7 +42,6 @@ from bert_core.data.instance_shards import (
     seed_for,
     write_instances,
 )
-from bert_core.data.masking import MaskingRecipe
 from bert_core.data.tokenizer import (
     TOKENIZER_CONFIG,
     read_lowercase,
@@ -52,94 +52,11 @@ from bert_core.errors import InputError, utf8_errors
 
 __all__ = ["SCHEMA", "InstanceConfig", "create_instances", "main"]
 
-MIN_SEQ_LENGTH = 8
 HELDOUT_DIR = "heldout"  # beside the training shards; `list_row_groups` does not look inside
-MIN_HELDOUT = 2  # documents held out at least, when the corpus allows and a fraction is asked
 # fork: workers start in milliseconds instead of re-importing numpy/pyarrow/tokenizers.
 START_METHOD = "fork" if "fork" in get_all_start_methods() else "spawn"
 
 
-@dataclass(frozen=True)
-class InstanceConfig:
-    max_seq_length: int = 128
-    max_predictions_per_seq: int = 20
-    masked_lm_prob: float = 0.15
-    short_seq_prob: float = 0.1
-    dupe_factor: int = 10
-    random_seed: int = 12345
-    whole_word_mask: bool = False
-    lowercase: bool = True
-    masking_recipe: str = masking.DEFAULT_RECIPE  # [MASK]/random/keep percent, bert_core.data.masking
-    heldout_fraction: float = 0.02  # share of the documents kept out of training
-    heldout_documents: int | None = None  # exactly this many instead (0: none)
-    preset: str | None = None  # the model size they are for: its positions bound max_seq_length
-
-    @property
-    def recipe(self) -> MaskingRecipe:
-        return MaskingRecipe.parse(self.masking_recipe)
-
-    def validate(self) -> None:
-        if self.max_seq_length < MIN_SEQ_LENGTH:
-            raise ValueError(
-                f"--max-seq-length must be >= {MIN_SEQ_LENGTH} ([CLS] A [SEP] B [SEP] needs "
-                f"room), got {self.max_seq_length}"
-            )
-        limit, model = max_positions(self.preset)
-        if self.max_seq_length > limit:
-            raise ValueError(
-                f"--max-seq-length {self.max_seq_length} exceeds max_position_embeddings {limit} "
-                f"of {model}: `bert pretrain` could not train on these instances"
-            )
-        if self.max_predictions_per_seq < 1:
-            raise ValueError("--max-predictions-per-seq must be >= 1")
-        if not 0.0 < self.masked_lm_prob < 1.0:
-            raise ValueError("--masked-lm-prob must be in (0, 1)")
-        if not 0.0 <= self.short_seq_prob <= 1.0:
-            raise ValueError("--short-seq-prob must be in [0, 1]")
-        if self.dupe_factor < 1:
-            raise ValueError("--dupe-factor must be >= 1")
-        MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError
-        if not 0.0 <= self.heldout_fraction < 1.0:
-            raise ValueError("--heldout-fraction must be in [0, 1)")
-        if self.heldout_documents is not None and self.heldout_documents < 0:
-            raise ValueError("--heldout-documents must be >= 0")
-
-    def heldout_count(self, documents: int) -> int:
-        """How many of `documents` are held out: --heldout-documents, else --heldout-fraction of
-        them but at least MIN_HELDOUT (so held-out NSP pairs draw their random next segment
-        from another held-out document); training always keeps 2 (NSP needs them)."""
-        if self.heldout_documents is not None:
-            if self.heldout_documents > documents - 2:
-                raise ValueError(
-                    f"--heldout-documents {self.heldout_documents}: the corpus has {documents} "
-                    "documents and training needs at least 2"
-                )
-            return self.heldout_documents
-        if self.heldout_fraction == 0:
-            return 0
-        wanted = max(MIN_HELDOUT, round(documents * self.heldout_fraction))
-        return max(0, min(wanted, documents - 2))
-
-    @property
-    def holds_out(self) -> bool:
-        """Whether a split is asked for (only then are the documents counted first)."""
-        return bool(
-            self.heldout_documents if self.heldout_documents is not None else self.heldout_fraction
-        )
-
-
-def max_positions(preset: str | None) -> tuple[int, str]:
-    """(longest sequence, the model named) for instances made for `preset`: its
-    max_position_embeddings; without a preset BERT's 512, which every preset has. Checked
-    here, where the length is set, not 40 s into `bert pretrain`."""
-    from bert_core.model.config import BertConfig
-
-    if preset is None:
-        return BertConfig.max_position_embeddings, "BERT (every --preset)"
-    try:
-        return BertConfig.from_preset(preset).max_position_embeddings, f"the {preset} preset"
-    except ValueError as e:
-        raise ValueError(f"--preset: {e}") from None
 
 
 def _process_shard_task(args: tuple) -> tuple[dict, list[list[str]]]:

@@ -1,0 +1,98 @@
+"""`bert instances`' settings (`InstanceConfig`) and their checks, in a module of their own.
+
+The step (`bert_core.data.instances`), one shard's work (`instance_shards`) and the sampling
+(`instance_sampling`) all read these settings; here they import them from below instead of from
+each other (they used to import the step back, behind `TYPE_CHECKING`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bert_core.data.masking import DEFAULT_RECIPE, MaskingRecipe
+
+MIN_SEQ_LENGTH = 8
+MIN_HELDOUT = 2  # documents held out at least, when the corpus allows and a fraction is asked
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    max_seq_length: int = 128
+    max_predictions_per_seq: int = 20
+    masked_lm_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    dupe_factor: int = 10
+    random_seed: int = 12345
+    whole_word_mask: bool = False
+    lowercase: bool = True
+    masking_recipe: str = DEFAULT_RECIPE  # [MASK]/random/keep percent, bert_core.data.masking
+    heldout_fraction: float = 0.02  # share of the documents kept out of training
+    heldout_documents: int | None = None  # exactly this many instead (0: none)
+    preset: str | None = None  # the model size they are for: its positions bound max_seq_length
+
+    @property
+    def recipe(self) -> MaskingRecipe:
+        return MaskingRecipe.parse(self.masking_recipe)
+
+    def validate(self) -> None:
+        if self.max_seq_length < MIN_SEQ_LENGTH:
+            raise ValueError(
+                f"--max-seq-length must be >= {MIN_SEQ_LENGTH} ([CLS] A [SEP] B [SEP] needs "
+                f"room), got {self.max_seq_length}"
+            )
+        limit, model = max_positions(self.preset)
+        if self.max_seq_length > limit:
+            raise ValueError(
+                f"--max-seq-length {self.max_seq_length} exceeds max_position_embeddings {limit} "
+                f"of {model}: `bert pretrain` could not train on these instances"
+            )
+        if self.max_predictions_per_seq < 1:
+            raise ValueError("--max-predictions-per-seq must be >= 1")
+        if not 0.0 < self.masked_lm_prob < 1.0:
+            raise ValueError("--masked-lm-prob must be in (0, 1)")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise ValueError("--short-seq-prob must be in [0, 1]")
+        if self.dupe_factor < 1:
+            raise ValueError("--dupe-factor must be >= 1")
+        MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError("--heldout-fraction must be in [0, 1)")
+        if self.heldout_documents is not None and self.heldout_documents < 0:
+            raise ValueError("--heldout-documents must be >= 0")
+
+    def heldout_count(self, documents: int) -> int:
+        """How many of `documents` are held out: --heldout-documents, else --heldout-fraction of
+        them but at least MIN_HELDOUT (so held-out NSP pairs draw their random next segment
+        from another held-out document); training always keeps 2 (NSP needs them)."""
+        if self.heldout_documents is not None:
+            if self.heldout_documents > documents - 2:
+                raise ValueError(
+                    f"--heldout-documents {self.heldout_documents}: the corpus has {documents} "
+                    "documents and training needs at least 2"
+                )
+            return self.heldout_documents
+        if self.heldout_fraction == 0:
+            return 0
+        wanted = max(MIN_HELDOUT, round(documents * self.heldout_fraction))
+        return max(0, min(wanted, documents - 2))
+
+    @property
+    def holds_out(self) -> bool:
+        """Whether a split is asked for (only then are the documents counted first)."""
+        return bool(
+            self.heldout_documents if self.heldout_documents is not None else self.heldout_fraction
+        )
+
+
+def max_positions(preset: str | None) -> tuple[int, str]:
+    """(longest sequence, the model named) for instances made for `preset`: its
+    max_position_embeddings; without a preset BERT's 512, which every preset has. Checked
+    here, where the length is set, not 40 s into `bert pretrain`."""
+    from bert_core.model.config import BertConfig
+
+    if preset is None:
+        return BertConfig.max_position_embeddings, "BERT (every --preset)"
+    try:
+        return BertConfig.from_preset(preset).max_position_embeddings, f"the {preset} preset"
+    except ValueError as e:
+        raise ValueError(f"--preset: {e}") from None

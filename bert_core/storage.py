@@ -39,6 +39,7 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
 from bert_core.errors import NO_ROOM, BertError, atomic_dir, atomic_file
+from bert_core.tracking import check_tracking, tracking_uri
 
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")
 
@@ -258,23 +259,6 @@ def download(
     return dest
 
 
-def check_tracking(uri: str, timeout: float = 5.0) -> None:
-    """An http(s) tracking URI must answer MLflow's /health; local stores need no server."""
-    if urlparse(uri).scheme not in {"http", "https"}:
-        return
-    url = uri.rstrip("/") + "/health"
-    try:
-        urllib.request.urlopen(url, timeout=timeout).close()
-    except urllib.error.HTTPError as e:
-        raise BertError(f"MLflow tracking server {uri} answered {url} with HTTP {e.code}") from None
-    except OSError as e:
-        reason = getattr(e, "reason", e)
-        raise BertError(
-            f"MLflow tracking server {uri} is unreachable ({reason}); start it or fix "
-            "MLFLOW_TRACKING_URI"
-        ) from None
-
-
 def check_bucket(uri: str, timeout: float = 5.0) -> None:
     """The bucket of an s3:// URI must exist and accept these credentials."""
     from botocore.exceptions import BotoCoreError, ClientError
@@ -310,15 +294,13 @@ def preflight(
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m bert_core.storage [--tracking-uri URI] PATH...`: the pipeline's first step."""
-    from bert_core import tracking
-
     parser = argparse.ArgumentParser(prog="python -m bert_core.storage", description=main.__doc__)
     parser.add_argument("paths", nargs="*", help="local or s3:// paths the run will use")
     parser.add_argument("--tracking-uri", default=None, help="default: MLFLOW_TRACKING_URI")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per check")
     args = parser.parse_args(argv)
     try:
-        preflight(args.tracking_uri or tracking.tracking_uri(), args.paths, args.timeout)
+        preflight(args.tracking_uri or tracking_uri(), args.paths, args.timeout)
     except BertError as e:
         print(f"preflight: error: {e}", flush=True, file=sys.stderr)
         return 2

@@ -36,6 +36,8 @@ import contextlib
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
@@ -231,12 +233,27 @@ def _set_experiment(parent: str | None) -> str:
     ).experiment_id
 
 
+def check_tracking(uri: str, timeout: float = 5.0) -> None:
+    """An http(s) tracking URI must answer MLflow's /health; local stores need no server."""
+    if urlparse(uri).scheme not in {"http", "https"}:
+        return
+    url = uri.rstrip("/") + "/health"
+    try:
+        urllib.request.urlopen(url, timeout=timeout).close()
+    except urllib.error.HTTPError as e:
+        raise BertError(f"MLflow tracking server {uri} answered {url} with HTTP {e.code}") from None
+    except OSError as e:
+        reason = getattr(e, "reason", e)
+        raise BertError(
+            f"MLflow tracking server {uri} is unreachable ({reason}); start it or fix "
+            "MLFLOW_TRACKING_URI"
+        ) from None
+
+
 def _server_lost(uri: str, step: str, error: BaseException) -> BertError | None:
     """The error to report instead of `error` when the tracking server behind `uri` no longer
     answers (it failed the step): one line naming the server. None when there is no server or
     it answers (then `error` is something else and keeps its traceback)."""
-    from bert_core.storage import check_tracking
-
     if isinstance(error, BertError) or urlparse(uri).scheme not in {"http", "https"}:
         return None
     try:

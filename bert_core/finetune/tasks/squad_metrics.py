@@ -19,12 +19,10 @@ import re
 import string
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from bert_core.finetune.tasks.squad import Example
+from bert_core.finetune.tasks.squad_data import Example
 
 
 def normalize_answer(s: str) -> str:

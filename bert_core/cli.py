@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "vocab": ("bert_core.data.tokenizer", "train a WordPiece vocabulary (vocab.txt, tokenizer.json)"),
     "instances": ("bert_core.data.instances", "create MLM/NSP pre-training instances (Parquet shards)"),
     "pretrain": ("bert_core.pretrain.command", "pre-train BERT with Ray Train (MLM + NSP)"),
-    "finetune": ("bert_core.finetune.engine", "fine-tune on one GLUE task"),
+    "finetune": ("bert_core.finetune.command", "fine-tune on one GLUE task"),
     "evaluate": ("bert_core.report.evaluate", "collect GLUE metrics into one table, plot and MLflow run"),
     "runs": ("bert_core.track.runs", "compare recent pipeline runs: GLUE scores and settings (MLflow)"),
     "predict": ("bert_core.serve.predict", "answers of a fine-tuned model for a file of inputs"),

@@ -158,7 +158,7 @@ def test_finetune_jobs_are_one_list_with_each_jobs_options_and_data_digest():
     assert options[3]["--max-eval-examples"] == "50"
     assert options[3]["--batch-size"] == options[0]["--batch-size"]  # shared with GLUE
     # every job's options parse as `bert finetune`'s own, with a model and output added
-    from bert_core.finetune import engine as finetune
+    from bert_core.finetune import command as finetune
 
     for job in jobs:
         task = finetune.load_task(job["options"][1])

@@ -1,65 +1,39 @@
-"""`bert finetune`: fine-tune a BERT on one task (GLUE, CoNLL-2003, SQuAD, SWAG), one engine.
+"""The fine-tuning engine: one recipe for every task (GLUE, CoNLL-2003, SQuAD, SWAG).
 
-The recipe is the paper's (section 4, appendix A.3) and the same for every task: a task head on
-the pre-trained encoder, AdamW (no weight decay on biases and LayerNorm, `bert_core.model.optim`),
-linear warm-up over the first 10 % of steps then linear decay to zero, gradient clipping at 1.0,
-dynamic padding (a batch is padded only to its longest sequence: most of the speed on a CPU),
-bf16 autocast on GPUs. The dev set is scored after every epoch and the best epoch (by the task's
-score) is the one kept, written and reported.
+The recipe is the paper's (section 4, appendix A.3): a task head on the pre-trained encoder,
+AdamW (no weight decay on biases and LayerNorm, `bert_core.model.optim`), linear warm-up over
+the first 10 % of steps then linear decay to zero, gradient clipping at 1.0, dynamic padding (a
+batch is padded only to its longest sequence: most of the speed on a CPU), bf16 autocast on
+GPUs. The dev set is scored after every epoch and the best epoch (by the task's score) is the
+one kept.
 
-This module is the engine: the tokenizer (`bert_core.data.tokenizer`'s), the training loop (`fit`),
-the length-sorted prediction loop (`predict_batches`), the model loader (label names into
-config.json; `--init random` for the control), one training run (`train`) and the step itself,
-from reading the input to metrics.json and MLflow (`finetune`). The configuration and its
-command line are `bert_core.finetune.config`; the paper's learning-rate sweep and restarts
-(trials as nested MLflow runs, the best on dev kept) are `bert_core.finetune.sweep`, on `train`. A task
-holds only what is its own (reading its data, featurisation, collate, decoding, metrics and
-output files): a `FinetuneTask` subclass in `bert_core.finetune.tasks.glue`, `bert_core.finetune.tasks.ner`,
-`bert_core.finetune.tasks.squad` or `bert_core.finetune.tasks.swag`, found by name in `TASKS` and imported only when run.
-
-Output (atomic: all or nothing): `model/` (HF layout, label names in config.json, the vocab),
-`metrics.json` (`task, init, metrics, score, best_epoch, epochs, config`, `test_metrics` and
-`sweep` when there are, the task's counts: all `bert evaluate` needs), the prediction files.
+Here: what a task is to the engine (`FinetuneTask`), the model folder's tokenizer, batching and
+padding (`train_batches`, `pad`, `padding_mask`), the model loader (label names into
+config.json; `--init random` for the control), the training loop (`fit`), the length-sorted
+prediction loop (`predict_batches`) and one training run (`train`). A task holds only what is
+its own (reading its data, featurisation, collate, decoding, metrics and output files): a
+`FinetuneTask` subclass in `bert_core.finetune.tasks`, which imports this module, never the
+other way round. The step around it (reading the input, MLflow, metrics.json, registering the
+model, the command line) is `bert_core.finetune.command`; the configuration
+`bert_core.finetune.config`; the paper's learning-rate sweep `bert_core.finetune.sweep`.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import json
 import math
 import sys
 import time
 import typing
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bert_core.errors import InputError
-from bert_core.finetune.config import (  # noqa: F401 (re-exported: the engine's public names)
-    FinetuneConfig,
-    config_from_args,
-    config_options,
-    option,
-)
-from bert_core.finetune.tasks import glue_data as glue
+from bert_core.finetune.config import FinetuneConfig, option  # noqa: F401 (re-exported)
 from bert_core.model import optim
-from bert_core.serve.registry import log_finetuned
-from bert_core.storage import local_copy, output_dir
 
-# Every task `bert finetune` runs: exact name -> "module:class" of its `FinetuneTask`, imported
-# only when that task runs (the task modules import this one, never the other way round).
-# GLUE names are also found forgiving case and dashes (`sst2`, `mnli`), as `glue.get_task`.
-TASKS: dict[str, str] = {
-    **dict.fromkeys(glue.TASKS, "bert_core.finetune.tasks.glue:GlueFinetune"),
-    "conll2003": "bert_core.finetune.tasks.ner:NerFinetune",
-    "squad": "bert_core.finetune.tasks.squad:SquadFinetune",
-    "squad_v2": "bert_core.finetune.tasks.squad:SquadFinetune",
-    "swag": "bert_core.finetune.tasks.swag:SwagFinetune",
-}
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")  # a batch's non-target keys
 
 
@@ -112,14 +86,6 @@ class FinetuneTask:
     def summary(self, best: dict) -> dict:
         """The task's own metrics.json fields (counts, files, detailed metrics)."""
         return {}
-
-
-def load_task(name: str) -> FinetuneTask:
-    """The task object for `--task`: exact names first, then GLUE's forgiving lookup."""
-    if name not in TASKS:
-        name = glue.get_task(name).name  # unknown: "unknown GLUE task ..." with the known ones
-    module, cls = TASKS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,110 +316,3 @@ def train(task: FinetuneTask, model_dir: str | Path, cfg, device: torch.device,
     evaluate = lambda m: task.evaluate(m, device, cfg)  # noqa: E731
     fitted = fit(model, task.num_train, task.train_batch, evaluate, cfg, device, desc, log_metrics)
     return model, *fitted
-
-
-def finetune(
-    task: FinetuneTask, data_dir: str | Path, model_dir: str | Path, output: str | Path, cfg,
-    data_uri: str | None = None, model_uri: str | None = None,
-) -> dict:  # fmt: skip
-    """Fine-tune (one run, or a sweep of trials with the best on dev kept), write the output
-    folder (local or s3://); returns metrics.json's content. `data_uri`, `model_uri`: where
-    `data_dir` and `model_dir` were copied from (s3:// URIs), recorded instead of them."""
-    from bert_core.tracking import start_run
-
-    # Everything that can be wrong with the input fails here, before any training.
-    tokenizer = load_tokenizer(model_dir)
-    counts = task.prepare(Path(data_dir), tokenizer, cfg)
-    device = optim.resolve_device(cfg.device)
-    model_config(task, Path(model_dir), cfg.max_seq_length)
-    data_uri, model_uri = data_uri or str(data_dir), model_uri or str(model_dir)
-    params = {"task": task.name, "data": data_uri, "model": model_uri, **asdict(cfg)}
-    params |= counts | {"device": str(device)}
-    if cfg.is_sweep:  # logged at the end: the chosen trial's (MLflow parameters are write-once)
-        del params["learning_rate"], params["seed"]
-    # the control's run is named apart from the pre-trained model's, so one pipeline run's
-    # step runs stay one per (task, init) in the MLflow UI and in lineage.child_runs
-    step = f"finetune-{task.name}" + ("-random" if cfg.init == "random" else "")
-    with start_run(step, params), output_dir(output) as tmp:
-        import mlflow
-
-        if cfg.is_sweep:
-            from bert_core.finetune.sweep import run_trials
-
-            run, cfg, sweep = run_trials(task, model_dir, cfg, device, train)
-        else:
-            run, sweep = train(task, model_dir, cfg, device, mlflow.log_metrics), None
-        model, best, history, train_seconds = run
-        test = task.evaluate_test(model, device, cfg)
-        result = {
-            "task": task.name,
-            "init": cfg.init,
-            "metrics": numeric(best["metrics"]),
-            "score": best["score"],
-            "best_epoch": best["epoch"],
-            "epochs": history,
-            "config": asdict(cfg),
-            **({"test_metrics": numeric(test)} if test else {}),
-            **({"sweep": sweep} if sweep else {}),
-            **task.summary(best),
-            "train_seconds": train_seconds,
-            "train_examples_per_second": task.num_train_examples * cfg.epochs / train_seconds,
-            "model": model_uri,
-            "data": data_uri,
-            "device": str(device),
-        }
-        if test:
-            mlflow.log_metrics({f"test_{k}": v for k, v in numeric(test).items()})
-        model.save_pretrained(tmp / "model")  # label names and task in config.json
-        task.write_outputs(tmp, model, best["preds"], device, cfg)
-        finish(tmp, result)
-    return result
-
-
-def finish(out: Path, result: dict) -> None:
-    """The end of every run: metrics.json, and the best epoch's metrics and that file in the
-    open MLflow run."""
-    import mlflow
-
-    (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-    mlflow.log_metrics({"best_epoch": result["best_epoch"], "best_dev_score": result["score"]})
-    mlflow.log_metrics({f"best_dev_{k}": v for k, v in result["metrics"].items()})
-    mlflow.log_artifact(str(out / "metrics.json"))
-    log_finetuned(out, result)  # the model as an MLflow model, registered (bert_core.serve.registry)
-
-
-def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:
-    """`bert finetune`'s options: the run's, the task's config fields, `--download` when the
-    task can fetch its data. Without a task: the GLUE (base) options."""
-    p = argparse.ArgumentParser(prog="bert finetune", description=__doc__.split("\n")[0])
-    tasks = ", ".join(TASKS)
-    p.add_argument("--task", required=True, help=f"one of {tasks} (GLUE: any case)")
-    p.add_argument("--data", required=True, help="the task's data folder, local or s3://")
-    p.add_argument("--model", required=True, help="HF-layout BERT folder with vocab, or s3://")
-    p.add_argument("--output", required=True, help="output folder, local or s3://")
-    config_options(p, task.config_class if task is not None else FinetuneConfig)
-    if task is not None and task.download_help:
-        where = f"first fetch the data into --data when missing ({task.download_help})"
-        p.add_argument("--download", action="store_true", help=where)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    peek = argparse.ArgumentParser(add_help=False)
-    peek.add_argument("--task")
-    name = peek.parse_known_args(argv)[0].task
-    task = load_task(name) if name is not None else None
-    args = build_parser(task).parse_args(argv)
-    cfg = config_from_args(args, task.config_class)
-    if getattr(args, "download", False):
-        task.download(Path(args.data))
-    with local_copy(args.data) as data, local_copy(args.model) as model:  # s3://: downloaded
-        result = finetune(task, data, model, args.output, cfg, str(args.data), str(args.model))
-    print(json.dumps({"task": result["task"], "metrics": result["metrics"],
-                      "best_epoch": result["best_epoch"], "output": str(args.output)}))  # fmt: skip
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

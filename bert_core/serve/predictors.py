@@ -17,10 +17,10 @@ did during fine-tuning:
 - `ChoiceRanker` (SWAG, `BertForMultipleChoice`): `context` [+ `start`] + `ending0..3` -> the
   chosen `label` (0-3), its probability `score` and every choice's `scores`.
 
-A new kind is one subclass (its head class, input columns,
-`output_types`, `example` and `answer`) and one `PREDICTORS` entry: the head class name that
-config.json's `architectures` records -> the subclass. The span-level kinds (offsets into the
-input) are in `bert_core.serve.predictors_span`.
+A new kind is one subclass of `bert_core.serve.predictor.Predictor` (its head class, input
+columns, `output_types`, `example` and `answer`) and one `PREDICTORS` entry: the head class name
+that config.json's `architectures` records -> the subclass. The span-level kinds (offsets into
+the input) are in `bert_core.serve.predictors_span`.
 
 Every input is checked first (`Predictor.columns`): a missing column, a value that is not text,
 empty text or text over `max_chars` is a `BadInput` naming the row, which the callers turn into
@@ -29,160 +29,27 @@ an HTTP 400 (serving) or an error naming the file and line (`bert predict`).
 
 from __future__ import annotations
 
-import importlib
-import json
-from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
-from bert_core.errors import InputError, utf8_errors
+from bert_core.errors import InputError
 from bert_core.finetune import engine as finetune
 from bert_core.finetune.tasks import glue as finetune_glue
 from bert_core.finetune.tasks import swag
 from bert_core.finetune.tasks.glue_data import Example, get_task
-from bert_core.model import optim
-from bert_core.model.config import CONFIG_NAME, BertConfig
-
-
-class BadInput(ValueError):
-    """An input the model cannot answer; `row` (0-based) is the row it is about, if one."""
-
-    def __init__(self, message: str, row: int | None = None):
-        super().__init__(message if row is None else f"row {row}: {message}")
-        self.row, self.reason = row, message
-
-
-@dataclass
-class Settings:
-    """Inference settings. Fine-tuned models keep their training run's values (the MLflow
-    model's `model_config`, or the run's metrics.json), so text is cut and windowed as the dev
-    set was."""
-
-    max_seq_length: int | None = None  # None: the kind's default, at most the model's maximum
-    batch_size: int = 64
-    max_chars: int = 20_000  # longer text is refused, not silently cut or left to run for ever
-    device: str = "auto"
-    top_k: int = 5  # fill-mask: candidates per [MASK]
-    doc_stride: int = 128  # question answering: run_squad.py's windows and decoding
-    max_query_length: int = 64
-    max_answer_length: int = 30
-    n_best_size: int = 20
-    null_score_diff_threshold: float = 0.0
-
-    @classmethod
-    def from_dict(cls, values: dict | None) -> Settings:
-        """The known keys of `values` (a fine-tuning config has more), None values left out."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (values or {}).items() if k in names and v is not None})
-
-
-def read_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{model_dir}: no {CONFIG_NAME} (not a BERT model folder)")
-    try:
-        with utf8_errors(path):
-            return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise InputError(path, f"not valid JSON ({e.msg})", line=e.lineno) from None
-
-
-class Predictor:
-    """One model folder (HF layout, with its vocab) ready to answer; see the module doc."""
-
-    kind: ClassVar[str]
-    head: ClassVar[str]  # the `bert_core.model.heads` class it loads
-    inputs: ClassVar[tuple[str, ...]] = ("text",)  # required columns
-    optional: ClassVar[tuple[str, ...]] = ()
-    default_max_seq_length: ClassVar[int] = 128  # the fine-tuning default
-
-    def __init__(self, model_dir: str | Path, settings: Settings | None = None):
-        self.model_dir, self.settings = Path(model_dir), settings or Settings()
-        self.device = optim.resolve_device(self.settings.device)
-        self.tokenizer = finetune.load_tokenizer(model_dir)
-        self.tokenizer.no_truncation()  # too long is cut or windowed by the task's code
-        self.model = self.load_model().to(self.device).eval()
-        self.config: BertConfig = self.model.config
-        self.max_seq_length = min(
-            self.settings.max_seq_length or self.default_max_seq_length,
-            self.config.max_position_embeddings,
-        )
-
-    def load_model(self) -> torch.nn.Module:
-        from bert_core.model import heads
-
-        return getattr(heads, self.head).from_pretrained(self.model_dir)
-
-    @classmethod
-    def output_types(cls, config: dict) -> dict[str, Any]:
-        """Output fields -> type: "string", "double", "long", a dict (an object) or a
-        one-element list (an array of it); MLflow's signature and the Parquet schema both
-        come from it."""
-        raise NotImplementedError
-
-    @classmethod
-    def example(cls, config: dict) -> dict[str, str]:
-        """One input row, for the MLflow model's input example and the docs."""
-        return {"text": "The new film is a delight from start to finish."}
-
-    def answer(self, columns: dict[str, list]) -> list[dict]:
-        """One answer per row; `columns` are checked (`columns`), optional ones may be absent
-        or hold None."""
-        raise NotImplementedError
-
-    def predict(self, frame) -> list[dict]:
-        """Answers for a pandas DataFrame (or anything with `.columns` and `__getitem__`)."""
-        columns = self.columns(frame)
-        if not next(iter(columns.values())):
-            return []
-        with torch.inference_mode():
-            return self.answer(columns)
-
-    def columns(self, frame) -> dict[str, list]:
-        """The model's columns of `frame` as lists, every value checked."""
-        have = [str(c) for c in frame.columns]
-        missing = [c for c in self.inputs if c not in have]
-        if missing:
-            want = ", ".join(self.inputs) + "".join(f", optional {c}" for c in self.optional)
-            raise BadInput(
-                f"missing column {', '.join(map(repr, missing))}: this {self.kind} model reads "
-                f"the columns {want} (got {', '.join(have) or 'none'})"
-            )
-        out: dict[str, list] = {}
-        for name in (*self.inputs, *(c for c in self.optional if c in have)):
-            values = list(frame[name])
-            for row, v in enumerate(values):
-                if v is None or (isinstance(v, float) and v != v):  # NaN: pandas' missing value
-                    if name not in self.optional:
-                        raise BadInput(f"{name!r} is missing", row)
-                    values[row] = None  # absent in this row
-                    continue
-                if not isinstance(v, str):
-                    raise BadInput(f"{name!r} must be text, got {type(v).__name__}", row)
-                if not v.strip():
-                    raise BadInput(f"{name!r} is empty", row)
-                if len(v) > self.settings.max_chars:
-                    raise BadInput(
-                        f"{name!r} has {len(v):,} characters, more than max_chars "
-                        f"{self.settings.max_chars:,}", row,
-                    )  # fmt: skip
-            out[name] = values
-        return out
-
-
-def label_names(config: dict) -> list[str]:
-    """The head's label names in id order (transformers' LABEL_i when it has none)."""
-    id2label = config.get("id2label") or {}
-    n = len(id2label) or int(config.get("num_labels", 2))
-    return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
-
-
-def softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
+from bert_core.model.config import CONFIG_NAME
+from bert_core.serve.predictor import (  # noqa: F401 (re-exported: the predictors' public names)
+    BadInput,
+    Predictor,
+    Settings,
+    label_names,
+    read_config,
+    softmax,
+)
+from bert_core.serve.predictors_span import EntityTagger, QuestionAnswerer
 
 
 class TextClassifier(Predictor):
@@ -338,15 +205,15 @@ class ChoiceRanker(Predictor):
         return out
 
 
-# config.json's head class -> "module:class" of its predictor, imported only when used. A new
-# kind is one entry here and one `Predictor` subclass.
-PREDICTORS: dict[str, str] = {
-    "BertForSequenceClassification": "bert_core.serve.predictors:TextClassifier",
-    "BertForTokenClassification": "bert_core.serve.predictors_span:EntityTagger",
-    "BertForQuestionAnswering": "bert_core.serve.predictors_span:QuestionAnswerer",
-    "BertForMultipleChoice": "bert_core.serve.predictors:ChoiceRanker",
-    "BertForPreTraining": "bert_core.serve.predictors:MaskFiller",
-    "BertForMaskedLM": "bert_core.serve.predictors:MaskFiller",
+# config.json's head class -> the predictor that answers for it. A new kind is one entry here
+# and one `Predictor` subclass.
+PREDICTORS: dict[str, type[Predictor]] = {
+    "BertForSequenceClassification": TextClassifier,
+    "BertForTokenClassification": EntityTagger,
+    "BertForQuestionAnswering": QuestionAnswerer,
+    "BertForMultipleChoice": ChoiceRanker,
+    "BertForPreTraining": MaskFiller,
+    "BertForMaskedLM": MaskFiller,
 }
 
 
@@ -355,8 +222,7 @@ def predictor_class(config: dict, where: str | Path = "config.json") -> type[Pre
     archs = config.get("architectures") or []
     for arch in archs:
         if arch in PREDICTORS:
-            module, name = PREDICTORS[arch].split(":")
-            return getattr(importlib.import_module(module), name)
+            return PREDICTORS[arch]
     raise InputError(
         where, f"architectures {archs}: no prediction head we can serve (known: "
         f"{', '.join(PREDICTORS)}); fine-tune the model first, or use `bert embed` for vectors",

@@ -1,4 +1,4 @@
-"""The span-level kinds of `bert_core.serve.predictors`: named entities and extractive answers.
+"""The span-level predictors (listed in `bert_core.serve.predictors`): named entities and extractive answers.
 
 Both answer with character offsets into the raw input: entities through the tokenizer's word
 split (BERT's whitespace and punctuation rule after its normaliser; offsets in the raw text),
@@ -15,7 +15,7 @@ import numpy as np
 from bert_core.errors import InputError
 from bert_core.finetune import engine as finetune
 from bert_core.finetune.tasks import ner, squad
-from bert_core.serve.predictors import BadInput, Predictor, label_names
+from bert_core.serve.predictor import BadInput, Predictor, label_names
 
 
 class EntityTagger(Predictor):

@@ -1,0 +1,156 @@
+"""`bert finetune`: fine-tune a BERT on one task (GLUE, CoNLL-2003, SQuAD, SWAG), one engine.
+
+The step around the engine (`bert_core.finetune.engine`): the task named by `--task` (one table,
+`TASKS`, of the task classes), the inputs copied from s3:// when they are there, every input
+checked before any training, one MLflow run with the settings as parameters and the metrics per
+epoch, one run or the paper's sweep (`bert_core.finetune.sweep`), and the output folder written
+atomically and registered as an MLflow model (`bert_core.serve.registry`).
+
+Output (atomic: all or nothing): `model/` (HF layout, label names in config.json, the vocab),
+`metrics.json` (`task, init, metrics, score, best_epoch, epochs, config`, `test_metrics` and
+`sweep` when there are, the task's counts: all `bert evaluate` needs), the prediction files,
+`mlflow_model.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from bert_core.finetune.config import FinetuneConfig, config_from_args, config_options
+from bert_core.finetune.engine import FinetuneTask, load_tokenizer, model_config, numeric, train
+from bert_core.finetune.tasks import glue_data
+from bert_core.finetune.tasks.glue import GlueFinetune
+from bert_core.finetune.tasks.ner import NerFinetune
+from bert_core.finetune.tasks.squad import SquadFinetune
+from bert_core.finetune.tasks.swag import SwagFinetune
+from bert_core.model import optim
+from bert_core.serve.registry import log_finetuned
+from bert_core.storage import local_copy, output_dir
+
+# Every task `bert finetune` runs: exact name -> its `FinetuneTask` class. GLUE names are also
+# found forgiving case and dashes (`sst2`, `mnli`), as `glue_data.get_task`.
+TASKS: dict[str, type[FinetuneTask]] = {
+    **dict.fromkeys(glue_data.TASKS, GlueFinetune),
+    "conll2003": NerFinetune,
+    "squad": SquadFinetune,
+    "squad_v2": SquadFinetune,
+    "swag": SwagFinetune,
+}
+
+
+def load_task(name: str) -> FinetuneTask:
+    """The task object for `--task`: exact names first, then GLUE's forgiving lookup."""
+    if name not in TASKS:
+        name = glue_data.get_task(name).name  # unknown: "unknown GLUE task ..." with the known
+    return TASKS[name](name)
+
+
+def finetune(
+    task: FinetuneTask, data_dir: str | Path, model_dir: str | Path, output: str | Path, cfg,
+    data_uri: str | None = None, model_uri: str | None = None,
+) -> dict:  # fmt: skip
+    """Fine-tune (one run, or a sweep of trials with the best on dev kept), write the output
+    folder (local or s3://); returns metrics.json's content. `data_uri`, `model_uri`: where
+    `data_dir` and `model_dir` were copied from (s3:// URIs), recorded instead of them."""
+    from bert_core.tracking import start_run
+
+    # Everything that can be wrong with the input fails here, before any training.
+    tokenizer = load_tokenizer(model_dir)
+    counts = task.prepare(Path(data_dir), tokenizer, cfg)
+    device = optim.resolve_device(cfg.device)
+    model_config(task, Path(model_dir), cfg.max_seq_length)
+    data_uri, model_uri = data_uri or str(data_dir), model_uri or str(model_dir)
+    params = {"task": task.name, "data": data_uri, "model": model_uri, **asdict(cfg)}
+    params |= counts | {"device": str(device)}
+    if cfg.is_sweep:  # logged at the end: the chosen trial's (MLflow parameters are write-once)
+        del params["learning_rate"], params["seed"]
+    # the control's run is named apart from the pre-trained model's, so one pipeline run's
+    # step runs stay one per (task, init) in the MLflow UI and in lineage.child_runs
+    step = f"finetune-{task.name}" + ("-random" if cfg.init == "random" else "")
+    with start_run(step, params), output_dir(output) as tmp:
+        import mlflow
+
+        if cfg.is_sweep:
+            from bert_core.finetune.sweep import run_trials
+
+            run, cfg, sweep = run_trials(task, model_dir, cfg, device, train)
+        else:
+            run, sweep = train(task, model_dir, cfg, device, mlflow.log_metrics), None
+        model, best, history, train_seconds = run
+        test = task.evaluate_test(model, device, cfg)
+        result = {
+            "task": task.name,
+            "init": cfg.init,
+            "metrics": numeric(best["metrics"]),
+            "score": best["score"],
+            "best_epoch": best["epoch"],
+            "epochs": history,
+            "config": asdict(cfg),
+            **({"test_metrics": numeric(test)} if test else {}),
+            **({"sweep": sweep} if sweep else {}),
+            **task.summary(best),
+            "train_seconds": train_seconds,
+            "train_examples_per_second": task.num_train_examples * cfg.epochs / train_seconds,
+            "model": model_uri,
+            "data": data_uri,
+            "device": str(device),
+        }
+        if test:
+            mlflow.log_metrics({f"test_{k}": v for k, v in numeric(test).items()})
+        model.save_pretrained(tmp / "model")  # label names and task in config.json
+        task.write_outputs(tmp, model, best["preds"], device, cfg)
+        finish(tmp, result)
+    return result
+
+
+def finish(out: Path, result: dict) -> None:
+    """The end of every run: metrics.json, and the best epoch's metrics and that file in the
+    open MLflow run."""
+    import mlflow
+
+    (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+    mlflow.log_metrics({"best_epoch": result["best_epoch"], "best_dev_score": result["score"]})
+    mlflow.log_metrics({f"best_dev_{k}": v for k, v in result["metrics"].items()})
+    mlflow.log_artifact(str(out / "metrics.json"))
+    log_finetuned(out, result)  # the model as an MLflow model, registered (bert_core.serve.registry)
+
+
+def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:
+    """`bert finetune`'s options: the run's, the task's config fields, `--download` when the
+    task can fetch its data. Without a task: the GLUE (base) options."""
+    p = argparse.ArgumentParser(prog="bert finetune", description=__doc__.split("\n")[0])
+    tasks = ", ".join(TASKS)
+    p.add_argument("--task", required=True, help=f"one of {tasks} (GLUE: any case)")
+    p.add_argument("--data", required=True, help="the task's data folder, local or s3://")
+    p.add_argument("--model", required=True, help="HF-layout BERT folder with vocab, or s3://")
+    p.add_argument("--output", required=True, help="output folder, local or s3://")
+    config_options(p, task.config_class if task is not None else FinetuneConfig)
+    if task is not None and task.download_help:
+        where = f"first fetch the data into --data when missing ({task.download_help})"
+        p.add_argument("--download", action="store_true", help=where)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--task")
+    name = peek.parse_known_args(argv)[0].task
+    task = load_task(name) if name is not None else None
+    args = build_parser(task).parse_args(argv)
+    cfg = config_from_args(args, task.config_class)
+    if getattr(args, "download", False):
+        task.download(Path(args.data))
+    with local_copy(args.data) as data, local_copy(args.model) as model:  # s3://: downloaded
+        result = finetune(task, data, model, args.output, cfg, str(args.data), str(args.model))
+    print(json.dumps({"task": result["task"], "metrics": result["metrics"],
+                      "best_epoch": result["best_epoch"], "output": str(args.output)}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

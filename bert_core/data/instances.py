@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from bert_core import storage
-from bert_core.data.instance_config import InstanceConfig
+from bert_core.data.instance_config import MIN_HELDOUT, InstanceConfig
 from bert_core.data.instance_sampling import Vocab
 from bert_core.data.instance_shards import (
     HELDOUT,

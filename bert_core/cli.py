@@ -174,5 +174,57 @@ def kfp_metrics(result_file: str | os.PathLike) -> dict[str, float]:
     return mlflow_metrics(json.loads(Path(result_file).read_text()))
 
 
+
+# DVC: what pipelines/run_dvc.py (`make run`) calls around `dvc repro`.
+
+
+def dvc_pipeline_run(params: dict[str, Any], tags: dict[str, str]):
+    """The MLflow parent run of one `make run` (a context manager yielding the run): each
+    stage's `bert` command nests its run under it (`BERT_PARENT_RUN_ID`, set while it is open)."""
+    from bert_core.track import lineage
+
+    return lineage.start_pipeline_run(params=params, tags=tags)
+
+
+def dvc_lineage_env() -> dict[str, str]:
+    """What a stage needs to nest its run under the open parent run: the parent's id, the
+    experiment, the tracking URI (the project's store when none is set)."""
+    from bert_core.tracking import tracking_uri
+
+    keys = ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_TRACKING_URI")
+    env = {k: os.environ[k] for k in keys if os.environ.get(k)}
+    env.setdefault("MLFLOW_TRACKING_URI", tracking_uri())
+    return env
+
+
+def dvc_record_lineage(parent_id: str, dvc_lock: Path, output: Path) -> list[str]:
+    """After `dvc repro`, on the open parent run: DVC's hashes on the step runs, which stages
+    ran, the pre-trained model registered when pretrain ran. Returns the stages that ran."""
+    import mlflow
+
+    from bert_core.track import lineage
+
+    lineage.tag_dvc_lineage(parent_id, dvc_lock)
+    stages = sorted({r.data.tags.get("dvc.stage", "") for r in lineage.child_runs(parent_id)})
+    mlflow.set_tag("bert.stages_run", ",".join(s for s in stages if s) or "none (cached)")
+    if lineage.child_runs(parent_id, "pretrain"):
+        version = lineage.register_pretrained(output / "pretrain" / "model", parent_id)
+        mlflow.set_tag("bert.registered_model", f"{version.name}/{version.version}")
+    return stages
+
+
+def dvc_log_results(evaluate_dir: Path) -> dict:
+    """Log `bert evaluate`'s results on the open (parent) run, as its evaluate step logged
+    them: the same names and values (fractions). Returns glue_results.json's content."""
+    import mlflow
+
+    from bert_core.report.evaluate import mlflow_metrics
+
+    results = json.loads((evaluate_dir / "glue_results.json").read_text())
+    mlflow.log_metrics(mlflow_metrics(results))
+    mlflow.log_artifact(str(evaluate_dir / "glue_table.md"))
+    return results
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

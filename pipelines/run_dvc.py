@@ -6,15 +6,15 @@ works the same way. This wrapper only adds what DVC does not: it opens the paren
 first and exports its id (BERT_PARENT_RUN_ID), so each stage's `bert` command nests its run
 under it; afterwards it tags the runs with the DVC hashes of their inputs, registers the
 pre-trained model (when pretrain ran), logs the GLUE (and NER / SQuAD) results on the parent run
-(the evaluate step's metrics, `bert_core.report.evaluate.mlflow_metrics`) and prints the GLUE table and
-the command that opens the MLflow UI.
+(the evaluate step's metrics) and prints the GLUE table and the command that opens the MLflow
+UI. Like the Kubeflow components, it uses the library only through `bert_core.cli` (its `dvc_*`
+helpers).
 
     python pipelines/run_dvc.py                       # dvc repro
     python pipelines/run_dvc.py -S model.preset=mini  # dvc exp run -S ... (an experiment)
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -26,9 +26,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bert_core.report.evaluate import mlflow_metrics  # noqa: E402
-from bert_core.track import lineage  # noqa: E402
-from bert_core.tracking import tracking_uri  # noqa: E402
+from bert_core.cli import (  # noqa: E402
+    dvc_lineage_env,
+    dvc_log_results,
+    dvc_pipeline_run,
+    dvc_record_lineage,
+)
 
 
 def load_params() -> dict:
@@ -49,13 +52,13 @@ def run(overrides: list[str], force: bool = False) -> dict:
     params = load_params()
     output = ROOT / params["data"]["output"]
     tags = {"bert.runner": "dvc", "bert.dvc.overrides": " ".join(overrides)}
-    with lineage.start_pipeline_run(params=params, tags=tags) as parent:
+    with dvc_pipeline_run(params, tags) as parent:
         parent_id = parent.info.run_id
         start = time.time()
         repro(overrides, force)
         mlflow.log_metric("pipeline_seconds", time.time() - start)
-        stages = record_lineage(parent_id, output)
-        results = log_results(output / "evaluate")
+        stages = dvc_record_lineage(parent_id, ROOT / "dvc.lock", output)
+        results = dvc_log_results(output / "evaluate")
     return {"parent_run_id": parent_id, "glue_results": results, "stages_run": stages}
 
 
@@ -69,40 +72,9 @@ def repro(overrides: list[str], force: bool) -> None:
     }
     cmd = dvc_command(overrides, force)
     print("$", " ".join(cmd[2:] if cmd[1] == "-m" else cmd), flush=True)
-    code = subprocess.run(cmd, cwd=ROOT, env={**env, **_lineage_env()}).returncode
+    code = subprocess.run(cmd, cwd=ROOT, env={**env, **dvc_lineage_env()}).returncode
     if code:
         raise SystemExit(f"dvc failed with exit code {code}")
-
-
-def record_lineage(parent_id: str, output: Path) -> list[str]:
-    """DVC hashes on the runs, which stages ran, the model registered when pretrain ran."""
-    import mlflow
-
-    lineage.tag_dvc_lineage(parent_id, ROOT / "dvc.lock")
-    stages = sorted({r.data.tags.get("dvc.stage", "") for r in lineage.child_runs(parent_id)})
-    mlflow.set_tag("bert.stages_run", ",".join(s for s in stages if s) or "none (cached)")
-    if lineage.child_runs(parent_id, "pretrain"):
-        version = lineage.register_pretrained(output / "pretrain" / "model", parent_id)
-        mlflow.set_tag("bert.registered_model", f"{version.name}/{version.version}")
-    return stages
-
-
-def log_results(evaluate_dir: Path) -> dict:
-    """Log `bert evaluate`'s results on the active (parent) run, as its evaluate step logged
-    them: the same names and values (fractions). Returns glue_results.json's content."""
-    import mlflow
-
-    results = json.loads((evaluate_dir / "glue_results.json").read_text())
-    mlflow.log_metrics(mlflow_metrics(results))
-    mlflow.log_artifact(str(evaluate_dir / "glue_table.md"))
-    return results
-
-
-def _lineage_env() -> dict[str, str]:
-    keys = ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_TRACKING_URI")
-    env = {k: os.environ[k] for k in keys if os.environ.get(k)}
-    env.setdefault("MLFLOW_TRACKING_URI", tracking_uri())
-    return env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(result['stages_run']) or 'none, all cached'})"
     )
     print("Compare runs:  bert runs")
-    print(f"Open the UI:   mlflow ui --backend-store-uri {tracking_uri()}")
+    uri = dvc_lineage_env()["MLFLOW_TRACKING_URI"]
+    print(f"Open the UI:   mlflow ui --backend-store-uri {uri}")
     return 0
 
 

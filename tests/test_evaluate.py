@@ -161,8 +161,8 @@ def test_every_caller_logs_the_same_metrics_at_one_scale(tmp_path, mlflow_env, m
     components' Metrics carry the same names and values: fractions, as metrics.json holds them."""
     from mlflow import MlflowClient
 
+    from bert_core.cli import dvc_log_results
     from bert_core.track import lineage
-    from pipelines import run_dvc
 
     for key in ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "KFP_RUN_ID", "DVC_STAGE"):
         monkeypatch.delenv(key, raising=False)
@@ -171,7 +171,7 @@ def test_every_caller_logs_the_same_metrics_at_one_scale(tmp_path, mlflow_env, m
     out = tmp_path / "evaluate"
     with lineage.start_pipeline_run() as parent:
         assert cli.main(["evaluate", "--results", *dirs, "--output", str(out)]) == 0
-        run_dvc.log_results(out)  # what `make run` logs on its parent run
+        dvc_log_results(out)  # what `make run` (pipelines/run_dvc.py) logs on its parent run
     (step,) = lineage.child_runs(parent.info.run_id, "evaluate")
     logged = MlflowClient().get_run(parent.info.run_id).data.metrics
     assert logged == step.data.metrics

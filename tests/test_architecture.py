@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 
-from import_graph import (
+from tests.import_graph import (
     PKG,
     ROOT,
     against_layers,

@@ -8,7 +8,6 @@ Also: each stage depends on the code it runs (checked against an import analysis
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import shutil
@@ -19,10 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.import_graph import imports_of, module_path, parents
 from tests.pipeline_helpers import env_for, local_services, project_copy
 
 ROOT = Path(__file__).resolve().parents[1]
-PKG = ROOT / "bert_core"
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +140,10 @@ def test_a_code_change_marks_the_stages_running_that_code(dvc_run):
     repo, env, _ = dvc_run
     glue = {f"{s}@{t}" for s in FINETUNES for t in GLUE_TASKS}
     cases = [
-        ("corpus.py", {"clean"}),
-        ("pretrain_worker.py", {"pretrain"}),
-        ("finetune_glue.py", glue),
-        ("glue.py", glue | {"evaluate"}),
+        ("data/corpus.py", {"clean"}),
+        ("pretrain/worker.py", {"pretrain"}),
+        ("finetune/tasks/glue.py", glue),
+        ("finetune/tasks/glue_data.py", glue | {"evaluate"}),
         ("errors.py", {"clean", "vocab", "instances", "pretrain", "evaluate"} | glue),
     ]
     for name, stages in cases:
@@ -259,32 +258,11 @@ def test_token_tasks_are_a_foreach_stage_feeding_evaluate(tmp_path, shared_data)
 # ---------------------------------------------------------------- the code each stage runs
 
 
-def _imports(module: str, entry_only: bool) -> set[str]:
-    """The bert_core modules `module` imports: anywhere in it (a lazy import in a function runs
-    when the function does), or with `entry_only` only at module level and in `main`: what
-    `bert <command>` runs of bert_core.cli, whose other functions are the KFP steps' helpers."""
-    path = PKG / f"{module.removeprefix('bert_core.')}.py" if "." in module else PKG / "__init__.py"
-    tree = ast.parse(path.read_text())
-    funcs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    tops = [n for n in tree.body if not (entry_only and isinstance(n, funcs) and n.name != "main")]
-    found = set()
-    for node in (n for top in tops for n in ast.walk(top)):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("bert_core.")}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "bert_core":  # `from bert_core import glue, optim`
-                found |= {
-                    f"bert_core.{a.name}" if (PKG / f"{a.name}.py").exists() else "bert_core"
-                    for a in node.names
-                }
-            elif node.module.startswith("bert_core."):
-                found.add(node.module)
-    return found
-
-
 def stage_code(command: str, extra: set[str] = frozenset()) -> set[str]:
-    """The files of bert_core that `bert <command>` runs: the import closure of the CLI's entry,
-    the command's module (the CLI imports it by name) and `extra` modules (imported by name)."""
+    """The files of bert_core that `bert <command>` runs: the import closure (tests/import_graph)
+    of the CLI's entry (module level and `main`: its other functions are the KFP and DVC
+    helpers), the command's module (the CLI imports it by name) and `extra` modules, with the
+    `__init__.py` of every package on the way (importing a module runs them)."""
     from bert_core.cli import COMMANDS
 
     seen, todo = set(), ["bert_core.cli", COMMANDS[command][0], *extra]
@@ -292,41 +270,32 @@ def stage_code(command: str, extra: set[str] = frozenset()) -> set[str]:
         module = todo.pop()
         if module not in seen:
             seen.add(module)
-            todo += _imports(module, entry_only=module == "bert_core.cli")
-    seen.add("bert_core")  # importing any of them runs bert_core/__init__.py
-    return {f"bert_core/{m.removeprefix('bert_core.')}.py" if "." in m else "bert_core/__init__.py"
-            for m in seen}  # fmt: skip
-
-
-def _task_modules(glue_tasks: bool) -> set[str]:
-    """The modules `bert finetune` loads by name for GLUE tasks, or for the token-level ones."""
-    from bert_core.finetune import engine as finetune
-    from bert_core.finetune.tasks import glue_data as glue
-
-    return {v.split(":")[0] for k, v in finetune.TASKS.items() if (k in glue.TASKS) == glue_tasks}
+            entry = module == "bert_core.cli"
+            todo += [*imports_of(module_path(module), entry_only=entry), *parents(module)]
+    return {module_path(m).relative_to(ROOT).as_posix() for m in seen}
 
 
 def test_every_stage_depends_on_the_code_it_runs():
     """dvc.yaml lists, for each stage, exactly the bert_core files its command runs."""
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    extra = {"finetune": _task_modules(True), "finetune-control": _task_modules(True)}
-    extra["finetune-token"] = _task_modules(False)
     for name, stage in stages.items():
         body = stage.get("do", stage)  # foreach stages
         bert, command = body["cmd"].split()[:2]
         assert bert == "bert", name
-        expected = stage_code(command, extra.get(name, set()))
+        expected = stage_code(command)
         listed = {d for d in body["deps"] if d.startswith("bert_core/")}
         assert listed == expected, (name, sorted(expected - listed), sorted(listed - expected))
-    # the analysis itself: lazy imports count (pretrain_worker is imported inside a function,
-    # ray_jobs at the top), the KFP helpers of the CLI do not (kfp_metrics imports evaluate),
-    # modules loaded by name do (NER, for the token tasks only: the GLUE task module is also
-    # imported statically, by the MLflow model's predictors)
-    assert {"bert_core/pretrain/worker.py", "bert_core/pretrain/ray_jobs.py"} <= stage_code("pretrain")
+    # the analysis itself: lazy imports count (the worker is imported inside a function,
+    # ray_jobs at the top), the KFP and DVC helpers of the CLI do not (kfp_metrics imports
+    # evaluate), packages' __init__.py do, and `bert finetune` runs every task module (its
+    # TASKS table imports their classes)
+    pretrain = stage_code("pretrain")
+    assert {"bert_core/pretrain/worker.py", "bert_core/pretrain/ray_jobs.py"} <= pretrain
+    assert "bert_core/pretrain/__init__.py" in pretrain
     assert "bert_core/report/evaluate.py" not in stage_code("clean")
     assert "bert_core/track/lineage.py" not in stage_code("clean")  # the CLI's KFP helpers only
-    assert "bert_core/finetune/tasks/ner.py" not in stage_code("finetune")
-    assert "bert_core/finetune/tasks/ner.py" in stage_code("finetune", _task_modules(False))
+    tasks = {f"bert_core/finetune/tasks/{t}.py" for t in ("glue", "ner", "squad", "swag")}
+    assert tasks <= stage_code("finetune") and not tasks & stage_code("evaluate")
 
 
 # ---------------------------------------------------------------- the default remote

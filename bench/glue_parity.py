@@ -5,9 +5,9 @@ initialised classifier head copied into transformers' so the heads start equal t
 same tokenised data in the same shuffled batches, and use the same hyper-parameters (AdamW,
 linear warm-up/decay, clipping) and seed. The reference loop is written here from transformers'
 own pieces (`BertForSequenceClassification`, `get_linear_schedule_with_warmup`), independent of
-ours. Dev metrics are the official GLUE ones (`bert_core.finetune.tasks.glue_data`). Prints one JSON line per task:
-both sides' metrics and task score, both wall and CPU times (training + per-epoch dev evaluation)
-and their ratios ours / transformers (< 1: ours faster).
+ours. Dev metrics are the official GLUE ones (`bert_core.finetune.tasks.glue_data`). Prints one JSON
+line per task: both sides' metrics and task score, both wall and CPU times (training + per-epoch dev
+evaluation) and their ratios ours / transformers (< 1: ours faster).
 
 Target: ours within 1 point of transformers on every task, and no slower.
 

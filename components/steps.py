@@ -136,8 +136,8 @@ def pretrain(
 
     On a cluster the pod's RAY_ADDRESS is the RayCluster's dashboard (http://...:8265), so the
     command submits itself as a Ray job, follows it and copies the model back into `pretrained`
-    (bert_core.pretrain.ray_jobs). The Ray run is named after the KFP run (`kfp-<KFP_RUN_ID>`), so its
-    checkpoints, under $BERT_RAY_STORAGE/kfp-<id>, belong to this run only and a retry of this
+    (bert_core.pretrain.ray_jobs). The Ray run is named after the KFP run (`kfp-<KFP_RUN_ID>`), so
+    its checkpoints, under $BERT_RAY_STORAGE/kfp-<id>, belong to this run only and a retry of this
     task finds them: it follows the job still running, or resubmits it to resume."""
     import os
 

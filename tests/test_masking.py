@@ -1,5 +1,5 @@
-"""The one masked-LM rule (`bert_core.data.masking`) and its three callers: instances' vectorised and
-whole-word masking, and pre-training's dynamic masking."""
+"""The one masked-LM rule (`bert_core.data.masking`) and its three callers: instances' vectorised
+and whole-word masking, and pre-training's dynamic masking."""
 
 from __future__ import annotations
 

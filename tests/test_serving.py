@@ -1,6 +1,6 @@
-"""The MLflow flavor (`bert_core.serve.mlflow_model`) and the registry (`bert_core.serve.registry`): logged models
-load with `mlflow.pyfunc`, answer as the predictors do, need neither transformers nor the
-project installed; `bert finetune` registers its model and `bert promote` moves `champion` only
+"""The MLflow flavor (`bert_core.serve.mlflow_model`) and the registry (`bert_core.serve.registry`):
+logged models load with `mlflow.pyfunc`, answer as the predictors do, need neither transformers nor
+the project installed; `bert finetune` registers its model and `bert promote` moves `champion` only
 to a better version."""
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 The unit of work of `bert instances` is one input shard, as Google ran the original (once per
 shard): documents are read (BERT's input format: one sentence a line, blank lines between
-documents), tokenised, turned into instances `dupe_factor` times (`bert_core.data.instance_sampling`),
-masked, shuffled and written. Random-next segments come from the same shard, and every random
-stream is seeded by (random_seed, shard index, dupe round, purpose), so the output is
-byte-identical whatever the number of worker processes, and a worker holds one shard (times the
-dupe factor) at a time, never the corpus.
+documents), tokenised, turned into instances `dupe_factor` times
+(`bert_core.data.instance_sampling`), masked, shuffled and written. Random-next segments come from
+the same shard, and every random stream is seeded by (random_seed, shard index, dupe round,
+purpose), so the output is byte-identical whatever the number of worker processes, and a worker
+holds one shard (times the dupe factor) at a time, never the corpus.
 
 Tokenisation is the Rust WordPiece (`tokenizers`, through `tokenizer.encode_lines`), the same ids
 as the original `FullTokenizer` on the same vocabulary (see tests/test_tokenizer.py).

@@ -116,7 +116,7 @@ def finish(out: Path, result: dict) -> None:
     mlflow.log_metrics({"best_epoch": result["best_epoch"], "best_dev_score": result["score"]})
     mlflow.log_metrics({f"best_dev_{k}": v for k, v in result["metrics"].items()})
     mlflow.log_artifact(str(out / "metrics.json"))
-    log_finetuned(out, result)  # the model as an MLflow model, registered (bert_core.serve.registry)
+    log_finetuned(out, result)  # the model as an MLflow model, registered (serve.registry)
 
 
 def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:

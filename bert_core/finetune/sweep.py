@@ -15,8 +15,8 @@ is the step's output, its `learning_rate`/`seed` the step run's parameters, the 
 `sweep.*` and in metrics.json's `sweep` section.
 
 A pipeline can instead fan the trials out, one `bert finetune --lr X --seed S` step each, and
-join them with `pick_best` (`python -m bert_core.finetune.sweep --results A B ... --output BEST`): the
-best folder by dev score is copied to BEST with the same `sweep` section.
+join them with `pick_best` (`python -m bert_core.finetune.sweep --results A B ... --output
+BEST`): the best folder by dev score is copied to BEST with the same `sweep` section.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ def pick_best(folders: list[str | Path], output: str | Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bert_core.finetune.sweep", description=pick_best.__doc__)
+    prog = "python -m bert_core.finetune.sweep"
+    p = argparse.ArgumentParser(prog=prog, description=pick_best.__doc__)
     p.add_argument("--results", nargs="+", required=True, help="`bert finetune` outputs")
     p.add_argument("--output", required=True, help="the chosen one is copied here")
     args = p.parse_args(argv)

@@ -3,9 +3,9 @@
 The driver (`pretrain`) checks its inputs, starts or joins Ray, opens the MLflow run and builds a
 `TorchTrainer`; every worker runs `bert_core.pretrain.worker.train_loop_per_worker`, which reads
 its own share of the instance shards (`bert_core.pretrain.data`), trains with the paper's
-optimiser (`bert_core.model.optim`) and reports metrics and checkpoints (`bert_core.pretrain.state`).
-The run's settings are `bert_core.pretrain.config.PretrainConfig`, whose fields are also the
-command's options.
+optimiser (`bert_core.model.optim`) and reports metrics and checkpoints
+(`bert_core.pretrain.state`). The run's settings are `bert_core.pretrain.config.PretrainConfig`,
+whose fields are also the command's options.
 
 Resume: Ray Train (V2) keeps a snapshot of the reported checkpoints in
 `storage_path/run_name`; a new run with the same storage path and name loads it, so a worker that

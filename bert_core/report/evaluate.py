@@ -3,9 +3,9 @@ MLflow run.
 
 Each `--results` folder is one `bert finetune` output; its `metrics.json` names the task and holds
 the dev metrics of the best epoch, so nothing else is needed. Task scores and the GLUE score are
-recomputed here from the metrics with the leaderboard's rule (`bert_core.finetune.tasks.glue_data`), never trusted
-from the input. The table is laid out like BERT's Table 1 (tasks in the paper's order, the
-paper's metric per task, MNLI as matched/mismatched) with the GLUE score added; when fewer than
+recomputed here from the metrics with the leaderboard's rule (`bert_core.finetune.tasks.glue_data`),
+never trusted from the input. The table is laid out like BERT's Table 1 (tasks in the paper's order,
+the paper's metric per task, MNLI as matched/mismatched) with the GLUE score added; when fewer than
 nine tasks are given, the score is the mean over those present and is marked partial.
 
 Systems: the rows of the table, as the paper compares BERT with its baselines and ablations. A

@@ -44,7 +44,7 @@ from bert_core.serve.predictors import (
 )
 
 ARTIFACT = "model"  # the artifacts key (and folder name) of the HF-layout model folder
-# what `bert_core.serve.predictors` imports at inference; pinned to the versions that logged the model
+# what the predictors import at inference; pinned to the versions that logged the model
 REQUIREMENTS = ("mlflow", "torch", "numpy", "pandas", "pyarrow", "safetensors", "tokenizers")
 # model_config = {"inference": settings}: MLflow also logs it as run parameters, flattened with
 # "/", so the key keeps them apart from the training run's own (`batch_size` is both)
@@ -159,7 +159,9 @@ def _layout(path: Path) -> tuple[Path, dict]:
         flavor = Model.load(str(path / "MLmodel")).flavors.get("python_function", {})
         artifact = (flavor.get("artifacts") or {}).get(ARTIFACT)
         if artifact is None:
-            raise FileNotFoundError(f"{path}: an MLflow model, but not one of `bert_core.serve.mlflow_model`")
+            raise FileNotFoundError(
+                f"{path}: an MLflow model, but not one of `bert_core.serve.mlflow_model`"
+            )
         return path / artifact["path"], dict((flavor.get("config") or {}).get(CONFIG_KEY) or {})
     if (path / "model" / "config.json").is_file() and (path / "metrics.json").is_file():
         config = json.loads((path / "metrics.json").read_text()).get("config") or {}

@@ -1,10 +1,10 @@
 """Raw text in, answers out: one small class per kind of model, the one inference code path.
 
-`bert predict`, the MLflow model (`bert_core.serve.mlflow_model`, also behind `mlflow models serve`) and the
-benchmarks all answer through these classes, so a served answer and a batch answer are the same
-computation. Each class reuses its task's fine-tuning code (featurisation, collate, the
-length-sorted `finetune.predict_batches` loop), so inference sees inputs exactly as the dev set
-did during fine-tuning:
+`bert predict`, the MLflow model (`bert_core.serve.mlflow_model`, also behind `mlflow models
+serve`) and the benchmarks all answer through these classes, so a served answer and a batch
+answer are the same computation. Each class reuses its task's fine-tuning code (featurisation,
+collate, the length-sorted `engine.predict_batches` loop), so inference sees inputs exactly as
+the dev set did during fine-tuning:
 
 - `TextClassifier` (GLUE, `BertForSequenceClassification`): `text` [+ `text_pair`] -> `label`,
   its probability `score` and every label's `probabilities`; a regression head (STS-B) -> `score`.
@@ -107,7 +107,7 @@ class MaskFiller(Predictor):
     """The pre-trained model's own task: the masked-LM head's best tokens for each [MASK]."""
 
     kind = "fill-mask"
-    head = "BertForPreTraining"  # in bert_core.model.modeling (load_model); MLM-only checkpoints load too
+    head = "BertForPreTraining"  # in model.modeling (load_model); MLM-only checkpoints load too
     default_max_seq_length = 512
     MASK = "[MASK]"
 

@@ -1,4 +1,5 @@
-"""The span-level predictors (listed in `bert_core.serve.predictors`): named entities and extractive answers.
+"""The span-level predictors (listed in `bert_core.serve.predictors`): named entities and extractive
+answers.
 
 Both answer with character offsets into the raw input: entities through the tokenizer's word
 split (BERT's whitespace and punctuation rule after its normaliser; offsets in the raw text),

@@ -1,12 +1,11 @@
 """The model registry: one registered model per task, aliases, and `bert promote`.
 
-`bert finetune` ends by logging its model as an MLflow model (`bert_core.serve.mlflow_model`) on its run
-and registering a new version of the task's registered model (`log_finetuned`), named from
+`bert finetune` ends by logging its model as an MLflow model (`bert_core.serve.mlflow_model`) on its
+run and registering a new version of the task's registered model (`log_finetuned`), named from
 `BERT_REGISTERED_MODEL` (a template, default `bert-{task}`: `bert-sst2`, `bert-conll2003`,
-`bert-squad`; `none` logs the model without registering it). The version carries the run's dev
-score and task as tags. When `BERT_MODEL_ALIAS` is set (the pipeline sets `candidate`) the new
-version gets that alias. A fine-tuning output folder records where its model went in
-`mlflow_model.json`.
+`bert-squad`; `none` logs the model without registering it). The version carries the run's dev score
+and task as tags. When `BERT_MODEL_ALIAS` is set (the pipeline sets `candidate`) the new version
+gets that alias. A fine-tuning output folder records where its model went in `mlflow_model.json`.
 
 `bert promote TASK [VERSION]` then moves the `champion` alias to the version (default: the
 `candidate`) only when its dev score beats the current champion's (ties keep the champion;

@@ -2,8 +2,9 @@
 
 As `run_classifier.py`: inputs packed `[CLS] A [SEP] B [SEP]` (segment 0 up to the first [SEP],
 then 1) with the longer sentence truncated first, a linear classifier on the pooled [CLS] vector
-(MSE regression for STS-B). The tasks' files, labels and metrics are `bert_core.finetune.tasks.glue_data`'s; the
-loop, optimizer and run are the engine's (`bert_core.finetune.engine`).
+(MSE regression for STS-B). The tasks' files, labels and metrics are
+`bert_core.finetune.tasks.glue_data`'s; the loop, optimizer and run are the engine's
+(`bert_core.finetune.engine`).
 
 Output (besides the engine's `model/` and `metrics.json`): `dev_predictions.tsv` and, when the
 task folder has GLUE test files, `submission/<Task>.tsv` in the GLUE server's

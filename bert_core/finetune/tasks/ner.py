@@ -19,8 +19,8 @@ Two things from the paper beside the default recipe:
 - `--document-context`: "we include the maximal document context provided by the data": each
   window is filled up with the document's neighbouring tokens on both sides (as many left as
   right, the rest to whichever side has more), labels only on the target sentence's words;
-- the official `conlleval` score (`bert_core.finetune.tasks.conlleval`: its tolerant chunk reading) beside
-  seqeval's strict one: `conlleval_precision/recall/f1` in the metrics.
+- the official `conlleval` score (`bert_core.finetune.tasks.conlleval`: its tolerant chunk reading)
+  beside seqeval's strict one: `conlleval_precision/recall/f1` in the metrics.
 
 Output (atomic: all or nothing): `model/` (HF layout, label names in config.json),
 `metrics.json`, and `dev_predictions.txt` (and `test_predictions.txt`): the split back in CoNLL

@@ -11,10 +11,11 @@ keeps valid spans up to `max_answer_length` tokens and picks the best start+end 
 SQuAD 2.0 the null answer ([CLS] start and end) wins when its score beats the best span's by
 more than `null_score_diff_threshold`.
 
-Scores are the official evaluate-v1.1.py / evaluate-v2.0.py ones (`bert_core.finetune.tasks.squad_metrics`),
-as fractions; for SQuAD 2.0 also with the null threshold tuned on dev as the v2 script's
-best-threshold search does (`best_exact`, `best_f1` and their `*_thresh`), beside the untuned
-`exact_match`/`f1` (at `--null-score-diff-threshold`), which choose the best epoch.
+Scores are the official evaluate-v1.1.py / evaluate-v2.0.py ones
+(`bert_core.finetune.tasks.squad_metrics`), as fractions; for SQuAD 2.0 also with the null threshold
+tuned on dev as the v2 script's best-threshold search does (`best_exact`, `best_f1` and their
+`*_thresh`), beside the untuned `exact_match`/`f1` (at `--null-score-diff-threshold`), which choose
+the best epoch.
 
 Input: a folder with the official SQuAD JSON (`train-v1.1.json`/`dev-v1.1.json`,
 `train-v2.0.json`/`dev-v2.0.json`, or `train.json`/`dev.json`). Without a dev file the train

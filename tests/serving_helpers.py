@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from bert_core.finetune.tasks import ner
-from bert_core.model.modeling import BertForPreTraining, heads
+from bert_core.model import heads
+from bert_core.model.modeling import BertForPreTraining
 
 KINDS = {
     # kind: (head class, config overrides)

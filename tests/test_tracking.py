@@ -4,7 +4,6 @@ processes, as DVC and Kubeflow start them), the KFP parent found by run id, mode
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
@@ -195,40 +194,8 @@ def test_bert_runs_compares_pipeline_runs(uri, capsys):
     assert oldest.split()[-3:] == ["tiny", "41.50", "42.50"]
 
 
-BERT_CORE = Path(cli.__file__).parent
-
-
-def _imports(path: Path) -> set[str]:
-    """Modules a file imports (`from bert_core import cli` counts as bert_core.cli), and any
-    string naming one in a call (`importlib.import_module("bert_core.cli")`)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Call):
-            args = [*node.args, *(k.value for k in node.keywords)]
-            names.update(a.value for a in args if isinstance(a, ast.Constant) and a.value)
-    return {n for n in names if isinstance(n, str)}
-
-
-def test_the_library_never_imports_the_cli():
-    """The CLI is the top: it dispatches to the step modules and runs them as KFP steps. No
-    module below it imports it, statically or by name, so there is no import loop."""
-    below = [p for p in BERT_CORE.glob("*.py") if p.name not in ("cli.py", "__main__.py")]
-    assert {p.name for p in below} >= {"tracking.py", "lineage.py", "evaluate.py", "runs.py"}
-    for path in below:
-        assert "bert_core.cli" not in _imports(path), path.name
-    for module in ("tracking", "lineage"):  # the shared helpers: no step module either
-        steps = {m for m, _ in cli.COMMANDS.values()}
-        assert not steps & _imports(BERT_CORE / f"{module}.py"), module
-    # the Kubeflow components use the library through the CLI only
-    components = BERT_CORE.parent / "components" / "steps.py"
-    library = {n for n in _imports(components) if n.startswith("bert_core")}
-    assert "bert_core.cli.kfp_step" in library
-    assert all(n == "bert_core.cli" or n.startswith("bert_core.cli.") for n in library), library
+# That no module of the library imports the CLI, and that the components use it only, is
+# tests/test_architecture.py's (the layers of docs/architecture.md).
 
 
 def test_step_tracking_imports_no_lineage_and_no_cli():

@@ -50,6 +50,7 @@ from bert_core.data.documents import (  # noqa: F401 (re-exported: the text rule
 )
 from bert_core.data.text_quality import JunkMeter
 from bert_core.errors import InputError
+from bert_core.options import add_options, config_from_args, option
 
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 
@@ -69,12 +70,17 @@ START_METHOD = "fork" if "fork" in get_all_start_methods() else "spawn"
 # Lines scanned for a START marker before deciding a text file has no Gutenberg header.
 HEADER_SCAN_LINES = 600
 
+
 @dataclass(frozen=True)
 class CleanConfig:
-    min_document_chars: int = 200
-    max_document_chars: int = 10_000
-    num_shards: int = 8
-    num_workers: int = max(1, os.cpu_count() or 1)
+    """`bert clean`'s settings; each field is an option (`bert_core.options`)."""
+
+    min_document_chars: int = option(200, "documents shorter than this (characters) are dropped")
+    max_document_chars: int = option(
+        10_000, "a text file's document ends at the paragraph that reaches this many characters"
+    )
+    num_shards: int = option(8, "output text shards (shard-NNNNN.txt)")
+    num_workers: int = option(max(1, os.cpu_count() or 1), "worker processes, one input file each")
 
 
 @dataclass
@@ -296,25 +302,17 @@ def clean_corpus(input_path: Path, output_dir: Path, cfg: CleanConfig) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = CleanConfig()
+    """`bert clean`'s options: the input and output, then one per `CleanConfig` field."""
     p = argparse.ArgumentParser(prog="bert clean", description=__doc__.split("\n")[0])
     p.add_argument("--input", required=True, help="file or folder of text, local or s3://")
     p.add_argument("--output", required=True, help="output folder (shards), local or s3://")
-    p.add_argument("--min-document-chars", type=int, default=d.min_document_chars)
-    p.add_argument("--max-document-chars", type=int, default=d.max_document_chars)
-    p.add_argument("--num-shards", type=int, default=d.num_shards)
-    p.add_argument("--num-workers", type=int, default=d.num_workers)
+    add_options(p, CleanConfig)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = CleanConfig(
-        min_document_chars=args.min_document_chars,
-        max_document_chars=args.max_document_chars,
-        num_shards=args.num_shards,
-        num_workers=args.num_workers,
-    )
+    cfg = config_from_args(args, CleanConfig)
     from bert_core.tracking import start_run
 
     with storage.local_copy(args.input) as source:  # s3:// is downloaded first

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bert_core.data.masking import DEFAULT_RECIPE, MaskingRecipe
+from bert_core.options import option
 
 MIN_SEQ_LENGTH = 8
 MIN_HELDOUT = 2  # documents held out at least, when the corpus allows and a fraction is asked
@@ -17,18 +18,38 @@ MIN_HELDOUT = 2  # documents held out at least, when the corpus allows and a fra
 
 @dataclass(frozen=True)
 class InstanceConfig:
-    max_seq_length: int = 128
-    max_predictions_per_seq: int = 20
-    masked_lm_prob: float = 0.15
-    short_seq_prob: float = 0.1
-    dupe_factor: int = 10
-    random_seed: int = 12345
-    whole_word_mask: bool = False
-    lowercase: bool = True
-    masking_recipe: str = DEFAULT_RECIPE  # [MASK]/random/keep percent, bert_core.data.masking
-    heldout_fraction: float = 0.02  # share of the documents kept out of training
-    heldout_documents: int | None = None  # exactly this many instead (0: none)
-    preset: str | None = None  # the model size they are for: its positions bound max_seq_length
+    """`bert instances`' settings; each field is an option (`bert_core.options`)."""
+
+    max_seq_length: int = option(128, "tokens per instance at most, [CLS] and [SEP]s included")
+    max_predictions_per_seq: int = option(20, "masked LM predictions per instance, at most")
+    masked_lm_prob: float = option(0.15, "share of the tokens predicted by the masked LM")
+    short_seq_prob: float = option(
+        0.1, "probability of a random shorter target length (fine-tuning's inputs are short)"
+    )
+    dupe_factor: int = option(10, "passes over the corpus, each with other pairs and masks")
+    random_seed: int = option(
+        12345, "seed of every random draw (the output does not depend on --num-workers)"
+    )
+    whole_word_mask: bool = option(False, "mask all the WordPiece tokens of a word together")
+    lowercase: bool = option(
+        True, "do not lowercase; only for a vocabulary folder without tokenizer_config.json, "
+        "whose do_lower_case is used otherwise", "--cased",
+    )  # fmt: skip
+    masking_recipe: str = option(
+        DEFAULT_RECIPE, "shares of predicted tokens shown as [MASK]/random token/unchanged, "
+        "percent (default %(default)s, the paper's; Table 8 ablates e.g. 100/0/0)",
+    )  # fmt: skip
+    heldout_fraction: float = option(
+        0.02, "share of the documents held out of training, whole, into heldout/ (default "
+        f"%(default)s, at least {MIN_HELDOUT} documents when the corpus allows; 0: none)",
+    )  # fmt: skip
+    heldout_documents: int | None = option(
+        None, "hold out exactly this many documents instead of --heldout-fraction"
+    )  # 0: none
+    preset: str | None = option(
+        None, "the model size the instances are for (as `bert pretrain --preset`): "
+        "--max-seq-length must fit its max_position_embeddings (default: 512, every preset's)",
+    )  # fmt: skip
 
     @property
     def recipe(self) -> MaskingRecipe:

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from bert_core import storage
-from bert_core.data.instance_config import MIN_HELDOUT, InstanceConfig
+from bert_core.data.instance_config import InstanceConfig
 from bert_core.data.instance_sampling import Vocab
 from bert_core.data.instance_shards import (
     HELDOUT,
@@ -49,14 +49,13 @@ from bert_core.data.tokenizer import (
     write_tokenizer_settings,
 )
 from bert_core.errors import InputError, utf8_errors
+from bert_core.options import add_options, config_from_args
 
 __all__ = ["SCHEMA", "InstanceConfig", "create_instances", "main"]
 
 HELDOUT_DIR = "heldout"  # beside the training shards; `list_row_groups` does not look inside
 # fork: workers start in milliseconds instead of re-importing numpy/pyarrow/tokenizers.
 START_METHOD = "fork" if "fork" in get_all_start_methods() else "spawn"
-
-
 
 
 def _process_shard_task(args: tuple) -> tuple[dict, list[list[str]]]:
@@ -209,69 +208,20 @@ def create_instances(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = InstanceConfig()
+    """`bert instances`' options: the inputs and output, one per `InstanceConfig` field, and the
+    worker count (which cannot change the output, so it is not a setting)."""
     p = argparse.ArgumentParser(prog="bert instances", description=__doc__.split("\n")[0])
     p.add_argument("--input", required=True, help="cleaned corpus folder (shards), or s3://")
     p.add_argument("--vocab", required=True, help="vocab.txt (Google format), or s3://")
     p.add_argument("--output", required=True, help="output folder, local or s3://")
-    p.add_argument("--max-seq-length", type=int, default=d.max_seq_length)
-    p.add_argument("--max-predictions-per-seq", type=int, default=d.max_predictions_per_seq)
-    p.add_argument("--masked-lm-prob", type=float, default=d.masked_lm_prob)
-    p.add_argument("--short-seq-prob", type=float, default=d.short_seq_prob)
-    p.add_argument("--dupe-factor", type=int, default=d.dupe_factor)
-    p.add_argument("--random-seed", type=int, default=d.random_seed)
-    p.add_argument("--whole-word-mask", action="store_true")
-    p.add_argument(
-        "--masking-recipe",
-        default=d.masking_recipe,
-        help="shares of predicted tokens shown as [MASK]/random token/unchanged, percent "
-        "(default %(default)s, the paper's; Table 8 ablates e.g. 100/0/0)",
-    )
-    p.add_argument(
-        "--heldout-fraction",
-        type=float,
-        default=d.heldout_fraction,
-        help="share of the documents held out of training, whole, into heldout/ (default "
-        f"%(default)s, at least {MIN_HELDOUT} documents when the corpus allows; 0: none)",
-    )
-    p.add_argument(
-        "--heldout-documents",
-        type=int,
-        default=d.heldout_documents,
-        help="hold out exactly this many documents instead of --heldout-fraction",
-    )
-    p.add_argument(
-        "--cased",
-        action="store_true",
-        help="do not lowercase; only for a vocabulary folder without tokenizer_config.json, "
-        "whose do_lower_case is used otherwise",
-    )
-    p.add_argument(
-        "--preset",
-        default=d.preset,
-        help="the model size the instances are for (as `bert pretrain --preset`): "
-        "--max-seq-length must fit its max_position_embeddings (default: 512, every preset's)",
-    )
+    add_options(p, InstanceConfig)
     p.add_argument("--num-workers", type=int, default=max(1, os.cpu_count() or 1))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = InstanceConfig(
-        max_seq_length=args.max_seq_length,
-        max_predictions_per_seq=args.max_predictions_per_seq,
-        masked_lm_prob=args.masked_lm_prob,
-        short_seq_prob=args.short_seq_prob,
-        dupe_factor=args.dupe_factor,
-        random_seed=args.random_seed,
-        whole_word_mask=args.whole_word_mask,
-        lowercase=not args.cased,
-        masking_recipe=args.masking_recipe,
-        heldout_fraction=args.heldout_fraction,
-        heldout_documents=args.heldout_documents,
-        preset=args.preset,
-    )
+    cfg = config_from_args(args, InstanceConfig)
     cfg.validate()  # the settings, before any input is downloaded
     from bert_core.tracking import start_run
 
@@ -280,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         storage.local_copy(args.vocab, siblings=(TOKENIZER_CONFIG,)) as vocab,
     ):
         lowercase = read_lowercase(vocab.parent)  # the vocabulary's own setting, if it has one
-        if lowercase is not None and not args.cased:  # --cased with an uncased one: checked
+        if lowercase is not None and cfg.lowercase:  # --cased with an uncased one: checked
             cfg = replace(cfg, lowercase=lowercase)
         check_inputs(corpus, vocab, cfg)
         params = {"input": str(args.input), "vocab": str(args.vocab), **asdict(cfg)}

@@ -34,6 +34,7 @@ from tokenizers import (
 from bert_core import storage
 from bert_core.data.text_quality import JunkMeter
 from bert_core.errors import InputError, utf8_errors
+from bert_core.options import add_options, config_from_args, option
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MAX_INPUT_CHARS_PER_WORD = 100  # as google-research/bert's WordpieceTokenizer
@@ -44,10 +45,16 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 
 @dataclass(frozen=True)
 class VocabConfig:
-    vocab_size: int = 30_522  # bert-base-uncased
-    lowercase: bool = True
-    min_frequency: int = 2
-    limit_alphabet: int = 1_000
+    """`bert vocab`'s settings; each field is an option (`bert_core.options`)."""
+
+    # 30_522: bert-base-uncased's
+    vocab_size: int = option(30_522, "tokens in vocab.txt at most, special ones included")
+    lowercase: bool = option(
+        True, "keep case and accents (written to tokenizer_config.json: do_lower_case false)",
+        "--cased",
+    )  # fmt: skip
+    min_frequency: int = option(2, "WordPiece: a pair is merged only if it occurs this often")
+    limit_alphabet: int = option(1_000, "WordPiece: distinct characters in the alphabet, at most")
 
 
 def read_vocab(vocab_file: str | Path, required: tuple[str, ...] = ("[UNK]",)) -> dict[str, int]:
@@ -270,29 +277,17 @@ def write_vocab(tok: Tokenizer, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = VocabConfig()
+    """`bert vocab`'s options: the input and output, then one per `VocabConfig` field."""
     p = argparse.ArgumentParser(prog="bert vocab", description=__doc__.split("\n")[0])
     p.add_argument("--input", required=True, help="cleaned corpus folder, local or s3://")
     p.add_argument("--output", required=True, help="output folder, local or s3://")
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    p.add_argument(
-        "--cased",
-        action="store_true",
-        help="keep case and accents (written to tokenizer_config.json: do_lower_case false)",
-    )
-    p.add_argument("--min-frequency", type=int, default=d.min_frequency)
-    p.add_argument("--limit-alphabet", type=int, default=d.limit_alphabet)
+    add_options(p, VocabConfig)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = VocabConfig(
-        vocab_size=args.vocab_size,
-        lowercase=not args.cased,
-        min_frequency=args.min_frequency,
-        limit_alphabet=args.limit_alphabet,
-    )
+    cfg = config_from_args(args, VocabConfig)
     from bert_core.tracking import start_run
 
     with (

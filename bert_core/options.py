@@ -1,0 +1,137 @@
+"""Command-line options made from a config dataclass: the one generator of every `bert` command
+that has a config (`clean`, `vocab`, `instances`, `pretrain`, `finetune`).
+
+Each field is the option `--field-name`, typed by its annotation, with its default and help in
+the field, so the command line, the MLflow parameters (`asdict(cfg)`), metrics.json's `config`
+and Python callers (tests, bench/) cannot drift apart. The rules, the same for every command:
+
+- `X | None` takes an X, or `none` / empty text for None, whatever X is (int, float, str,
+  a comma list): KFP and DVC pass an empty or `none` parameter for "not set";
+- a `bool` that defaults to False is a `store_true` flag; one that defaults to True is switched
+  off by its aliases only (`lowercase`: `--cased`);
+- `tuple[X, ...]` is a comma list (`5e-5,4e-5`); `tuple[X, X]` takes that many values;
+- a field without a default is a required option;
+- the help ends with " (default: ...)", unless it is a flag's or says its default itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import MISSING, Field, field, fields
+
+NONE_TEXTS = ("", "none")  # what a pipeline passes for a parameter left unset
+WHAT = {int: "an integer", float: "a number", str: "text"}  # for the error messages
+
+
+def option(default: typing.Any, help: str, *aliases: str, **argparse_kw: typing.Any) -> typing.Any:
+    """A config field that is also the option `--field-name` (and `aliases`, e.g. "--lr").
+    `argparse_kw` (metavar, choices, type, ...) go to `add_argument` as they are; `help` may be
+    `argparse.SUPPRESS`; `default=dataclasses.MISSING` makes a required option."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "kw": argparse_kw})
+
+
+def optional(convert: Callable[[str], typing.Any]) -> Callable[[str], typing.Any]:
+    """`convert`, with `none` or empty text (any case, spaces around) meaning None."""
+
+    def parse(text: str) -> typing.Any:
+        if text.strip().lower() in NONE_TEXTS:
+            return None
+        try:
+            return convert(text)
+        except ValueError:
+            what = WHAT.get(convert) or f"a {getattr(convert, '__name__', 'value')}"
+            raise argparse.ArgumentTypeError(f"expected {what} or 'none': {text!r}") from None
+
+    parse.__name__ = f"optional_{getattr(convert, '__name__', 'value')}"
+    return parse
+
+
+def comma_list(item: Callable[[str], typing.Any]) -> Callable[[str], tuple]:
+    """'5e-5,4e-5' -> (5e-05, 4e-05): a `tuple[X, ...]` field's option."""
+
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(item(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            kind = "numbers" if item in (int, float) else "values"
+            message = f"expected {kind} separated by commas: {text!r}"
+            raise argparse.ArgumentTypeError(message) from None
+
+    parse.__name__ = "comma list"
+    return parse
+
+
+def add_options(
+    parser: argparse.ArgumentParser, config_class: type, skip: Iterable[str] = ()
+) -> None:
+    """One option per field of `config_class` (but those in `skip`), by the module's rules."""
+    hints = typing.get_type_hints(config_class)
+    for f in fields(config_class):
+        if f.name in skip:
+            continue
+        meta = _metadata(config_class, f.name)
+        names, kw = _argument(f, hints[f.name], meta)
+        parser.add_argument(*names, dest=f.name, **kw)
+
+
+def config_from_args(args: argparse.Namespace, config_class: type) -> typing.Any:
+    """The config the parsed options give; a field without an option (`skip`) keeps its
+    default."""
+    given = vars(args)
+    return config_class(**{f.name: given[f.name] for f in fields(config_class) if f.name in given})
+
+
+def _metadata(config_class: type, name: str) -> Mapping[str, typing.Any]:
+    """The field's help/aliases: a subclass that only changes a default keeps its parent's."""
+    for k in config_class.__mro__:
+        f = getattr(k, "__dataclass_fields__", {}).get(name)
+        if f is not None and f.metadata:
+            return f.metadata
+    raise TypeError(f"{config_class.__name__}.{name}: no help (declare it with option())")
+
+
+def _argument(
+    f: Field, hint: typing.Any, meta: Mapping[str, typing.Any]
+) -> tuple[list[str], dict[str, typing.Any]]:
+    """The option's names and `add_argument` keywords for one field."""
+    names = [f"--{f.name.replace('_', '-')}", *meta.get("aliases", ())]
+    default = f.default_factory() if f.default_factory is not MISSING else f.default
+    kind, can_be_none = hint, False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
+        (kind,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        can_be_none = True
+    kw: dict[str, typing.Any] = {"help": _help(meta["help"], default, flag=kind is bool)}
+    if default is MISSING:
+        kw.update(required=True, type=kind)
+    elif kind is bool:
+        if default and not meta.get("aliases"):
+            raise TypeError(f"{f.name}: a flag defaulting to True needs an alias to unset it")
+        names = names[1:] if default else names  # `--lowercase` would do nothing
+        kw.update(action="store_false" if default else "store_true", default=bool(default))
+    elif typing.get_origin(kind) is tuple:
+        items = typing.get_args(kind)
+        if len(items) == 2 and items[1] is Ellipsis:  # tuple[X, ...]: a comma list
+            convert = comma_list(items[0])
+            kw.update(type=optional(convert) if can_be_none else convert, default=default)
+        elif len(set(items)) == 1 and not can_be_none:  # tuple[X, X]: that many values
+            kw.update(type=items[0], nargs=len(items), default=default)
+        else:
+            raise TypeError(f"{f.name}: {kind} is neither tuple[X, ...] nor tuple[X, X]")
+    else:
+        kw.update(type=optional(kind) if can_be_none else kind, default=default)
+    kw.update(meta.get("kw", {}))  # the field's own: metavar, choices, a type of its own, ...
+    return names, kw
+
+
+def _help(text: str, default: typing.Any, flag: bool) -> str:
+    """argparse formats help with %: a literal % is doubled, %(default)s is left for it."""
+    if text is argparse.SUPPRESS:
+        return text
+    text = re.sub(r"%(?!\(default\)s)", "%%", text)
+    if flag or default is MISSING or "(default" in text:
+        return text
+    return f"{text} (default: %(default)s)"

@@ -1,5 +1,5 @@
 """A three-component pipeline for the pod harness's empty-loop test
-(tests/test_cluster_harness.py): a ParallelFor over a list parameter, its outputs
+(tests/pipelines/test_cluster_harness.py): a ParallelFor over a list parameter, its outputs
 `dsl.Collected` into one task, inside an exit handler. No `from __future__ import annotations`:
 KFP reads the components' annotations as types."""
 

@@ -1,5 +1,5 @@
 """The import graph of `bert_core`, read from the source (ast): what tests/test_architecture.py
-holds to docs/architecture.md's layers and tests/test_pipeline_dvc.py turns into DVC deps.
+holds to docs/architecture.md's layers and tests/pipelines/test_pipeline_dvc.py turns into DVC deps.
 
 Every import counts, wherever it is: at the top, inside a function (a lazy import runs when the
 function does) or under `TYPE_CHECKING` (a loop hidden there is still a loop for a reader).

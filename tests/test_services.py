@@ -307,7 +307,8 @@ def test_secret_never_reaches_params_tags_logs_files_or_git(
 @pytest.fixture(scope="module")
 def tiny_instances(tmp_path_factory, shared_data) -> Path:
     """Instances from the real `bert clean` / `bert vocab` / `bert instances` on a 12k-character
-    slice of a shared-corpus book (as tests/test_pretrain.py does, smaller: a few steps only)."""
+    slice of a shared-corpus book (as tests/pretrain/test_pretrain.py does, smaller: a few
+    steps only)."""
     return pretraining_instances(
         tmp_path_factory.mktemp("pt-svc"), shared_data, chars=12_000, num_shards=2,
         vocab_size=500, max_seq_length=32,

@@ -9,7 +9,7 @@ purpose), so the output is byte-identical whatever the number of worker processe
 holds one shard (times the dupe factor) at a time, never the corpus.
 
 Tokenisation is the Rust WordPiece (`tokenizers`, through `tokenizer.encode_lines`), the same ids
-as the original `FullTokenizer` on the same vocabulary (see tests/test_tokenizer.py).
+as the original `FullTokenizer` on the same vocabulary (see tests/data/test_tokenizer.py).
 
 Parquet schema (`SCHEMA`, unpadded, zstd): input_ids list<int32>, token_type_ids list<int8>,
 masked_lm_positions list<int32>, masked_lm_ids list<int32>, next_sentence_label int8

@@ -21,7 +21,7 @@ from kfp.dsl import Input, Model, Output
 from pipelines import kfp_backend
 from pipelines.kfp_backend import StrictParseError, load_strict, unsupported
 
-SPEC = Path(__file__).resolve().parents[1] / "pipelines" / "bert_pipeline.yaml"
+SPEC = Path(__file__).resolve().parents[2] / "pipelines" / "bert_pipeline.yaml"
 
 
 def _compile(tmp_path: Path, pipeline) -> Path:

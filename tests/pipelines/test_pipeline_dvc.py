@@ -21,7 +21,7 @@ import yaml
 from tests.import_graph import imports_of, module_path, parents
 from tests.pipeline_helpers import env_for, local_services, project_copy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

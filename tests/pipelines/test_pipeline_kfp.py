@@ -3,8 +3,8 @@
 task gets the cluster's ConfigMap and Secrets and its requests and limits, the fine-tuning
 tasks' image, GPUs and nodes are run-time parameters, one fan-out runs every fine-tuning, data
 digests reach the cache keys, pretrain is retried, and the whole DAG runs end to end through
-kfp.local. (The compiled spec by the backend's rules: tests/test_kfp_backend.py; run as pods:
-tests/test_cluster_harness.py.)"""
+kfp.local. (The compiled spec by the backend's rules: tests/pipelines/test_kfp_backend.py; run as
+pods: tests/pipelines/test_cluster_harness.py.)"""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.config import PretrainConfig, parse_args
 from tests.pipeline_helpers import RayHead, local_services, pretraining_instances
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "bert-jobs"
 
 

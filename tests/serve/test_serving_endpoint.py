@@ -27,7 +27,7 @@ from bert_core.serve import mlflow_model as serving
 from bert_core.serve import registry
 from tests.serving_helpers import build
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 REQUESTS = {

@@ -19,6 +19,10 @@ unreachable endpoint) are one line naming the URI and the endpoint (`s3_errors`)
 first task to compute on every run: KFP's cache key sees only the URI string, the digest sees
 the data behind it.
 
+`check_apart` is the one rule that an output never touches an input: every command calls it
+with its options before any work, because writing an output replaces its folder atomically, and
+an output equal to, around or inside an input would delete or change that input.
+
 `preflight` exists because a pre-training run that discovers an unreachable bucket or tracking
 server at its first checkpoint has already burnt GPU hours: it checks both in seconds, before
 any data is read, and names what is unreachable.
@@ -96,6 +100,54 @@ def filesystem(path: str | os.PathLike):
     if region:
         kwargs["region"] = region
     return pafs.S3FileSystem(**kwargs), f"{bucket}/{key}".rstrip("/")
+
+
+def _place(path: str | os.PathLike) -> tuple[str, PurePosixPath] | None:
+    """Where a path points, comparable across spellings: ("s3://bucket", key) or ("", the
+    resolved local path, symlinks followed); None for a reference that is not a path
+    (`models:/...`, `runs:/...`, http)."""
+    text = str(path)
+    if is_s3(text):
+        bucket, key = split_s3(text)
+        return f"s3://{bucket}", PurePosixPath("/", key.strip("/"))
+    if "://" in text or text.startswith(("models:", "runs:")):
+        return None
+    return "", PurePosixPath(Path(text).expanduser().resolve().as_posix())
+
+
+def check_apart(
+    outputs: dict[str, str | os.PathLike | None],
+    inputs: dict[str, str | os.PathLike | list | tuple | None],
+) -> None:
+    """Refuse, naming both options, an output that is, contains or lies inside an input.
+
+    `outputs` and `inputs` map an option (`--output`) to its value (a path, an s3:// URI, a list
+    of them, or None when not given). Call it before any work: a step writes its output by
+    replacing the whole folder, so `--output` equal to `--input`, or a folder around it, would
+    delete the input, and an output inside an input would change it."""
+    for out_option, output in outputs.items():
+        out = _place(output) if output else None
+        if out is None:
+            continue
+        for in_option, value in inputs.items():
+            values = value if isinstance(value, list | tuple) else [value]
+            for item in (v for v in values if v):
+                src = _place(item)
+                if src is None or src[0] != out[0]:
+                    continue
+                if out[1] == src[1]:
+                    how = "is the same path as"
+                elif out[1] in src[1].parents:
+                    how = "contains"
+                elif src[1] in out[1].parents:
+                    how = "lies inside"
+                else:
+                    continue
+                raise BertError(
+                    f"{out_option} {output} {how} {in_option} {item}: an output never replaces, "
+                    f"contains or goes into an input (writing it would delete or change "
+                    f"{in_option}); choose another {out_option}"
+                )
 
 
 def not_found(uri: str | os.PathLike) -> FileNotFoundError:

@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args, InstanceConfig)
     cfg.validate()  # the settings, before any input is downloaded
+    storage.check_apart({"--output": args.output}, {"--input": args.input, "--vocab": args.vocab})
     from bert_core.tracking import start_run
 
     with (

@@ -288,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args, VocabConfig)
+    storage.check_apart({"--output": args.output}, {"--input": args.input})
     from bert_core.tracking import start_run
 
     with (

@@ -29,7 +29,7 @@ from bert_core.finetune.tasks.squad import SquadFinetune
 from bert_core.finetune.tasks.swag import SwagFinetune
 from bert_core.model import optim
 from bert_core.serve.registry import log_finetuned
-from bert_core.storage import local_copy, output_dir
+from bert_core.storage import check_apart, local_copy, output_dir
 
 # Every task `bert finetune` runs: exact name -> its `FinetuneTask` class. GLUE names are also
 # found forgiving case and dashes (`sst2`, `mnli`), as `glue_data.get_task`.
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     task = load_task(name) if name is not None else None
     args = build_parser(task).parse_args(argv)
     cfg = config_from_args(args, task.config_class)
+    check_apart({"--output": args.output}, {"--data": args.data, "--model": args.model})
     if getattr(args, "download", False):
         task.download(Path(args.data))
     with local_copy(args.data) as data, local_copy(args.model) as model:  # s3://: downloaded

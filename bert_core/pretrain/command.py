@@ -42,7 +42,7 @@ from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
 from bert_core.pretrain.data import check_seq_length, list_row_groups
 from bert_core.pretrain.state import HELDOUT_COLUMNS, load_state, write_metrics_csv
-from bert_core.storage import copy, filesystem, is_s3, preflight
+from bert_core.storage import check_apart, copy, filesystem, is_s3, preflight
 
 __all__ = ["PretrainConfig", "build_parser", "init_local_ray", "main", "pretrain", "storage_path"]
 
@@ -283,6 +283,8 @@ def _finish(cfg: PretrainConfig, checkpoint, out: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    check_apart({"--output": cfg.output, "--storage-path": cfg.storage_path},
+                {"--instances": cfg.instances, "--init-model": cfg.init_model})  # fmt: skip
     summary = pretrain(cfg)
     last = summary["last"]
     where = f"{cfg.output}/model" if summary["finished"] else f"checkpoint (step {summary['step']})"

@@ -286,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.system or [None] * len(args.results)
     if len(names) != len(args.results):
         parser.error("give one --system per --results, or none (systems named by init)")
+    storage.check_apart({"--output": args.output}, {"--results": sum(args.results, [])})
     from bert_core.tracking import start_run
 
     groups = list(zip(names, args.results, strict=True))

@@ -206,12 +206,13 @@ def _layers_value(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from bert_core.serve.mlflow_model import local_model
     from bert_core.serve.predict import parse_columns
-    from bert_core.storage import local_copy
+    from bert_core.storage import check_apart, local_copy
     from bert_core.tracking import start_run
 
     args = build_parser().parse_args(_layers_value(sys.argv[1:] if argv is None else argv))
     rename, layers = parse_columns(args.column), parse_layers(args.layers)
     records.output_format(args.output, (".parquet",))  # before any model is loaded
+    check_apart({"--output": args.output}, {"--input": args.input, "--model": args.model})
     settings = Settings(max_seq_length=args.max_seq_length, batch_size=args.batch_size,
                         device=args.device)  # fmt: skip
     params = {k: str(v) for k, v in vars(args).items() if k != "column"}

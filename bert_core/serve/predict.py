@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rename = parse_columns(args.column)
     records.output_format(args.output)  # before any model is loaded
-    from bert_core.storage import local_copy
+    from bert_core.storage import check_apart, local_copy
+
+    check_apart({"--output": args.output}, {"--input": args.input, "--model": args.model})
     from bert_core.tracking import start_run
 
     params = {"model": args.model, "input": args.input, "output": str(args.output)}

@@ -1,0 +1,92 @@
+"""An output never touches an input: every command refuses, before any work and with exit 2, an
+--output that is, contains or lies inside one of its inputs, naming both options, and leaves
+the input as it was (a step writes its output by replacing the whole folder, which used to
+delete the input: issue #26's lost-data rows)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from bert_core import cli
+from bert_core.errors import BertError
+from bert_core.storage import check_apart
+
+
+def _tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+        h.update(f.as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def place(tmp_path) -> Path:
+    """Inputs of every kind, each with content (what must survive)."""
+    for folder in ("corpus", "vocab", "instances", "data", "model", "results"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "keep.txt").write_text(f"{folder}: the user's data\n")
+    (tmp_path / "vocab" / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\n")
+    (tmp_path / "rows.jsonl").write_text('{"text": "a fine film"}\n')
+    return tmp_path
+
+
+# command line (paths relative to the inputs' folder), the options both sides, how they relate
+CASES = {
+    "clean-same": (["clean", "--input", "corpus", "--output", "corpus"], "--output", "--input",
+                   "is the same path as"),
+    "clean-inside": (["clean", "--input", "corpus", "--output", "corpus/clean"], "--output",
+                     "--input", "lies inside"),
+    "vocab-around": (["vocab", "--input", "corpus/.", "--output", "."], "--output", "--input",
+                     "contains"),
+    "instances-vocab": (["instances", "--input", "corpus", "--vocab", "vocab/vocab.txt",
+                         "--output", "vocab"], "--output", "--vocab", "contains"),
+    "pretrain-instances": (["pretrain", "--instances", "instances", "--output", "instances"],
+                           "--output", "--instances", "is the same path as"),
+    "pretrain-storage": (["pretrain", "--instances", "instances", "--output", "out",
+                          "--storage-path", "instances/ray"], "--storage-path", "--instances",
+                         "lies inside"),
+    "finetune-data": (["finetune", "--task", "SST-2", "--data", "data", "--model", "model",
+                       "--output", "data"], "--output", "--data", "is the same path as"),
+    "finetune-model": (["finetune", "--task", "conll2003", "--data", "data", "--model", "model",
+                        "--output", "model/ner"], "--output", "--model", "lies inside"),
+    "evaluate": (["evaluate", "--results", "results", "--output", "results"], "--output",
+                 "--results", "is the same path as"),
+    "predict": (["predict", "--model", "model", "--input", "rows.jsonl", "--output",
+                 "rows.jsonl"], "--output", "--input", "is the same path as"),
+    "embed": (["embed", "--model", "model", "--input", "rows.jsonl", "--output",
+               "model/vectors.parquet"], "--output", "--model", "lies inside"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_command_refuses_an_output_on_an_input(name, place, capsys, monkeypatch):
+    argv, out_option, in_option, how = CASES[name]
+    monkeypatch.chdir(place)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{place / 'mlflow.db'}")
+    before = {p.name: _tree_digest(p) for p in place.iterdir()}
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"bert {argv[0]}: error: {out_option} " in err and f" {how} {in_option} " in err, err
+    after = {p.name: _tree_digest(p) for p in place.iterdir()}
+    assert after == before  # nothing changed, nothing new (no MLflow store either)
+
+
+def test_symlinks_s3_keys_and_lists_are_compared_by_where_they_point(tmp_path):
+    (tmp_path / "data").mkdir()
+    os.symlink(tmp_path / "data", tmp_path / "link")
+    with pytest.raises(BertError, match="--output .*link is the same path as --data"):
+        check_apart({"--output": tmp_path / "link"}, {"--data": tmp_path / "data"})
+    with pytest.raises(BertError, match="contains --results"):
+        check_apart({"--output": "s3://b/runs/"}, {"--results": ["s3://b/other", "s3://b/runs/x"]})
+    with pytest.raises(BertError, match="lies inside --input"):
+        check_apart({"--output": "s3://b/in/out"}, {"--input": "s3://b/in/"})
+    # apart: siblings, a prefix that is not a parent, another bucket, local vs s3, not a path
+    check_apart({"--output": tmp_path / "data2"}, {"--data": tmp_path / "data"})
+    check_apart({"--output": "s3://b/runs2"}, {"--input": "s3://b/runs", "--m": "s3://c/runs2"})
+    check_apart({"--output": "s3://b/x"}, {"--input": "/b/x", "--model": "models:/bert@champion"})
+    check_apart({"--output": None}, {"--input": tmp_path})

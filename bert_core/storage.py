@@ -103,9 +103,8 @@ def filesystem(path: str | os.PathLike):
 
 
 def _place(path: str | os.PathLike) -> tuple[str, PurePosixPath] | None:
-    """Where a path points, comparable across spellings: ("s3://bucket", key) or ("", the
-    resolved local path, symlinks followed); None for a reference that is not a path
-    (`models:/...`, `runs:/...`, http)."""
+    """("s3://bucket", key) or ("", the resolved local path, symlinks followed); None for a
+    reference that is not a path (`models:/...`, `runs:/...`, http)."""
     text = str(path)
     if is_s3(text):
         bucket, key = split_s3(text)
@@ -115,39 +114,28 @@ def _place(path: str | os.PathLike) -> tuple[str, PurePosixPath] | None:
     return "", PurePosixPath(Path(text).expanduser().resolve().as_posix())
 
 
-def check_apart(
-    outputs: dict[str, str | os.PathLike | None],
-    inputs: dict[str, str | os.PathLike | list | tuple | None],
-) -> None:
-    """Refuse, naming both options, an output that is, contains or lies inside an input.
+def check_apart(outputs: dict[str, object], inputs: dict[str, object]) -> None:
+    """Refuse an output that is, contains or lies inside an input, naming both options.
 
-    `outputs` and `inputs` map an option (`--output`) to its value (a path, an s3:// URI, a list
-    of them, or None when not given). Call it before any work: a step writes its output by
-    replacing the whole folder, so `--output` equal to `--input`, or a folder around it, would
-    delete the input, and an output inside an input would change it."""
+    `outputs`, `inputs`: option -> a path, an s3:// URI, a list of them or None. Called before any
+    work: an output is written by replacing its whole folder, so one equal to or around an input
+    would delete it, and one inside an input would change it."""
     for out_option, output in outputs.items():
         out = _place(output) if output else None
-        if out is None:
-            continue
-        for in_option, value in inputs.items():
-            values = value if isinstance(value, list | tuple) else [value]
-            for item in (v for v in values if v):
-                src = _place(item)
+        for in_option, value in inputs.items() if out else ():
+            for item in value if isinstance(value, list | tuple) else [value]:
+                src = _place(item) if item else None
                 if src is None or src[0] != out[0]:
                     continue
-                if out[1] == src[1]:
-                    how = "is the same path as"
-                elif out[1] in src[1].parents:
-                    how = "contains"
-                elif src[1] in out[1].parents:
-                    how = "lies inside"
-                else:
-                    continue
-                raise BertError(
-                    f"{out_option} {output} {how} {in_option} {item}: an output never replaces, "
-                    f"contains or goes into an input (writing it would delete or change "
-                    f"{in_option}); choose another {out_option}"
-                )
+                how = ("is the same path as" if out[1] == src[1] else "contains"
+                       if out[1] in src[1].parents else "lies inside"
+                       if src[1] in out[1].parents else None)  # fmt: skip
+                if how:
+                    raise BertError(
+                        f"{out_option} {output} {how} {in_option} {item}: an output never "
+                        f"replaces, contains or goes into an input (writing it would delete or "
+                        f"change {in_option}); choose another {out_option}"
+                    )
 
 
 def not_found(uri: str | os.PathLike) -> FileNotFoundError:

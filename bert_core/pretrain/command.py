@@ -283,8 +283,10 @@ def _finish(cfg: PretrainConfig, checkpoint, out: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    check_apart({"--output": cfg.output, "--storage-path": cfg.storage_path},
-                {"--instances": cfg.instances, "--init-model": cfg.init_model})  # fmt: skip
+    # (not --storage-path: Ray's checkpoints are added to it, never replaced, and a Ray job
+    # stages its instances there: ray_jobs)
+    inputs = {"--instances": cfg.instances, "--init-model": cfg.init_model}
+    check_apart({"--output": cfg.output}, inputs)
     summary = pretrain(cfg)
     last = summary["last"]
     where = f"{cfg.output}/model" if summary["finished"] else f"checkpoint (step {summary['step']})"

@@ -124,6 +124,12 @@ class Row:
     def out(self) -> Path:
         return self.tmp / "out"
 
+    def folder(self, name: str) -> Path:
+        """An empty folder beside --output (an input never holds the output: check_apart)."""
+        path = self.tmp / name
+        path.mkdir()
+        return path
+
     def file(self, name: str, content: str | bytes) -> Path:
         path = self.tmp / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -440,7 +446,7 @@ CASES = [
          lambda r: pretrain(r, "--init-model", tiny(r, vocab_size=10)),
          "config.json: vocab_size 10, but the instances' vocabulary"),
     Case("pretrain-init-model-not-a-model", "model",
-         lambda r: pretrain(r, "--init-model", r.tmp), "config.json: not found"),
+         lambda r: pretrain(r, "--init-model", r.folder("empty")), "config.json: not found"),
     Case("pretrain-unknown-preset", "setting",
          lambda r: pretrain(r, "--preset", "huge"), "--preset must be one of"),
     Case("pretrain-batch-not-divisible", "setting",
@@ -528,7 +534,7 @@ CASES = [
                     "8"], "exists and is a file"),  # fmt: skip
     # ---- bert evaluate
     Case("evaluate-not-a-finetune-output", "missing",
-         lambda r: evaluate(r, r.tmp), "metrics.json: no such file or folder (is"),
+         lambda r: evaluate(r, r.folder("empty")), "metrics.json: no such file or folder (is"),
     Case("evaluate-s3-missing-results", "missing",
          lambda r: evaluate(r, s3("runs/sst2")), f"{s3('runs/sst2/metrics.json')}: no such file"),
     Case("evaluate-metrics-not-json", "format",

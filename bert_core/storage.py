@@ -102,6 +102,11 @@ def filesystem(path: str | os.PathLike):
     return pafs.S3FileSystem(**kwargs), f"{bucket}/{key}".rstrip("/")
 
 
+def is_uri(source: str | os.PathLike) -> bool:
+    """A URI (s3://, http://, `models:/...`, `runs:/...`), not a local path."""
+    return "://" in str(source) or str(source).startswith(("models:", "runs:"))
+
+
 def _place(path: str | os.PathLike) -> tuple[str, PurePosixPath] | None:
     """("s3://bucket", key) or ("", the resolved local path, symlinks followed); None for a
     reference that is not a path (`models:/...`, `runs:/...`, http)."""
@@ -109,7 +114,7 @@ def _place(path: str | os.PathLike) -> tuple[str, PurePosixPath] | None:
     if is_s3(text):
         bucket, key = split_s3(text)
         return f"s3://{bucket}", PurePosixPath("/", key.strip("/"))
-    if "://" in text or text.startswith(("models:", "runs:")):
+    if is_uri(text):
         return None
     return "", PurePosixPath(Path(text).expanduser().resolve().as_posix())
 

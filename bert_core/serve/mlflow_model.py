@@ -42,6 +42,7 @@ from bert_core.serve.predictors import (
     predictor_class,
     read_config,
 )
+from bert_core.storage import is_uri
 
 ARTIFACT = "model"  # the artifacts key (and folder name) of the HF-layout model folder
 # what the predictors import at inference; pinned to the versions that logged the model
@@ -123,10 +124,6 @@ def log_model(
         pip_requirements=requirements(), model_config={CONFIG_KEY: kept},
         metadata={"bert_kind": cls.kind, "bert_task": config.get("finetuning_task") or ""},
     )  # fmt: skip
-
-
-def is_uri(source: str | os.PathLike) -> bool:
-    return "://" in str(source) or str(source).startswith(("models:", "runs:"))
 
 
 @contextmanager

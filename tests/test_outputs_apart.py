@@ -5,7 +5,6 @@ delete the input: issue #26's lost-data rows)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -13,14 +12,7 @@ import pytest
 
 from bert_core import cli
 from bert_core.errors import BertError
-from bert_core.storage import check_apart
-
-
-def _tree_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
-        h.update(f.as_posix().encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
+from bert_core.storage import check_apart, digest
 
 
 @pytest.fixture
@@ -66,12 +58,12 @@ def test_every_command_refuses_an_output_on_an_input(name, place, capsys, monkey
     argv, out_option, in_option, how = CASES[name]
     monkeypatch.chdir(place)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{place / 'mlflow.db'}")
-    before = {p.name: _tree_digest(p) for p in place.iterdir()}
+    before = {p.name: digest(p) for p in place.iterdir()}
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"bert {argv[0]}: error: {out_option} " in err and f" {how} {in_option} " in err, err
-    after = {p.name: _tree_digest(p) for p in place.iterdir()}
+    after = {p.name: digest(p) for p in place.iterdir()}
     assert after == before  # nothing changed, nothing new (no MLflow store either)
 
 

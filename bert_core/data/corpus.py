@@ -42,12 +42,7 @@ from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 from bert_core import storage
-from bert_core.data.documents import (  # noqa: F401 (re-exported: the text rules)
-    normalize_line,
-    record_document,
-    split_sentences,
-    text_documents,
-)
+from bert_core.data.documents import record_document, text_documents
 from bert_core.data.text_quality import JunkMeter
 from bert_core.errors import InputError
 from bert_core.options import add_options, config_from_args, option

@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from bert_core.finetune.config import FinetuneConfig, config_from_args, config_options
+from bert_core.finetune.config import FinetuneConfig, config_from_args
 from bert_core.finetune.engine import FinetuneTask, load_tokenizer, model_config, numeric, train
 from bert_core.finetune.tasks import glue_data
 from bert_core.finetune.tasks.glue import GlueFinetune
@@ -28,6 +28,7 @@ from bert_core.finetune.tasks.ner import NerFinetune
 from bert_core.finetune.tasks.squad import SquadFinetune
 from bert_core.finetune.tasks.swag import SwagFinetune
 from bert_core.model import optim
+from bert_core.options import add_options
 from bert_core.serve.registry import log_finetuned
 from bert_core.storage import check_apart, local_copy, output_dir
 
@@ -128,7 +129,7 @@ def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="the task's data folder, local or s3://")
     p.add_argument("--model", required=True, help="HF-layout BERT folder with vocab, or s3://")
     p.add_argument("--output", required=True, help="output folder, local or s3://")
-    config_options(p, task.config_class if task is not None else FinetuneConfig)
+    add_options(p, task.config_class if task is not None else FinetuneConfig)
     if task is not None and task.download_help:
         where = f"first fetch the data into --data when missing ({task.download_help})"
         p.add_argument("--download", action="store_true", help=where)

@@ -7,12 +7,11 @@ and may change defaults (SQuAD: lr 5e-5, length 384).
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from bert_core.options import add_options, comma_list, config_from_args, option, optional
+from bert_core.options import comma_list, config_from_args, option, optional
 
-__all__ = ["FinetuneConfig", "config_from_args", "config_options", "float_list", "option"]
+__all__ = ["FinetuneConfig", "config_from_args", "float_list", "option"]
 
 INITS = ("pretrained", "random")
 # The paper's fine-tuning grid (appendix A.3): "5e-5, 4e-5, 3e-5, 2e-5", best on dev.
@@ -25,11 +24,6 @@ def float_list(text: str) -> tuple[float, ...] | None:
     if text.strip() == "paper":
         return PAPER_LEARNING_RATES
     return optional(comma_list(float))(text)
-
-
-def config_options(parser: argparse.ArgumentParser, config_class: type[FinetuneConfig]) -> None:
-    """One option per field of `config_class` (`bert_core.options.add_options`)."""
-    add_options(parser, config_class)
 
 
 @dataclass

@@ -4,7 +4,8 @@ The step around the engine (`bert_core.finetune.engine`): the task named by `--t
 `TASKS`, of the task classes), the inputs copied from s3:// when they are there, every input
 checked before any training, one MLflow run with the settings as parameters and the metrics per
 epoch, one run or the paper's sweep (`bert_core.finetune.sweep`), and the output folder written
-atomically and registered as an MLflow model (`bert_core.serve.registry`).
+atomically; its model is logged as an MLflow model and, once the output is complete and the run
+FINISHED, registered (`bert_core.serve.registry`).
 
 Output (atomic: all or nothing): `model/` (HF layout, label names in config.json, the vocab),
 `metrics.json` (`task, init, metrics, score, best_epoch, epochs, config`, `test_metrics` and
@@ -29,7 +30,7 @@ from bert_core.finetune.tasks.squad import SquadFinetune
 from bert_core.finetune.tasks.swag import SwagFinetune
 from bert_core.model import optim
 from bert_core.options import add_options
-from bert_core.serve.registry import log_finetuned
+from bert_core.serve.registry import log_finetuned, register_finetuned
 from bert_core.storage import check_apart, local_copy, output_dir
 
 # Every task `bert finetune` runs: exact name -> its `FinetuneTask` class. GLUE names are also
@@ -104,20 +105,25 @@ def finetune(
             mlflow.log_metrics({f"test_{k}": v for k, v in numeric(test).items()})
         model.save_pretrained(tmp / "model")  # label names and task in config.json
         task.write_outputs(tmp, model, best["preds"], device, cfg)
-        finish(tmp, result)
+        record = finish(tmp, result)
+    # only now, the output complete and the run FINISHED: a failure above registers nothing
+    version = register_finetuned(record, result)
+    if version is not None:
+        result["registered_model"] = f"{version.name}/{version.version}"
     return result
 
 
-def finish(out: Path, result: dict) -> None:
-    """The end of every run: metrics.json, and the best epoch's metrics and that file in the
-    open MLflow run."""
+def finish(out: Path, result: dict) -> dict:
+    """The end of every run: metrics.json, and the best epoch's metrics, that file and the model
+    (`serve.registry.log_finetuned`, not yet registered) in the open MLflow run. Returns the
+    model's record (`mlflow_model.json`)."""
     import mlflow
 
     (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
     mlflow.log_metrics({"best_epoch": result["best_epoch"], "best_dev_score": result["score"]})
     mlflow.log_metrics({f"best_dev_{k}": v for k, v in result["metrics"].items()})
     mlflow.log_artifact(str(out / "metrics.json"))
-    log_finetuned(out, result)  # the model as an MLflow model, registered (serve.registry)
+    return log_finetuned(out, result)  # the model as an MLflow model (serve.registry)
 
 
 def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:
@@ -149,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         task.download(Path(args.data))
     with local_copy(args.data) as data, local_copy(args.model) as model:  # s3://: downloaded
         result = finetune(task, data, model, args.output, cfg, str(args.data), str(args.model))
-    print(json.dumps({"task": result["task"], "metrics": result["metrics"],
-                      "best_epoch": result["best_epoch"], "output": str(args.output)}))  # fmt: skip
+    keys = ("task", "metrics", "best_epoch", "registered_model")
+    print(json.dumps({k: result[k] for k in keys if k in result} | {"output": str(args.output)}))
     return 0
 
 

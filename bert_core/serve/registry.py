@@ -1,11 +1,15 @@
 """The model registry: one registered model per task, aliases, and `bert promote`.
 
-`bert finetune` ends by logging its model as an MLflow model (`bert_core.serve.mlflow_model`) on its
-run and registering a new version of the task's registered model (`log_finetuned`), named from
-`BERT_REGISTERED_MODEL` (a template, default `bert-{task}`: `bert-sst2`, `bert-conll2003`,
-`bert-squad`; `none` logs the model without registering it). The version carries the run's dev score
-and task as tags. When `BERT_MODEL_ALIAS` is set (the pipeline sets `candidate`) the new version
-gets that alias. A fine-tuning output folder records where its model went in `mlflow_model.json`.
+`bert finetune` logs its model as an MLflow model (`bert_core.serve.mlflow_model`) on its run
+(`log_finetuned`) and, only once its output folder is complete and its run has ended FINISHED,
+registers a new version of the task's registered model (`register_finetuned`): a step that fails
+at any point before leaves the registry as it was. The name comes from `BERT_REGISTERED_MODEL` (a
+template, default `bert-{task}`: `bert-sst2`, `bert-conll2003`, `bert-squad`; `none` logs the
+model without registering it). The version carries the run's dev score and task as tags. When
+`BERT_MODEL_ALIAS` is set (the pipeline sets `candidate`) the new version gets that alias. A
+fine-tuning output folder records its logged model and the name it is registered under in
+`mlflow_model.json`; the version number is on the run (`bert.model_version` tag) and in the registry
+(`MlflowClient().search_model_versions(f"run_id='{run_id}'")`).
 
 `bert promote TASK [VERSION]` then moves the `champion` alias to the version (default: the
 `candidate`) only when its dev score beats the current champion's (ties keep the champion;
@@ -44,23 +48,36 @@ def model_name(task: str, template: str | None = None) -> str | None:
 
 
 def log_finetuned(out: Path, result: dict) -> dict:
-    """The end of `bert finetune`, in its open MLflow run: log `out/model` as an MLflow model
-    with the run's inference settings, register it (see the module doc), record both in
-    `out/mlflow_model.json`. Returns that record. A random-init control is logged, never
-    registered: it is a measurement, not a candidate for the task's model."""
-    import mlflow
-
+    """In `bert finetune`'s open MLflow run: log `out/model` as an MLflow model with the run's
+    inference settings, and write `out/mlflow_model.json` (its URI, the run, and the registered
+    model it is meant for: none for a random-init control, a measurement rather than a
+    candidate for the task's model). Returns that record; nothing is registered yet."""
     from bert_core.serve.mlflow_model import log_model
 
     info = log_model(out / "model", result.get("config"))
     record: dict[str, Any] = {"model_uri": info.model_uri, "run_id": info.run_id}
     name, alias = model_name(result["task"]), os.environ.get(ALIAS_ENV) or None
     if name is not None and result.get("init", "pretrained") != "random":
-        version = register(info.model_uri, name, result, alias)
-        record |= {"registered_model": name, "version": int(version.version), "alias": alias}
-        mlflow.set_tags({"bert.registered_model": name, "bert.model_version": version.version})
+        record |= {"registered_model": name, "alias": alias}
     (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def register_finetuned(record: dict, result: dict):
+    """After the step succeeded (output complete, run FINISHED): register the logged model as a
+    new version of `record["registered_model"]` (alias moved), tag the run with it. Returns the
+    ModelVersion, or None when the record names no registered model."""
+    from mlflow import MlflowClient
+
+    if not record.get("registered_model"):
+        return None
+    name = record["registered_model"]
+    version = register(record["model_uri"], name, result, record.get("alias"))
+    tags = {"bert.registered_model": name, "bert.model_version": str(version.version)}
+    client = MlflowClient(tracking_uri())
+    for key, value in tags.items():
+        client.set_tag(record["run_id"], key, value)
+    return version
 
 
 def register(model_uri: str, name: str, result: dict, alias: str | None = None):

@@ -115,12 +115,16 @@ def test_finetune_registers_its_model_and_promote_moves_champion_only_when_bette
     argv = ["finetune", "--task", "SST-2", "--data", str(shared_data / "glue" / "SST-2")]
     argv += ["--model", str(tiny), "--output", str(out), "--epochs", "1", "--batch-size", "8"]
     assert cli.main([*argv, "--max-train-examples", "8", "--max-eval-examples", "16"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last)["registered_model"] == "bert-sst2/1"
     record = json.loads((out / registry.RECORD).read_text())
-    assert (record["registered_model"], record["version"]) == ("bert-sst2", 1)
+    assert (record["registered_model"], record["alias"]) == ("bert-sst2", "candidate")
     client = MlflowClient()
     v1 = client.get_model_version_by_alias("bert-sst2", "candidate")
     metrics = json.loads((out / "metrics.json").read_text())
     assert str(v1.version) == "1" and v1.run_id == record["run_id"]
+    # registered after the run ended: the version points at a FINISHED run
+    assert client.get_run(v1.run_id).info.status == "FINISHED"
     assert float(v1.tags[registry.SCORE_TAG]) == metrics["score"]
     assert v1.tags[registry.TASK_TAG] == "SST-2"
     run = client.get_run(record["run_id"])
@@ -152,6 +156,41 @@ def test_finetune_registers_its_model_and_promote_moves_champion_only_when_bette
     champion = mlflow.pyfunc.load_model("models:/bert-sst2@champion")
     texts = pd.DataFrame({"text": ["a gripping , funny film", "dull"]})
     assert champion.predict(texts) == load_predictor(out / "model").predict(texts)
+
+
+def test_a_step_that_fails_after_logging_its_model_registers_nothing(
+    tracking, shared_data, minilm_dir, monkeypatch, capsys
+):
+    """#26: the model is logged in the run, then the step fails before its output is complete
+    (here: right after `finish`, as a full disk or a lost bucket would): no registry version, no
+    alias moved, no output, the run FAILED."""
+    from bert_core.errors import BertError
+    from bert_core.finetune import command
+
+    tiny = build("classification", minilm_dir, tracking / "failing-init")
+    monkeypatch.setenv(registry.NAME_ENV, "failing-{task}")
+    monkeypatch.setenv(registry.ALIAS_ENV, "candidate")
+    finish = command.finish
+
+    def finish_then_fail(out, result):
+        record = finish(out, result)  # the model is now logged on the run
+        raise BertError(f"cannot write the output: injected after logging {record['model_uri']}")
+
+    monkeypatch.setattr(command, "finish", finish_then_fail)
+    out = tracking / "failing"
+    argv = ["finetune", "--task", "SST-2", "--data", str(shared_data / "glue" / "SST-2")]
+    argv += ["--model", str(tiny), "--output", str(out), "--epochs", "1", "--batch-size", "8"]
+    assert cli.main([*argv, "--max-train-examples", "8", "--max-eval-examples", "8"]) == 2
+    assert "injected after logging" in capsys.readouterr().err
+    client = MlflowClient()
+    assert client.search_model_versions("name='failing-sst2'") == []
+    assert client.search_registered_models("name='failing-sst2'") == []
+    assert not out.exists()
+    runs = mlflow.search_runs(search_all_experiments=True, output_format="list",
+                              filter_string="tags.`bert.step` = 'finetune-SST-2'")  # fmt: skip
+    failed = [r for r in runs if r.data.params.get("model") == str(tiny)]
+    assert [r.info.status for r in failed] == ["FAILED"]
+    assert "bert.model_version" not in failed[0].data.tags
 
 
 def test_registered_model_names():

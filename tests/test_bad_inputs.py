@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -199,6 +200,20 @@ def sequences(length: int, rows: int = 4) -> pa.Table:
     })  # fmt: skip
 
 
+def with_column(table: pa.Table, name: str, first: list) -> pa.Table:
+    """`table` with the first row of list column `name` replaced by `first`."""
+    i = table.schema.get_field_index(name)
+    values = [first, *table.column(name).to_pylist()[1:]]
+    return table.set_column(i, name, pa.array(values, table.schema.field(name).type))
+
+
+def swap_vocab_lines(folder: Path) -> None:
+    """The model's vocab.txt with two word pieces swapped: same size, other ids."""
+    lines = (folder / "vocab.txt").read_text().splitlines()
+    lines[-1], lines[-2] = lines[-2], lines[-1]
+    (folder / "vocab.txt").write_text("\n".join(lines) + "\n")
+
+
 def truncate(path: Path, keep: int = 200) -> None:
     path.write_bytes(path.read_bytes()[:keep])
 
@@ -234,6 +249,7 @@ def tiny(r: Row, **overrides) -> Path:
 
 RANDOM_BYTES = bytes(range(256)) * 400  # what `head -c 100k /dev/urandom` looks like to UTF-8
 CONTROL_CHARS = ("\x01\x02\x03\x04 \x05\x06\x07\x08\x0e\x0f" * 3000 + "\n") * 3  # valid UTF-8
+ONLY_SPECIALS = "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n[unused0]\n"
 LATIN1 = "Caf\xe9 au lait, na\xefve r\xe9sum\xe9.\n".encode("latin-1")
 
 
@@ -413,6 +429,9 @@ CASES = [
     Case("instances-vocab-not-utf8", "encoding",
          lambda r: instances(r, vocab=r.file("v/vocab.txt", b"[PAD]\n[UNK]\n\xff\xfe\n")),
          "vocab.txt:3: not UTF-8 text"),
+    Case("instances-vocab-only-specials", "content",
+         lambda r: instances(r, vocab=r.file("v/vocab.txt", ONLY_SPECIALS)),
+         "vocab.txt: only special tokens ([PAD], [UNK], ...), no word pieces"),
     Case("instances-one-document", "content",
          lambda r: instances(r, data=r.file("c/shard-0.txt", "One sentence.\nAnother one.\n")),
          "needs at least 2 documents"),
@@ -447,6 +466,42 @@ CASES = [
          "config.json: vocab_size 10, but the instances' vocabulary"),
     Case("pretrain-init-model-not-a-model", "model",
          lambda r: pretrain(r, "--init-model", r.folder("empty")), "config.json: not found"),
+    Case("pretrain-ids-outside-vocab", "content",
+         lambda r: pretrain(r, data=r.shards(with_column(sequences(8), "input_ids", [2, 9999]))),
+         "shard-00000.parquet: column input_ids holds 9999, outside [0, "),
+    Case("pretrain-negative-masked-id", "content",
+         lambda r: pretrain(r, data=r.shards(with_column(sequences(8), "masked_lm_ids", [-1]))),
+         "column masked_lm_ids holds -1, outside [0, "),
+    Case("pretrain-segment-2", "content",
+         lambda r: pretrain(r, data=r.shards(with_column(sequences(8), "token_type_ids", [2]))),
+         "column token_type_ids holds 2, outside [0, 1] (the model has 2 segment types)"),
+    Case("pretrain-nsp-label-5", "content",
+         lambda r: pretrain(r, data=r.shards(sequences(8).set_column(
+             4, "next_sentence_label", pa.array([5, 0, 0, 0], pa.int8())))),
+         "column next_sentence_label holds 5, outside [0, 1]"),
+    Case("pretrain-float-ids", "format",
+         lambda r: pretrain(r, data=r.shards(sequences(8).set_column(
+             0, "input_ids", pa.array([[2.0, 3.0]] * 4, pa.list_(pa.float32()))))),
+         "column input_ids holds list<element: float>, expected lists of integers"),
+    Case("pretrain-stats-not-json", "format",
+         lambda r: pretrain(r, data=r.copy(r.good.instances, "inst") and
+                            r.file("inst/stats.json", '{"config": ').parent),
+         "stats.json:1: not valid JSON"),
+    Case("pretrain-vocab-only-specials", "content",
+         lambda r: pretrain(r, data=r.copy(r.good.instances, "inst") and
+                            r.file("inst/vocab.txt", ONLY_SPECIALS).parent),
+         "vocab.txt: only special tokens ([PAD], [UNK], ...), no word pieces"),
+    Case("pretrain-dynamic-masking-no-mask", "content",
+         lambda r: pretrain(r, "--dynamic-masking", data=r.copy(r.good.instances, "inst") and
+                            r.file("inst/vocab.txt", r.good.vocab.read_text().replace(
+                                "[MASK]\n", "[MASKED]\n")).parent),
+         "missing special tokens ['[MASK]']"),
+    Case("pretrain-init-model-other-vocab", "model",
+         lambda r: pretrain(r, "--init-model", r.model(swap_vocab_lines)),
+         "not --init-model's vocabulary"),
+    Case("pretrain-init-model-without-vocab", "model",
+         lambda r: pretrain(r, "--init-model", r.model(lambda m: (m / "vocab.txt").unlink())),
+         "no vocab.txt: --init-model must carry its vocabulary"),
     Case("pretrain-unknown-preset", "setting",
          lambda r: pretrain(r, "--preset", "huge"), "--preset must be one of"),
     Case("pretrain-batch-not-divisible", "setting",
@@ -679,6 +734,8 @@ def test_bad_input(case: Case, inputs: Inputs, services, tmp_path, capsys, monke
     before = set(tmp_path.iterdir())
     outputs = [Path(argv[i + 1]) for i, a in enumerate(argv) if a == "--output"]
     code, err = run(argv, capsys)
+    if argv[0] == "pretrain":  # refused in the driver, in seconds: Ray never started
+        assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
     assert code == case.code, err
     assert case.message in err, err
     assert "Traceback" not in err, err

@@ -37,6 +37,8 @@ from bert_core.errors import InputError, utf8_errors
 from bert_core.options import add_options, config_from_args, option
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+# A reserved entry, not a word piece: the special tokens, [unused0]..[unused993] of Google's files
+SPECIAL = re.compile(r"\[[A-Za-z]+[0-9]*\]")
 MAX_INPUT_CHARS_PER_WORD = 100  # as google-research/bert's WordpieceTokenizer
 # The tokenizer settings beside vocab.txt, as transformers' BertTokenizer writes them.
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -95,6 +97,8 @@ def read_vocab(vocab_file: str | Path, required: tuple[str, ...] = ("[UNK]",)) -
     missing = [t for t in required if t not in vocab]
     if missing:
         raise InputError(vocab_file, f"vocabulary has no {' '.join(missing)} token")
+    if all(SPECIAL.fullmatch(t) for t in vocab):  # every text would become [UNK]s
+        raise InputError(vocab_file, "only special tokens ([PAD], [UNK], ...), no word pieces")
     return vocab
 
 

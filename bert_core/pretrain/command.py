@@ -36,11 +36,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bert_core.data.tokenizer import read_vocab
-from bert_core.errors import BertError, InputError, atomic_dir
+from bert_core.errors import BertError, atomic_dir
 from bert_core.pretrain import ray_jobs
+from bert_core.pretrain.checks import check_inputs, check_output
 from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
-from bert_core.pretrain.data import check_seq_length, list_row_groups
 from bert_core.pretrain.state import HELDOUT_COLUMNS, load_state, write_metrics_csv
 from bert_core.storage import check_apart, copy, filesystem, is_s3, preflight
 
@@ -90,47 +89,6 @@ def storage_path(cfg: PretrainConfig) -> str:
     path = cfg.storage_path or (f"{base}/{cfg.run_name}" if base else None)
     path = path or f"{cfg.output.rstrip('/')}/ray"
     return path if "://" in path else str(Path(path).resolve())
-
-
-def _check_inputs(cfg: PretrainConfig) -> int:
-    """Fail before starting Ray, where every mistake would surface as a worker's traceback:
-    the instances (local or s3://) and their vocabulary exist, the --init-model loads and
-    takes that vocabulary, and the shards' sequences fit the model's positions."""
-    list_row_groups(cfg.instances)
-    vocab = read_vocab(cfg.vocab_file)
-    if cfg.init_model:
-        from bert_core.model.modeling import CONFIG_NAME, BertForPreTraining
-
-        config_file = Path(cfg.init_model) / CONFIG_NAME
-        if not config_file.is_file():
-            raise InputError(config_file, "not found (--init-model must be a model folder)")
-        config = BertForPreTraining.from_pretrained(cfg.init_model).config
-        if len(vocab) > config.vocab_size:
-            raise InputError(
-                config_file,
-                f"vocab_size {config.vocab_size}, but the instances' vocabulary "
-                f"{cfg.vocab_file} has {len(vocab)} tokens",
-            )
-        model = f"--init-model {cfg.init_model}"
-    else:
-        from bert_core.model.config import BertConfig
-
-        config, model = BertConfig.from_preset(cfg.preset), f"the {cfg.preset} preset"
-    check_seq_length(cfg.instances, config.max_position_embeddings, model)
-    return len(vocab)
-
-
-def _check_output(output: str) -> None:
-    """A local --output must be a folder this user can create or write (an s3:// one is checked
-    by `preflight`): found before Ray starts, not when the first checkpoint is saved."""
-    if is_s3(output):
-        return
-    path = Path(output)
-    if path.exists() and not path.is_dir():
-        raise BertError(f"--output {output} exists and is a file, not a folder")
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise BertError(f"--output {output}: cannot write there ({existing} is not writable)")
 
 
 def _local(path: str) -> str:
@@ -187,8 +145,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     storage = storage_path(cfg)
     # Seconds, not GPU hours: an unreachable tracking server or bucket fails before Ray starts.
     preflight(tracking.tracking_uri(), [cfg.instances, storage, cfg.output])
-    _check_inputs(cfg)
-    _check_output(cfg.output)
+    check_inputs(cfg)  # the vocabulary, --init-model, every shard: bert_core.pretrain.checks
+    check_output(cfg.output)
     if ray_jobs.dashboard_address():
         return ray_jobs.run_as_job(cfg, storage)
     cfg.instances = _local(cfg.instances)

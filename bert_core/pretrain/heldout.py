@@ -23,7 +23,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.fs as pafs
 import torch
 import torch.nn.functional as F
 
@@ -37,7 +36,7 @@ from bert_core.pretrain.data import (
     read_rows,
 )
 from bert_core.pretrain.state import all_reduce_sum
-from bert_core.storage import filesystem
+from bert_core.storage import exists
 
 # Training labels counted for the baselines (from the first row groups: enough to rank the
 # frequent tokens, and cheap whatever the corpus size).
@@ -81,11 +80,6 @@ def training_baseline(groups: list[RowGroup], max_labels: int = BASELINE_LABELS)
     return Baseline(most, int(np.bincount(np.concatenate(nsp)).argmax()))
 
 
-def _exists(path: str) -> bool:
-    fs, inner = filesystem(path)
-    return fs.get_file_info(inner).type != pafs.FileType.NotFound
-
-
 class HeldOutEval:
     """One rank's share of the held-out instances, as padded batches made once, and the sums
     of the baselines' correct guesses on them (they do not depend on the model)."""
@@ -103,7 +97,7 @@ class HeldOutEval:
     ) -> HeldOutEval | None:
         """Rows `rank::world` of the first `eval_sequences` held-out instances; None when the
         instances have no held-out split (made with --heldout-fraction 0, or before it)."""
-        if not _exists(cfg.heldout):
+        if not exists(cfg.heldout):
             return None
         rows = read_rows(list_row_groups(cfg.heldout), cfg.eval_sequences)[rank::world]
         size = cfg.micro_batch

@@ -5,6 +5,10 @@ sibling of the destination and renamed into place only when complete (`atomic_di
 `atomic_file`). A rename within one file system is atomic, so readers see either nothing or the
 whole result. A run killed with SIGKILL cannot clean up after itself; the next run of the same
 step removes what it left.
+
+SIGTERM (what Kubernetes and `kill` send) and SIGINT (Ctrl-C) become `Interrupted` in the main
+thread (`interrupts_raise`): the same unwinding as an error (staging removed, the MLflow run ended
+KILLED), then one line and exit 143 / 130 instead of Python's traceback or SIGTERM's instant death.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import errno
 import glob
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +41,45 @@ class InputError(BertError, ValueError):
         """Rebuilt from its parts when it crosses a process boundary (a worker pool): the
         default would call `InputError(text)` and fail, hiding the user's error."""
         return type(self), (self.path, self.message, self.line)
+
+
+class Interrupted(KeyboardInterrupt):
+    """The process got SIGTERM or SIGINT. A KeyboardInterrupt, so everything that unwinds on
+    Ctrl-C unwinds on SIGTERM too (`tracking.start_run` ends the run KILLED); `what` says what
+    became of the work (a checkpoint, or why there is none)."""
+
+    def __init__(self, signum: int, what: str = ""):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.what = int(signum), what
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
+
+
+@contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGINT raise `Interrupted` in the main thread (by
+    default SIGTERM ends the process on the spot: no `finally`, no run ended, staging left).
+    The previous handlers come back afterwards; off the main thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def handler(signum: int, frame) -> None:
+        if os.getpid() != owner:  # a forked worker (a Pool's: terminate() sends SIGTERM) dies
+            signal.signal(signum, signal.SIG_DFL)  # as it would have, not half-way through
+            os.kill(os.getpid(), signum)  # holding its queue's lock
+            return
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def first_invalid_utf8_line(path: str | os.PathLike) -> int | None:

@@ -493,6 +493,96 @@ def test_pretrain_killed_whole_resumes_from_its_last_checkpoint(refs, tmp_path, 
     print(f"\nfaults: pretrain: reference {ref.timing}; kills {points}; resumed at {resumed}")
 
 
+@pytest.mark.slow
+def test_pretrain_stopped_by_a_signal_saves_a_checkpoint_and_the_rerun_resumes_from_it(
+    refs, tmp_path, empty_store
+):
+    """#26: SIGTERM to the driver alone (what Kubernetes sends a pod) once its first checkpoint
+    is recorded, then in the rerun SIGINT to the whole process group (a terminal's Ctrl-C) once
+    it has resumed. Each time: the workers save a checkpoint after the step they are in, one
+    line names it, exit 143 / 130, no traceback, the run KILLED, nothing left running. The third
+    run resumes from the second stop's checkpoint and ends with the uninterrupted run's weights
+    (atol 1e-6) and metrics."""
+    ref = refs.pretrain
+    want = _content(ref.output)
+    work = _workdir(tmp_path, empty_store)
+    output = work / "out"
+    snapshot = output / "ray" / "pretrain" / "checkpoint_manager_snapshot.json"
+    stops: list[int] = []
+    for i, sig in enumerate((signal.SIGTERM, signal.SIGINT)):
+        mark = f"pretrain-signal-{i}-{os.getpid()}"
+        run = _start([*ref.argv, "--output", output], work, _env(work, mark), f"signal{i}")
+        while run.proc.poll() is None and not (
+            _recorded(snapshot, 4) if i == 0 else "resumed from step" in run.text()
+        ):
+            time.sleep(0.02)
+        assert run.proc.poll() is None, f"finished before the signal: {run.text()[-2000:]}"
+        if sig == signal.SIGTERM:
+            os.kill(run.proc.pid, sig)
+        else:
+            os.killpg(run.proc.pid, sig)
+        assert run.proc.wait(timeout=180) == 128 + sig, run.text()[-3000:]
+        text = run.text()
+        last = [line for line in text.splitlines() if line.startswith("bert pretrain:")]
+        assert "Traceback" not in text and len(last) == 1, text[-3000:]
+        found = re.fullmatch(
+            rf"bert pretrain: interrupted \({sig.name}\): checkpoint at step (\d+) saved in "
+            rf"{re.escape(str(output))}/ray/pretrain; the same command resumes from it",
+            last[0],
+        )
+        assert found, last[0]
+        step = int(found.group(1))
+        assert _recorded(snapshot, step) and step > (stops[0] if stops else 4), (step, stops)
+        stops.append(step)
+        _assert_no_leftovers(mark)
+        assert {p.name for p in output.iterdir()} <= {"ray", "pretrain_metrics.csv",
+                                                      "heldout_metrics.csv"}  # fmt: skip
+        assert not (output / "model").exists()
+    assert stops[-1] < 12, f"stopped only at the end: {stops}"
+    mark = f"pretrain-signal-resume-{os.getpid()}"
+    run = _start([*ref.argv, "--output", output], work, _env(work, mark), "resume")
+    assert run.proc.wait() == 0, run.text()[-3000:]
+    resumed = {int(s) for s in re.findall(r"resumed from step (\d+)", run.text())}
+    assert resumed == {stops[-1]}, (resumed, stops)
+    got, csv = _content(output), "pretrain_metrics.csv"
+    short = {str(step + 1) for step in stops if step % 2}  # --log-every 2: the row after an
+    for rows in (got[csv], want[csv]):  # odd stop averages fewer steps; the others are equal
+        rows[:] = [row for row in rows if row["step"] not in short]
+    _assert_same(got, want)
+    assert _debris(work) == []
+    _assert_no_leftovers(mark)
+    statuses = _statuses(f"sqlite:///{work / 'mlflow.db'}", "pretrain")
+    assert statuses == ["FINISHED", "KILLED", "KILLED"], statuses
+    print(f"\nfaults: pretrain: stopped by SIGTERM at step {stops[0]}, by SIGINT at {stops[1]}")
+
+
+@pytest.mark.slow
+def test_finetune_stopped_by_sigterm_ends_its_run_killed_and_leaves_nothing(
+    refs, tmp_path, empty_store
+):
+    """#26: fine-tuning keeps no checkpoint (minutes per task, its output all or nothing): SIGTERM
+    mid-run says so in one line, exits 143, ends the run KILLED and leaves no output and no
+    staging; the rerun then equals the uninterrupted run."""
+    ref = refs.finetune
+    work = _workdir(tmp_path, empty_store)
+    output = work / "out"
+    mark = f"finetune-signal-{os.getpid()}"
+    run = _start([*ref.argv, "--output", output], work, _env(work, mark), "signal")
+    while run.proc.poll() is None and not _staging(output, run.proc.pid):
+        time.sleep(POLL)
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.proc.wait(timeout=120) == 143, run.text()[-3000:]
+    text = run.text()
+    assert "Traceback" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1] == (
+        "bert finetune: interrupted (SIGTERM): nothing written to --output (this step keeps no "
+        "checkpoint); run it again"
+    )
+    assert not output.exists() and _debris(work) == []
+    _assert_no_leftovers(mark)
+    assert _statuses(f"sqlite:///{work / 'mlflow.db'}", STEP_RUN["finetune"]) == ["KILLED"]
+
+
 # ------------------------------------------------------------------------ 3. the MLflow server
 
 

@@ -29,14 +29,16 @@ import contextlib
 import math
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bert_core.errors import BertError, atomic_dir
+from bert_core.errors import BertError, Interrupted, atomic_dir
 from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.checks import check_inputs, check_output
 from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
@@ -96,13 +98,14 @@ def _local(path: str) -> str:
 
 
 class _Progress:
-    """A tqdm bar on the driver, fed by rank 0 through a Ray queue."""
+    """A tqdm bar on the driver, fed by rank 0 through a Ray queue; and the queue the other way,
+    `control`, that asks the workers to stop (`_stop_on_signals`)."""
 
     def __init__(self, total: int):
         from ray.util.queue import Queue
         from tqdm import tqdm
 
-        self.queue = Queue()
+        self.queue, self.control = Queue(), Queue()
         self.bar = tqdm(total=total, desc="pretrain", unit="step", dynamic_ncols=True)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -133,8 +136,66 @@ class _Progress:
         self.bar.close()
         import ray
 
-        with contextlib.suppress(Exception):
-            ray.kill(self.queue.actor)
+        for queue in (self.queue, self.control):
+            with contextlib.suppress(Exception):
+                ray.kill(queue.actor)
+
+
+def _fit_in_thread(trainer):
+    """`trainer.fit()`, run in a thread while the main thread waits: on the main thread Ray
+    Train installs its own SIGINT handler, which aborts the run without a checkpoint; off it,
+    Ray leaves the signal to ours (`_stop_on_signals`). Errors are raised here, as `fit()`'s."""
+    out: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            out["result"] = trainer.fit()
+        except BaseException as e:  # handed to the main thread
+            out["error"] = e
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.5)  # wakes for signal handlers
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+@dataclass
+class _Stop:
+    signum: int | None = None  # the signal that asked for the stop
+
+
+@contextlib.contextmanager
+def _stop_on_signals(control) -> Iterator[_Stop]:
+    """While Ray trains, the first SIGTERM or SIGINT asks the workers (an item in `control`,
+    which rank 0 looks at after every step) to save a checkpoint at the end of the step and
+    return; `fit()` then ends normally and the caller reports where the checkpoint is. A second
+    signal stops at once (`Interrupted`), resuming from the last checkpoint saved before.
+
+    Kubernetes sends SIGTERM and SIGKILL `terminationGracePeriodSeconds` (30 s) later: one step
+    and one checkpoint must fit in that, which they do for BERT-Base on a GPU."""
+    stop, old = _Stop(), {}
+
+    def handler(signum: int, frame) -> None:
+        if stop.signum is not None:
+            raise Interrupted(signum, "stopped again before the checkpoint was saved; the same "
+                                      "command resumes from the last one")  # fmt: skip
+        stop.signum = signum
+        name = signal.Signals(signum).name
+        print(f"pretrain: {name}: saving a checkpoint after this step, then stopping (signal "
+              "again to stop at once)", file=sys.stderr, flush=True)  # fmt: skip
+        # not here: a Ray call inside a signal handler could interrupt another Ray call
+        threading.Thread(target=control.put, args=("stop",), daemon=True).start()
+
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
@@ -165,13 +226,18 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 "mlflow_run_id": run.info.run_id,
                 "mlflow_tracking_uri": tracking.tracking_uri(),
                 "progress": progress.queue,
+                "control": progress.control,
             }
-            result = _trainer(cfg, storage, loop_config).fit()
+            with _stop_on_signals(progress.control) as stop:
+                result = _fit_in_thread(_trainer(cfg, storage, loop_config))
         finally:
             progress.close()
         if result.checkpoint is None:
             raise BertError(f"the run under {storage}/{cfg.run_name} produced no checkpoint")
         summary = _finish(cfg, result.checkpoint, out)
+        if stop.signum is not None:  # the workers saved a checkpoint and stopped: say where
+            where = f"checkpoint at step {summary['step']} saved in {storage}/{cfg.run_name}"
+            raise Interrupted(stop.signum, f"{where}; the same command resumes from it")
         import mlflow
 
         if summary["finished"]:

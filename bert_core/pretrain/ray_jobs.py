@@ -16,7 +16,8 @@ is an http(s) URL `bert pretrain` submits itself (`run_as_job`):
    outputs; FAILED or STOPPED -> submit it again as `<id>-r2`, `-r3`, ..., which resumes from the
    last checkpoint under `--storage-path` (Ray Train's own resume, bert_core.pretrain.command);
 3. the job's logs are printed as they come; a job that ends in any state but SUCCEEDED is an
-   error naming the job and how to read its logs;
+   error naming the job and how to read its logs; SIGTERM or SIGINT on the caller stops the job
+   (its driver saves a checkpoint first: `stop`);
 4. the final model and the metrics CSVs are copied into the caller's `--output`.
 
 What crosses to the job: its command line and the few variables in `JOB_ENV` (MLflow run
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bert_core import storage as st
-from bert_core.errors import BertError, atomic_dir
+from bert_core.errors import BertError, Interrupted, atomic_dir
 from bert_core.pretrain.config import PretrainConfig
 
 # Passed to the job when set: the MLflow parent run and experiment (so the job's run nests
@@ -150,7 +151,10 @@ def run_as_job(cfg: PretrainConfig, storage: str) -> dict[str, Any]:
         print(f"pretrain: Ray job {sid} already SUCCEEDED; fetching its outputs", flush=True)
     else:
         print(f"pretrain: Ray job {sid} is {status} at {address}; following it", flush=True)
-    final = client.get_job_info(sid) if status == "SUCCEEDED" else follow(client, sid)
+    try:
+        final = client.get_job_info(sid) if status == "SUCCEEDED" else follow(client, sid)
+    except Interrupted as e:  # the step was stopped: so is its job (see `stop`)
+        raise Interrupted(e.signum, stop(client, sid, storage)) from None
     if final.status.value != "SUCCEEDED":
         raise BertError(
             f"Ray job {sid} {final.status.value}: {(final.message or '').strip()[:2000]}\n"
@@ -209,6 +213,24 @@ def follow(client, sid: str):
         if info.status.value in TERMINAL:
             return info
         time.sleep(POLL_S)
+
+
+def stop(client, sid: str, storage: str, wait_s: float = 180) -> str:
+    """Stop the job of an interrupted step (a KFP run terminated, a pod evicted) rather than
+    leave it holding the GPUs: Ray sends its driver SIGTERM, which saves a checkpoint after the
+    current step (`bert_core.pretrain.command`) if the head's `RAY_JOB_STOP_WAIT_TIME_S` (Ray's
+    default 3 s, infra/k8s/raycluster.yaml 120 s) leaves it time before SIGKILL. Waits for the
+    job to end; returns what became of it, for the step's last line."""
+    client.stop_job(sid)
+    deadline = time.monotonic() + wait_s
+    while client.get_job_info(sid).status.value not in TERMINAL and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    saved = re.findall(r"checkpoint at step (\d+) saved", client.get_job_logs(sid) or "")
+    if saved:
+        return f"Ray job {sid} stopped with a checkpoint at step {saved[-1]} under {storage}; " \
+               "the same command resumes from it"  # fmt: skip
+    return f"Ray job {sid} stopped; the same command resumes from its last checkpoint under " \
+           f"{storage}"  # fmt: skip
 
 
 async def _print_logs(client, sid: str) -> None:

@@ -236,7 +236,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     heldout = HeldOutEval.load(cfg, rank, world, pad_id=training.stream.pad_id)
     if heldout is None and rank == 0:
         print(f"[pretrain] no held-out instances in {cfg.heldout}: no held-out evaluation")
-    _train(cfg, training, device, rank, world, sink, heldout)
+    _train(cfg, training, device, rank, world, sink, heldout, loop_config.get("control"))
     if sink is not None:
         sink.close()
 
@@ -249,10 +249,12 @@ def _train(
     world: int,
     sink: MetricSink | None,
     heldout: HeldOutEval | None = None,
+    control=None,
 ) -> None:
     """Steps until --steps (or --stop-after): metrics every --log-every steps and with every
     checkpoint, held-out evaluation at the start and every --eval-every steps and at the end, a
-    checkpoint every --checkpoint-every steps and at the end."""
+    checkpoint every --checkpoint-every steps and at the end, and at the step the driver asks
+    to stop (`control`: SIGTERM or SIGINT on the driver)."""
     batches = prefetch(t.stream)
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
     peak = peak_flops(cfg, device)
@@ -267,7 +269,8 @@ def _train(
         if heldout is not None and (t.step % cfg.eval_interval == 0 or t.step == end):
             _evaluate(t, heldout, device, sink)
 
-        save = t.step % cfg.checkpoint_every == 0 or t.step == end
+        stop = _stop_requested(control, device, world)
+        save = t.step % cfg.checkpoint_every == 0 or t.step == end or stop
         if t.step % cfg.log_every and not save:
             continue
         metrics = meter.values(device, world)
@@ -277,11 +280,31 @@ def _train(
             flops = metrics["tokens_per_s"] * flops_per_token(t.core, seq_len)
             metrics["mfu"] = flops / (peak * world)
         meter = Meter()
-        if sink is not None:  # rank 0
-            t.history.append({k: metrics.get(k) for k in CSV_COLUMNS})
+        if sink is not None:  # rank 0; a stop between log steps stays off the CSV's grid
+            if not (stop and t.step % cfg.log_every):
+                t.history.append({k: metrics.get(k) for k in CSV_COLUMNS})
             sink.put(metrics)
         if save:
             _report_checkpoint(cfg, t, metrics, rank, final=t.step == cfg.steps)
+        if stop:
+            if rank == 0:
+                print(f"[pretrain] stopped at step {t.step} as asked: checkpoint saved", flush=True)
+            return
+
+
+def _stop_requested(control, device: torch.device, world: int) -> bool:
+    """Has the driver asked to stop (an item in its `control` queue)? Rank 0 looks; with more
+    ranks an all-reduce tells them all, so every rank stops after the same step (one rank alone
+    in a collective would hang the others)."""
+    if control is None:
+        return False
+    if world == 1:
+        return not control.empty()
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(dist.get_rank() == 0 and not control.empty())], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _evaluate(

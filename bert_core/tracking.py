@@ -73,17 +73,30 @@ def default_store(cwd: Path | None = None) -> Path:
     return data / "bert" / "mlflow.db"
 
 
-def tracking_uri() -> str:
+def tracking_uri(existing: bool = False) -> str:
     """The step's tracking URI (module docstring): MLFLOW_TRACKING_URI, else the default store's
-    SQLite URI; a SQLite store is ready (its tables created) before the URI is handed out. Also
-    sets `HTTP_DEFAULTS` in the environment where unset, before MLflow or Ray workers (which
-    inherit it) make any request."""
+    SQLite URI, refused when malformed (`check_uri`); a SQLite store is ready (its tables
+    created) before the URI is handed out. With `existing` (reading runs, `bert runs`) the store
+    must be there: a SQLite file that is not is an error naming it (reading would create an
+    empty one), and a server must answer (`check_tracking`). Also sets `HTTP_DEFAULTS` in the
+    environment where unset, before MLflow or Ray workers (which inherit it) make any request."""
     for key, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
     uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{default_store()}"
+    (check_tracking if existing else check_uri)(uri)
     db = sqlite_file(uri)
-    if db is not None:
-        ready_sqlite_store(uri, db)
+    if db is None:
+        return uri
+    if existing and not db.is_file():
+        raise BertError(
+            f"{db}: no such MLflow store (tracking URI {uri}): no step has logged a run there; "
+            "set MLFLOW_TRACKING_URI to the store that holds the runs"
+        )
+    if db.is_file() and db.stat().st_size:  # MLflow's error would be a traceback
+        with open(db, "rb") as f:
+            if f.read(16) != b"SQLite format 3\0":
+                raise BertError(f"{db}: not a SQLite database (MLFLOW_TRACKING_URI {uri})")
+    ready_sqlite_store(uri, db)
     return uri
 
 
@@ -93,6 +106,36 @@ def sqlite_file(uri: str) -> Path | None:
         return None
     name = uri[len("sqlite:///") :].split("?", 1)[0]
     return None if name in ("", ":memory:") else Path(name)
+
+
+# what MLflow opens besides http(s), sqlite and a folder: SQL databases (a driver may follow a +:
+# postgresql+psycopg2) and Databricks
+OTHER_STORES = ("postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
+
+
+def check_uri(uri: str) -> None:
+    """Refuse, in one line naming it, a tracking URI MLflow cannot open: MLflow would end in a
+    traceback (`sqlite:/x.db`, `htp://host`) or make a store where the user meant another (a
+    folder path that does not exist)."""
+    parsed, what = urlparse(uri), f"MLFLOW_TRACKING_URI {uri!r}"
+    scheme = parsed.scheme.split("+")[0]
+    if scheme in OTHER_STORES or uri in OTHER_STORES:  # `databricks` alone is a URI too
+        return
+    if scheme == "sqlite" and uri != "sqlite://" and not uri.startswith("sqlite:///"):
+        raise BertError(f"{what}: a SQLite store is sqlite:///relative/path.db or "
+                        "sqlite:////absolute/path.db (three slashes, then the path)")  # fmt: skip
+    if scheme in ("http", "https") and not parsed.hostname:
+        raise BertError(f"{what}: no host; a tracking server is {scheme}://HOST:PORT")
+    if scheme in ("", "file"):
+        folder = Path(parsed.path if scheme == "file" else uri)
+        if not folder.is_dir():
+            raise BertError(f"{what}: no such folder; a local store is sqlite:///PATH/mlflow.db")
+        if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
+            raise BertError(f"{what}: a folder is MLflow's old file store, which MLflow refuses; "
+                            f"use sqlite:///{folder.resolve()}/mlflow.db")  # fmt: skip
+    elif scheme not in ("sqlite", "http", "https"):
+        raise BertError(f"{what}: unknown scheme {parsed.scheme!r}; use http(s)://HOST:PORT, "
+                        "sqlite:///PATH.db or a database URI (postgresql://, ...)")  # fmt: skip
 
 
 def ready_sqlite_store(uri: str, db: Path) -> None:
@@ -234,7 +277,9 @@ def _set_experiment(parent: str | None) -> str:
 
 
 def check_tracking(uri: str, timeout: float = 5.0) -> None:
-    """An http(s) tracking URI must answer MLflow's /health; local stores need no server."""
+    """A well-formed tracking URI (`check_uri`); an http(s) one must answer MLflow's /health
+    within `timeout` seconds; local stores need no server."""
+    check_uri(uri)
     if urlparse(uri).scheme not in {"http", "https"}:
         return
     url = uri.rstrip("/") + "/health"

@@ -177,7 +177,11 @@ def test_register_pretrained_logs_and_versions_the_model(uri, tmp_path):
 
 
 def test_bert_runs_compares_pipeline_runs(uri, capsys):
-    assert bert(["runs"]) == 2  # no experiment yet: a clear error
+    assert bert(["runs"]) == 2  # no store yet: a clear error, and none made
+    assert "mlflow.db: no such MLflow store" in capsys.readouterr().err
+    assert tracking.sqlite_file(uri) is not None and not tracking.sqlite_file(uri).exists()
+    tracking.tracking_uri()  # a store, but no experiment yet: a clear error
+    assert bert(["runs"]) == 2
     assert "no MLflow experiment 'bert-pipeline'" in capsys.readouterr().err
     for preset, score in (("tiny", 0.415), ("mini", 0.6325)):  # MLflow holds fractions
         with lineage.start_pipeline_run(params={"model": {"preset": preset}}):

@@ -15,12 +15,20 @@ import torch
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """`auto` picks cuda, then mps, then cpu; any other name is taken as it is."""
+    """`auto` picks cuda, then mps, then cpu; any other name is taken as it is, and refused
+    (naming --device) when torch does not know it or this machine does not have it."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: use auto, cpu, cuda, cuda:N or mps") from None
+    here = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}
+    if device.type in here and not here[device.type]():
+        raise ValueError(f"--device {name}: this machine has no {device.type} device; use auto")
+    return device
 
 
 def autocast(device: torch.device):

@@ -62,8 +62,14 @@ def _read(folder: str | Path) -> tuple[str, dict]:
     uri = _metrics_file(folder)
     try:
         with storage.local_copy(uri) as path, utf8_errors(path, name=uri):
-            return uri, json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise InputError(uri, "expected a JSON object {'task': NAME, 'metrics': {...}}")
+        return uri, data
     except FileNotFoundError as e:
+        if str(folder).rstrip("/").endswith(".json"):  # the file, not its folder
+            raise InputError(folder, "--results takes the `bert finetune` output folder that "
+                             "holds metrics.json, not the file") from None  # fmt: skip
         raise FileNotFoundError(f"{e} (is {folder} a `bert finetune` output?)") from None
     except json.JSONDecodeError as e:
         raise InputError(uri, f"not valid JSON: {e.msg}", line=e.lineno) from None
@@ -73,18 +79,21 @@ def load_result(folder: str | Path) -> tuple[str, dict[str, float]]:
     """(task name, metrics) from one fine-tuning output folder, validated."""
     path, data = _read(folder)
     try:
-        metrics = {str(k): float(v) for k, v in data["metrics"].items()}
+        metrics = _numbers(path, data["metrics"])
         if data["task"] in TOKEN_TASKS:
-            test = {f"test_{k}": float(v) for k, v in data.get("test_metrics", {}).items()}
+            test = _numbers(path, data.get("test_metrics", {}), "test_")
             return _token_result(path, data["task"], metrics | test)
         task = get_task(str(data["task"]))
     except (KeyError, TypeError, AttributeError) as e:
         raise InputError(path, "expected {'task': NAME, 'metrics': {NAME: number}}") from e
+    except InputError:
+        raise
     except ValueError as e:
         raise InputError(path, str(e)) from e
     missing = [m for m in task.metric_names() if not math.isfinite(metrics.get(m, math.nan))]
     if missing:
         raise InputError(path, f"{task.name}: missing or non-finite metrics {missing}")
+    _check_ranges(path, task.name, metrics)
     return task.name, metrics
 
 
@@ -93,7 +102,40 @@ def _token_result(path: Path, name: str, metrics: dict[str, float]):
     missing = [m for m in required if not math.isfinite(metrics.get(m, math.nan))]
     if missing:
         raise InputError(path, f"{name}: missing or non-finite metrics {missing}")
+    _check_ranges(path, name, metrics)
     return name, metrics
+
+
+def _numbers(path: str, values: dict, prefix: str = "") -> dict[str, float]:
+    """A metrics section as {name: float}; a value that is no number names its metric."""
+    out = {}
+    for name, value in values.items():
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            out[f"{prefix}{name}"] = float(value)
+        except (TypeError, ValueError):
+            raise InputError(path, f"metric {prefix}{name}: {value!r} is not a number") from None
+    return out
+
+
+# the last word of a metric's name -> its range; metrics.json holds fractions (module doc)
+FRACTIONS = ("accuracy", "f1", "precision", "recall", "exact", "match")  # exact_match, best_exact
+CORRELATIONS = ("mcc", "pearson", "spearman")
+
+
+def _check_ranges(path: str, task: str, metrics: dict[str, float]) -> None:
+    """Every metric a finite number, a fraction in [0, 1] (a correlation in [-1, 1]): one in
+    percent, or a broken run's, would be averaged into the scores as it is. Others (SQuAD 2.0's
+    `*_thresh`: null-score odds) need only be finite."""
+    for name, value in metrics.items():
+        kind = name.rsplit("_", 1)[-1]
+        low = -1.0 if kind in CORRELATIONS else 0.0
+        if not math.isfinite(value):
+            raise InputError(path, f"{task}: metric {name} is {value}, not a finite number")
+        if (kind in FRACTIONS or kind in CORRELATIONS) and not low <= value <= 1:
+            hint = " (metrics.json holds fractions, not percent)" if value > 1 else ""
+            raise InputError(path, f"{task}: {name} {value:g} is outside [{low:g}, 1]{hint}")
 
 
 def init_of(folder: str | Path) -> str:

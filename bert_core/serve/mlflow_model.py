@@ -53,12 +53,30 @@ CONFIG_KEY = "inference"
 RUNTIME = ("batch_size", "device")  # settings of where a model runs, not of the model
 
 
+class RefusedInput(MlflowException):
+    """Bad input as the scoring server answers it: error code `INVALID_PARAMETER_VALUE`, our
+    message, and HTTP 400 when the request is not this model's input (a column missing) or 422
+    when a row's value is refused (empty, not text, over `max_chars`: `BadInput.row` is set; the
+    request is well formed but cannot be answered, RFC 9110 section 15.5.21).
+
+    MLflow's scoring app (mlflow/pyfunc/scoring_server/__init__.py, 3.17) answers an
+    MlflowException with `e.get_http_status_code()` (`_async_catch_mlflow_exception`), and its
+    `invocations` re-raises the very object after prefixing the message, so the status holds for
+    `bert serve` and `mlflow models serve` alike."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
+        self.status = status
+
+    def get_http_status_code(self) -> int:
+        return self.status
+
+
 class BertPyfunc(mlflow.pyfunc.PythonModel):
     """The flavor: a `bert_core.serve.predictors` predictor behind MLflow's pyfunc interface.
 
-    Bad input raises `MlflowException(INVALID_PARAMETER_VALUE)`, which the scoring server
-    answers with HTTP 400 and the message (any other exception would be a 400 with only a
-    generic message and a traceback)."""
+    Bad input raises `RefusedInput` (400 or 422 with the message; any other exception would be
+    a 400 with only a generic message and a traceback)."""
 
     def load_context(self, context) -> None:
         settings = Settings.from_dict((context.model_config or {}).get(CONFIG_KEY))
@@ -70,7 +88,7 @@ class BertPyfunc(mlflow.pyfunc.PythonModel):
         try:
             return self.predictor.predict(frame)
         except BadInput as e:
-            raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from None
+            raise RefusedInput(str(e), 400 if e.row is None else 422) from None
 
 
 def mlflow_type(t: Any):
@@ -164,5 +182,9 @@ def _layout(path: Path) -> tuple[Path, dict]:
         config = json.loads((path / "metrics.json").read_text()).get("config") or {}
         return path / "model", {k: v for k, v in config.items() if k not in RUNTIME}
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such model folder")
+        what = "a file, not a model folder" if path.exists() else "no such model folder"
+        raise FileNotFoundError(f"{path}: {what}")
+    if not (path / "config.json").is_file() and (path / "model" / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a model folder (a `bert pretrain` output?); its "
+                                f"model is {path / 'model'}")  # fmt: skip
     return path, {}

@@ -59,6 +59,7 @@ def predict_file(
     input = Path(input)
     chunks = records.read_chunks(input, chunk_size, rename)
     first = next(chunks)
+    check_columns(predictor, rename or {}, first)
     with_id = id_column in first.frame.columns
     interactive = sys.stderr.isatty()
     bar = tqdm(total=records.count_rows(input), desc="predict", unit="row", disable=not progress,
@@ -80,6 +81,26 @@ def predict_file(
             bar.update(len(answers))
     bar.close()
     return rows
+
+
+def check_columns(predictor: Predictor, rename: dict[str, str], chunk: records.Chunk) -> None:
+    """`--column` against the model's fields, and the input's columns (its first `chunk`)
+    against them, before any answer: a field the model lacks, or a sentence-pair model's
+    `text_pair` missing, would be ignored (a pair answered as one sentence). A FILE column
+    not in the input is `records.read_chunks`' error."""
+    required, optional = predictor.file_fields()
+    for model, file in rename.items():
+        if model not in (*required, *optional):
+            takes = ", ".join(required) + "".join(f", optional {c}" for c in optional)
+            task = predictor.config.finetuning_task
+            raise ValueError(
+                f"--column {model}={file}: this {predictor.kind} model"
+                f"{f' (fine-tuned on {task})' if task else ''} takes the fields {takes}"
+            )
+    have = [str(c) for c in chunk.frame.columns]
+    error = predictor.missing(have, (required, optional))  # a missing `text`: predict's own
+    if error is not None and predictor.missing(have) is None:
+        raise chunk.error(f"{error}; `--column MODEL=FILE` reads another column", None)
 
 
 def parse_columns(pairs: list[str]) -> dict[str, str]:

@@ -46,6 +46,15 @@ class Settings:
     n_best_size: int = 20
     null_score_diff_threshold: float = 0.0
 
+    def __post_init__(self) -> None:
+        """Counts and lengths >= 1 (`max_seq_length`: None or >= 8), each refused naming its
+        option: 0 would fail deep in the model code, a negative length be taken as given."""
+        for name in ("batch_size", "max_chars", "top_k", "doc_stride", "max_query_length",
+                     "max_answer_length", "n_best_size", "max_seq_length"):  # fmt: skip
+            value, least = getattr(self, name), 8 if name == "max_seq_length" else 1
+            if value is not None and value < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+
     @classmethod
     def from_dict(cls, values: dict | None) -> Settings:
         """The known keys of `values` (a fine-tuning config has more), None values left out."""
@@ -115,16 +124,31 @@ class Predictor:
         with torch.inference_mode():
             return self.answer(columns)
 
+    def file_fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(required, optional) columns of a file of inputs (`bert predict`): `inputs` and
+        `optional`; a classifier of a known task narrows them (`TextClassifier`)."""
+        return self.inputs, self.optional
+
+    def missing(self, have: list[str], fields=None) -> BadInput | None:
+        """The error for columns `have` lacking required ones of `fields` ((required, optional),
+        default `inputs` and `optional`), naming what the model reads; None when complete."""
+        required, optional = fields or (self.inputs, self.optional)
+        missing = [c for c in required if c not in have]
+        if not missing:
+            return None
+        want = ", ".join(required) + "".join(f", optional {c}" for c in optional)
+        task = self.config.finetuning_task if fields else None
+        return BadInput(
+            f"missing column {', '.join(map(repr, missing))}: this {self.kind} model"
+            f"{f' (fine-tuned on {task})' if task else ''} reads "
+            f"the columns {want} (got {', '.join(have) or 'none'})"
+        )
+
     def columns(self, frame) -> dict[str, list]:
         """The model's columns of `frame` as lists, every value checked."""
         have = [str(c) for c in frame.columns]
-        missing = [c for c in self.inputs if c not in have]
-        if missing:
-            want = ", ".join(self.inputs) + "".join(f", optional {c}" for c in self.optional)
-            raise BadInput(
-                f"missing column {', '.join(map(repr, missing))}: this {self.kind} model reads "
-                f"the columns {want} (got {', '.join(have) or 'none'})"
-            )
+        if (error := self.missing(have)) is not None:
+            raise error
         out: dict[str, list] = {}
         for name in (*self.inputs, *(c for c in self.optional if c in have)):
             values = list(frame[name])

@@ -24,7 +24,8 @@ the input) are in `bert_core.serve.predictors_span`.
 
 Every input is checked first (`Predictor.columns`): a missing column, a value that is not text,
 empty text or text over `max_chars` is a `BadInput` naming the row, which the callers turn into
-an HTTP 400 (serving) or an error naming the file and line (`bert predict`).
+an HTTP 400 (a column) or 422 (a row's value; serving: `mlflow_model.RefusedInput`) or an
+error naming the file and line (`bert predict`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ from bert_core.serve.predictor import (  # noqa: F401 (re-exported: the predicto
 from bert_core.serve.predictors_span import EntityTagger, QuestionAnswerer
 
 
+def pair_task(config: dict) -> bool | None:
+    """Whether a classifier's GLUE task (config.json's `finetuning_task`) is a sentence-pair
+    one; None when the task is not a GLUE task (or not recorded)."""
+    try:
+        task = get_task(config.get("finetuning_task") or "")
+    except ValueError:
+        return None
+    return task.train.layout.text_b is not None
+
+
 class TextClassifier(Predictor):
     """Sentence (pair) classification or regression, featurised as GLUE fine-tuning does."""
 
@@ -63,6 +74,14 @@ class TextClassifier(Predictor):
         super().__init__(model_dir, settings)
         if self.config.num_labels == 1:
             self.kind = "regression"
+
+    def file_fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """A model of a known GLUE task reads a file's `text` and `text_pair` both (a pair
+        task) or `text` only; `text_pair` stays optional per row, and for other models."""
+        pair = pair_task(self.config.to_dict())
+        if pair is None:
+            return super().file_fields()
+        return (("text", "text_pair") if pair else ("text",)), ()
 
     @classmethod
     def output_types(cls, config: dict) -> dict[str, Any]:
@@ -77,11 +96,7 @@ class TextClassifier(Predictor):
 
     @classmethod
     def example(cls, config: dict) -> dict[str, str]:
-        try:
-            task = get_task(config.get("finetuning_task") or "")
-        except ValueError:
-            task = None
-        if task is not None and task.train.layout.text_b is not None:
+        if pair_task(config):
             return {"text": "The cat sat on the mat.", "text_pair": "A cat was sitting on a mat."}
         return super().example(config)
 

@@ -79,16 +79,24 @@ def read_chunks(
     path = Path(path)
     fmt = input_format(path)
     if chunk_size < 1:
-        raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
+        raise ValueError(f"--chunk-size must be >= 1, got {chunk_size}")
     to_model = {file: model for model, file in (rename or {}).items()}
     start = 0
     if fmt == "parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=chunk_size):
-            frame = batch.to_pandas().rename(columns=to_model)
+        try:
+            table = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(path, f"not a readable Parquet file ({e})") from None
+        for batch in table.iter_batches(batch_size=chunk_size):
+            frame = _renamed(path, batch.to_pandas(), to_model, start)
             yield Chunk(path, start, frame, None)
             start += len(frame)
+        if start == 0:  # no rows: its columns are still checked
+            empty = table.schema_arrow.empty_table().to_pandas()
+            yield Chunk(path, 0, _renamed(path, empty, to_model, 0), None)
         return
     rows: list = []
     lines: list[int] = []
@@ -103,11 +111,25 @@ def read_chunks(
         rows.append(row)
         lines.append(line)
         if len(rows) == chunk_size:
-            yield Chunk(path, start, _frame(rows, header, fmt).rename(columns=to_model), lines)
+            yield Chunk(path, start, _renamed(path, _frame(rows, header, fmt), to_model, start),
+                        lines)  # fmt: skip
             start, rows, lines = start + len(rows), [], []
-    if rows or start == 0:  # an empty input still has its columns checked
-        frame = _frame(rows, header or [], fmt) if rows else pd.DataFrame(columns=header or [])
-        yield Chunk(path, start, frame.rename(columns=to_model), lines)
+    if header is None or (start == 0 and not rows and fmt != "tsv"):  # nothing, not even a header
+        raise InputError(path, "no rows: the file is empty")
+    if rows or start == 0:  # a TSV of a header only still has its columns checked
+        frame = _frame(rows, header, fmt) if rows else pd.DataFrame(columns=header)
+        yield Chunk(path, start, _renamed(path, frame, to_model, start), lines)
+
+
+def _renamed(path: Path, frame, to_model: dict[str, str], start: int):
+    """`frame` with the file's columns named as the model's (`--column MODEL=FILE`); a FILE
+    column not in the input is an error (checked on the first chunk: JSONL rows may vary)."""
+    absent = [file for file in to_model if file not in frame.columns]
+    if start == 0 and absent:
+        have = ", ".join(map(str, frame.columns)) or "none"
+        raise InputError(path, f"--column {to_model[absent[0]]}={absent[0]}: no column "
+                         f"{absent[0]!r} in the file (got {have})")  # fmt: skip
+    return frame.rename(columns=to_model)
 
 
 def _rows(path: Path, fmt: str) -> Iterator[tuple[int, Any]]:

@@ -112,15 +112,22 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
     """Move `champion` to `version` (default: the `candidate`) when its dev score beats the
     champion's, or with `force`; the decision becomes the version's `bert.promotion` tag."""
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
-    client = MlflowClient(tracking_uri())
+    uri = tracking_uri()
+    client = MlflowClient(uri)
+    try:
+        client.get_registered_model(name)
+    except MlflowException:  # not there: no `bert finetune` of the task registered one
+        raise BertError(
+            f"no registered model {name!r} at {uri}: `bert finetune` of the task registers "
+            "it (or name another with --registered-model)"
+        ) from None
     if version is None:
         chosen = _by_alias(client, name, CANDIDATE)
         if chosen is None:
             raise ValueError(f"{name} has no {CANDIDATE!r} version: name the VERSION")
     else:
-        from mlflow.exceptions import MlflowException
-
         try:
             chosen = client.get_model_version(name, str(version))
         except MlflowException as e:  # no such model or version: the user's to fix

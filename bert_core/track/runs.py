@@ -59,10 +59,11 @@ def runs_table(experiment: str = PIPELINE_EXPERIMENT, limit: int = 10):
     import pandas as pd
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri())
+    uri = tracking_uri(existing=True)  # never creates a store: reading from none is a mistake
+    client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        raise ValueError(f"no MLflow experiment {experiment!r} at {tracking_uri()}")
+        raise ValueError(f"no MLflow experiment {experiment!r} at {uri}")
     runs = client.search_runs(
         [exp.experiment_id],
         filter_string="tags.`bert.step` = 'pipeline'",

@@ -24,11 +24,16 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
-from bert_core.errors import BertError
+from bert_core.errors import BertError, Interrupted, interrupts_raise
+
+# What an interrupted step that keeps no checkpoint leaves (every step but pretrain: each writes
+# its whole output or nothing, in minutes, and its MLflow run ends KILLED).
+NO_CHECKPOINT = "nothing written to --output (this step keeps no checkpoint); run it again"
 
 # command -> (the module whose `main` runs it, imported only then; what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -48,6 +53,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "promote": ("bert_core.serve.registry", "move a task's `champion` alias to a better version"),
     "embed": ("bert_core.serve.embed",
               "per-token or pooled vectors from chosen layers, to Parquet"),
+    "serve": ("bert_core.serve.server",
+              "an HTTP endpoint for a model, with limits (localhost unless told)"),
 }  # fmt: skip
 
 
@@ -69,10 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     try:
-        return int(module.main(rest) or 0)
+        with interrupts_raise():
+            return int(module.main(rest) or 0)
     except (BertError, ValueError, FileNotFoundError) as e:
         print(f"bert {name}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # SIGTERM or SIGINT (errors.Interrupted), or a bare Ctrl-C
+        stopped = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+        what = stopped.what or NO_CHECKPOINT
+        print(f"bert {name}: interrupted ({signal.Signals(stopped.signum).name}): {what}",
+              file=sys.stderr)  # fmt: skip
+        return stopped.exit_code
 
 
 # Kubeflow: what the components in components/steps.py call.

@@ -1,0 +1,130 @@
+"""The limits `bert serve` puts in front of MLflow's scoring app: an ASGI middleware.
+
+- A body over `max_body_bytes` -> 413, whether the request declares it (Content-Length: refused
+  before a byte of it is read) or streams it (chunked: counted as it arrives, refused at the
+  first byte over). The body is read here, into memory, before the app sees it (as MLflow's app
+  would read it, `await request.body()`), so a request holds at most `max_body_bytes`.
+- More than `max_concurrency` requests to /invocations in flight (read, queued or computing)
+  -> 503 with `Retry-After`, answered before the body is read: a flood is turned away at the
+  cost of parsing its headers, and memory stays under `max_concurrency` x `max_body_bytes`.
+  /ping, /health and /version are never refused, so a health check answers under any load.
+- A body not received within `body_timeout` seconds -> 408 (a slow client holding a slot).
+
+Why not uvicorn's `limit_concurrency` (uvicorn/protocols/http/h11_impl.py): it counts open
+connections as well as requests, so 32 idle keep-alive clients fill it; its 503 is plain text
+without `Retry-After`; and it refuses /ping too. `bert serve` still sets it, higher
+(`--max-connections`), as the backstop against connection floods.
+
+Why not Starlette's `RequestBodyLimitMiddleware` (starlette/middleware/body_limit.py, FastAPI's
+`max_body_size`, which MLflow's app leaves unset: unlimited): its 413 is plain text, not MLflow's
+JSON, and it counts bytes while the app reads them rather than before a slot is taken.
+
+Errors are JSON in MLflow's shape, `{"error_code": ..., "message": ...}`. A 413 or 503 is sent
+without `Connection: close`: uvicorn then reads and drops the rest of the body and keeps the
+connection (h11_impl's `handle_events` skips body data once the response is done), whereas
+closing with unread data in the socket makes the kernel send a reset, which can destroy the
+response before the client reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+LIMITED = ("/invocations",)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class Limits:
+    """ASGI middleware around `app`; see the module doc."""
+
+    def __init__(
+        self, app, max_body_bytes: int, max_concurrency: int, body_timeout: float = 30.0,
+        retry_after: int = 1,
+    ):  # fmt: skip
+        self.app, self.max_body_bytes, self.max_concurrency = app, max_body_bytes, max_concurrency
+        self.body_timeout, self.retry_after = body_timeout, retry_after
+        self.in_flight = 0  # requests to LIMITED paths admitted and not yet answered
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # lifespan: the app's own startup and shutdown
+            await self.app(scope, receive, send)
+            return
+        declared = content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await self.too_large(send, declared)
+            return
+        limited = scope["path"] in LIMITED
+        if limited and self.in_flight >= self.max_concurrency:
+            message = (f"the server is at its limit of {self.max_concurrency} requests in flight "
+                       f"(--max-concurrency); retry in {self.retry_after} s")  # fmt: skip
+            retry = [(b"retry-after", str(self.retry_after).encode())]
+            await refuse(send, 503, "TEMPORARILY_UNAVAILABLE", message, retry)
+            return
+        self.in_flight += limited
+        try:
+            try:
+                body = await asyncio.wait_for(self.read_body(receive), self.body_timeout)
+            except _TooLarge:
+                await self.too_large(send)
+                return
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+                message = f"the request body did not arrive within {self.body_timeout:g} s"
+                await refuse(send, 408, "BAD_REQUEST", message, [(b"connection", b"close")])
+                return
+            if body is not None:  # None: the client went away
+                await self.app(scope, replay(body, receive), send)
+        finally:
+            self.in_flight -= limited
+
+    async def read_body(self, receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _TooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def too_large(self, send, declared: int | None = None) -> None:
+        size = "" if declared is None else f"{declared:,} bytes, "
+        message = (f"the request body is {size}more than the server's limit of "
+                   f"{self.max_body_bytes:,} bytes (--max-body-bytes)")  # fmt: skip
+        await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", message)
+
+
+def content_length(scope) -> int | None:
+    """The declared body length (h11 has refused malformed values with a 400 already)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value)
+    return None
+
+
+def replay(body: bytes, receive):
+    """A `receive` that hands the app the body read already, then the client's own events."""
+    sent = False
+
+    async def receive_again():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive_again
+
+
+async def refuse(send, status: int, code: str, message: str, headers=()) -> None:
+    body = json.dumps({"error_code": code, "message": message}).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": head + list(headers)})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

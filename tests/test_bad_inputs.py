@@ -32,6 +32,7 @@ from bert_core.data.tokenizer import VocabConfig, train_vocab, write_tokenizer_s
 from bert_core.model.config import BertConfig
 from bert_core.model.heads import BertForSequenceClassification
 from bert_core.model.modeling import BertForPreTraining
+from bert_core.tracking import tracking_uri
 from tests.pipeline_helpers import local_services
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -103,6 +104,7 @@ def services(tmp_path_factory):
         for key, value in svc.client_env(s3.url, {}).items():
             mp.setenv(key, value)
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        tracking_uri()  # the store made (`bert runs` reads only a store that is there)
         mp.chdir(root)  # MLflow's default artifact folder (./mlruns) lands here, not in the repo
         mp.delenv("BERT_PARENT_RUN_ID", raising=False)
         mp.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
@@ -265,7 +267,7 @@ class Case:
     argv: Callable[[Row], list]
     message: str
     code: int = 2
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | Callable[[Row], str]] = field(default_factory=dict)  # a value or its maker
 
 
 CATEGORIES = {
@@ -607,12 +609,57 @@ CASES = [
     Case("evaluate-systems-do-not-match", "setting",
          lambda r: [*evaluate(r), "--system", "a", "--system", "b"],
          "give one --system per --results"),
+    Case("evaluate-accuracy-in-percent", "content",
+         lambda r: evaluate(r, r.results({"task": "SST-2", "metrics": {"accuracy": 150}})),
+         "metrics.json: SST-2: accuracy 150 is outside [0, 1] (metrics.json holds fractions"),
+    Case("evaluate-negative-f1", "content",
+         lambda r: evaluate(r, r.results({"task": "MRPC", "metrics": {"accuracy": 0.5,
+                                                                     "f1": -0.2}})),
+         "metrics.json: MRPC: f1 -0.2 is outside [0, 1]"),
+    Case("evaluate-correlation-out-of-range", "content",
+         lambda r: evaluate(r, r.results({"task": "CoLA", "metrics": {"mcc": -2}})),
+         "metrics.json: CoLA: mcc -2 is outside [-1, 1]"),
+    Case("evaluate-token-task-out-of-range", "content",
+         lambda r: evaluate(r, r.results({"task": "conll2003", "metrics": {"f1": 0.5},
+                                          "test_metrics": {"f1": 3}})),
+         "metrics.json: conll2003: test_f1 3 is outside [0, 1]"),
+    Case("evaluate-metric-nan", "content",
+         lambda r: evaluate(r, r.results('{"task": "SST-2", "metrics": {"accuracy": 0.5, '
+                                         '"f1": NaN}}')),
+         "metrics.json: SST-2: metric f1 is nan, not a finite number"),
+    Case("evaluate-metric-not-a-number", "format",
+         lambda r: evaluate(r, r.results({"task": "SST-2", "metrics": {"accuracy": "high"}})),
+         "metrics.json: metric accuracy: 'high' is not a number"),
+    Case("evaluate-metrics-not-an-object", "format",
+         lambda r: evaluate(r, r.results("[0.5, 0.7]")), "metrics.json: expected a JSON object"),
+    Case("evaluate-results-is-the-file", "setting",
+         lambda r: evaluate(r, r.good.results / "metrics.json"),
+         "metrics.json: --results takes the `bert finetune` output folder"),
     # ---- bert runs
     Case("runs-negative-limit", "setting", lambda r: ["runs", "--limit", "-3"],
          "--limit must be >= 1, got -3"),
     Case("runs-unknown-experiment", "missing",
          lambda r: ["runs", "--experiment", "no-such-experiment"],
          "no MLflow experiment 'no-such-experiment'"),
+    Case("runs-sqlite-uri-one-slash", "setting", lambda r: ["runs"],
+         "a SQLite store is sqlite:///relative/path.db",
+         env={"MLFLOW_TRACKING_URI": lambda r: f"sqlite:{r.tmp / 'mlflow.db'}"}),
+    Case("runs-uri-unknown-scheme", "setting", lambda r: ["runs"],
+         "MLFLOW_TRACKING_URI 'htp://127.0.0.1:5000': unknown scheme 'htp'",
+         env={"MLFLOW_TRACKING_URI": "htp://127.0.0.1:5000"}),
+    Case("runs-uri-folder-missing", "missing", lambda r: ["runs"], "no/dir': no such folder",
+         env={"MLFLOW_TRACKING_URI": lambda r: str(r.tmp / "no" / "dir")}),
+    Case("runs-sqlite-folder-missing", "missing", lambda r: ["runs"],
+         "no/such/dir/m.db: no such MLflow store",
+         env={"MLFLOW_TRACKING_URI": lambda r: f"sqlite:///{r.tmp}/no/such/dir/m.db"}),
+    Case("runs-sqlite-file-missing", "missing", lambda r: ["runs"],
+         "m.db: no such MLflow store", env={"MLFLOW_TRACKING_URI": lambda r: f"sqlite:///{r.tmp}/m.db"}),
+    Case("runs-sqlite-not-a-database", "format", lambda r: ["runs"],
+         "vocab.txt: not a SQLite database",
+         env={"MLFLOW_TRACKING_URI": lambda r: f"sqlite:///{r.copy(r.good.vocab, 'vocab.txt')}"}),
+    Case("runs-server-unreachable", "missing", lambda r: ["runs"],
+         "is unreachable ([Errno 111] Connection refused); start it or fix MLFLOW_TRACKING_URI",
+         env={"MLFLOW_TRACKING_URI": lambda r: dead_server()}),
     # ---- bert predict
     Case("predict-missing-model", "missing",
          lambda r: ["predict", "--model", r.tmp / "nope", "--input", r.good.text,
@@ -640,6 +687,42 @@ CASES = [
     Case("predict-missing-column", "content",
          lambda r: predict(r, r.file("in.jsonl", '{"body": "no text column"}\n')),
          "in.jsonl: missing column 'text'"),
+    Case("predict-column-unknown-field", "setting",
+         lambda r: predict(r, r.file("in.tsv", TSV), "--column", "txt=sentence"),
+         "--column txt=sentence: this classification model (fine-tuned on SST-2) takes the "
+         "fields text"),
+    Case("predict-column-pair-on-one-sentence-task", "setting",
+         lambda r: predict(r, r.file("in.tsv", TSV), "--column", "text=sentence",
+                           "--column", "text_pair=label"),
+         "--column text_pair=label: this classification model (fine-tuned on SST-2) takes"),
+    Case("predict-column-not-in-file", "format",
+         lambda r: predict(r, r.file("in.tsv", TSV), "--column", "text=sentense"),
+         "in.tsv: --column text=sentense: no column 'sentense' in the file (got sentence, label)"),
+    Case("predict-pair-task-without-text-pair", "setting",
+         lambda r: ["predict", "--model", pair_model(r), "--input", r.file("in.tsv", PAIRS),
+                    "--output", r.tmp / "out.jsonl", "--column", "text=sentence1"],
+         "in.tsv: missing column 'text_pair': this classification model (fine-tuned on MRPC) "
+         "reads the columns text, text_pair"),
+    Case("predict-empty-input", "content",
+         lambda r: predict(r, r.file("in.jsonl", "")), "in.jsonl: no rows: the file is empty"),
+    Case("predict-parquet-not-parquet", "format",
+         lambda r: predict(r, r.file("in.parquet", b"PAR1 not really")),
+         "in.parquet: not a readable Parquet file"),
+    Case("predict-model-is-pretrain-output", "model",
+         lambda r: ["predict", "--model", pretrain_output(r), "--input", r.good.text,
+                    "--output", r.tmp / "out.jsonl"],
+         "pretrained: not a model folder (a `bert pretrain` output?); its model is"),
+    Case("predict-model-is-a-file", "model",
+         lambda r: ["predict", "--model", r.good.vocab, "--input", r.good.text,
+                    "--output", r.tmp / "out.jsonl"], "vocab.txt: a file, not a model folder"),
+    Case("predict-unknown-device", "setting", lambda r: predict(r, r.good.text, "--device", "gpu"),
+         "--device 'gpu': use auto, cpu, cuda, cuda:N or mps"),
+    Case("predict-zero-batch-size", "setting",
+         lambda r: predict(r, r.good.text, "--batch-size", "0"),
+         "--batch-size must be >= 1, got 0"),
+    Case("predict-negative-max-seq-length", "setting",
+         lambda r: predict(r, r.good.text, "--max-seq-length", "-5"),
+         "--max-seq-length must be >= 8, got -5"),
     # ---- bert embed
     Case("embed-layer-outside-model", "setting",
          lambda r: embed(r, r.good.text, "--layers", "-1,7"),  # as the help shows: a dash
@@ -651,13 +734,27 @@ CASES = [
          "out.jsonl: unknown output format: use .parquet"),
     Case("embed-s3-missing-input", "missing",
          lambda r: embed(r, s3("in.txt")), f"{s3('in.txt')}: no such file or folder"),
+    Case("embed-empty-input", "content",
+         lambda r: embed(r, r.file("in.txt", "")), "in.txt: no rows: the file is empty"),
+    Case("embed-zero-chunk-size", "setting",
+         lambda r: embed(r, r.good.text, "--chunk-size", "0"), "--chunk-size must be >= 1, got 0"),
     # ---- bert promote
-    Case("promote-no-candidate", "missing", lambda r: ["promote", "SST-2"],
+    Case("promote-no-candidate", "missing", lambda r: ["promote", registered("SST-2")],
          "bert-sst2 has no 'candidate' version"),
-    Case("promote-no-such-version", "missing", lambda r: ["promote", "SST-2", "7"],
+    Case("promote-no-such-version", "missing", lambda r: ["promote", registered("SST-2"), "7"],
          "bert-sst2 version 7"),
     Case("promote-registration-off", "setting", lambda r: ["promote", "SST-2"],
          "BERT_REGISTERED_MODEL=none: name the model", env={"BERT_REGISTERED_MODEL": "none"}),
+    # ---- bert serve (each refused before a socket is bound or a model loaded)
+    Case("serve-missing-model", "missing", lambda r: ["serve", r.tmp / "nope"],
+         "nope: no such model folder"),
+    Case("serve-not-an-mlflow-model", "model", lambda r: ["serve", r.good.classifier],
+         "not an MLflow model (no MLmodel file)"),
+    Case("serve-zero-body-limit", "setting",
+         lambda r: ["serve", "models:/bert-sst2@champion", "--max-body-bytes", "0"],
+         "--max-body-bytes must be > 0, got 0"),
+    Case("promote-no-registered-model", "missing", lambda r: ["promote", "MRPC"],
+         "no registered model 'bert-mrpc' at sqlite:///"),
 ]  # fmt: skip
 
 QA = {"id": "q1", "question": "Who wrote it?", "answers": [{"text": "Ada", "answer_start": 0}]}
@@ -709,6 +806,46 @@ def conll(r: Row, bad_line: str) -> Path:
     return r.tmp / "conll"
 
 
+TSV = "sentence\tlabel\na gripping , funny film .\t1\n"
+PAIRS = "sentence1\tsentence2\nA man sings .\tA man is singing .\n"
+
+
+def pair_model(r: Row) -> Path:
+    """The SST-2 classifier as if fine-tuned on MRPC, a sentence-pair task."""
+    return r.model(lambda m: r.config(m, finetuning_task="MRPC"), src=r.good.classifier)
+
+
+def pretrain_output(r: Row) -> Path:
+    """A `bert pretrain` output's layout: its model in model/, its metrics beside it."""
+    r.copy(r.good.encoder, "pretrained/model")
+    r.file("pretrained/pretrain_metrics.csv", "step,loss\n")
+    return r.tmp / "pretrained"
+
+
+def dead_server() -> str:
+    """An http:// tracking URI on a free local port: no server answers there."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def registered(task: str) -> str:
+    """`task`, its registered model (bert-sst2) made in the module's store, with no version."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from bert_core.serve.registry import model_name
+    from bert_core.tracking import tracking_uri
+
+    try:
+        MlflowClient(tracking_uri()).create_registered_model(model_name(task))
+    except MlflowException:  # made by an earlier row
+        pass
+    return task
+
+
 # ---------------------------------------------------------------------------------------- tests
 
 
@@ -727,9 +864,9 @@ def debris(out: Path) -> list[str]:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, inputs: Inputs, services, tmp_path, capsys, monkeypatch):
-    for key, value in case.env.items():
-        monkeypatch.setenv(key, value)
     row = Row(inputs, tmp_path)
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value(row) if callable(value) else value)
     argv = case.argv(row)
     before = set(tmp_path.iterdir())
     outputs = [Path(argv[i + 1]) for i, a in enumerate(argv) if a == "--output"]
@@ -748,6 +885,8 @@ def test_bad_input(case: Case, inputs: Inputs, services, tmp_path, capsys, monke
             assert not out.exists(), f"{out} left behind"
         if out.parent.is_dir():
             assert debris(out) == []
+    # nothing else either: no store made where a tracking URI was refused
+    assert set(tmp_path.iterdir()) == before, sorted(set(tmp_path.iterdir()) - before)
 
 
 def test_catalogue_covers_every_command():

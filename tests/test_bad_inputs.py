@@ -33,6 +33,7 @@ from bert_core.model.config import BertConfig
 from bert_core.model.heads import BertForSequenceClassification
 from bert_core.model.modeling import BertForPreTraining
 from bert_core.tracking import tracking_uri
+from tests import reliability_table as table
 from tests.pipeline_helpers import local_services
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -210,9 +211,10 @@ def with_column(table: pa.Table, name: str, first: list) -> pa.Table:
 
 
 def swap_vocab_lines(folder: Path) -> None:
-    """The model's vocab.txt with two word pieces swapped: same size, other ids."""
+    """The model's vocab.txt with two pieces swapped (the first two characters after the special
+    tokens, the same in every trained vocabulary): same size, other ids."""
     lines = (folder / "vocab.txt").read_text().splitlines()
-    lines[-1], lines[-2] = lines[-2], lines[-1]
+    lines[5], lines[6] = lines[6], lines[5]
     (folder / "vocab.txt").write_text("\n".join(lines) + "\n")
 
 
@@ -516,6 +518,10 @@ CASES = [
          lambda r: ["pretrain", "--instances", r.good.instances, "--output",
                     r.file("taken", "x"), "--steps", "2"], "exists and is a file"),  # fmt: skip
     # ---- bert finetune
+    Case("finetune-vocab-larger-than-model", "model",
+         lambda r: finetune(r, model=r.model(lambda m: (m / "vocab.txt").write_text(
+             r.good.vocab.read_text() + "".join(f"extra{i}\n" for i in range(40))))),
+         "tokens, more than the model's vocab_size"),
     Case("finetune-unknown-task", "setting",
          lambda r: finetune(r, task="SST3"), "unknown GLUE task 'SST3'"),
     Case("finetune-missing-data", "missing",
@@ -862,6 +868,9 @@ def debris(out: Path) -> list[str]:
     return sorted(p.name for p in out.parent.glob(f".{out.name}.*"))
 
 
+OBSERVED: dict[str, str] = {}  # case id -> its row of the doc's table, as observed here
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, inputs: Inputs, services, tmp_path, capsys, monkeypatch):
     row = Row(inputs, tmp_path)
@@ -887,6 +896,12 @@ def test_bad_input(case: Case, inputs: Inputs, services, tmp_path, capsys, monke
             assert debris(out) == []
     # nothing else either: no store made where a tracking URI was refused
     assert set(tmp_path.iterdir()) == before, sorted(set(tmp_path.iterdir()) - before)
+    # docs/reliability.md holds this row as it was just observed (tests/reliability_table.py)
+    seen = table.observed(code, err, {tmp_path: "ROW", inputs.root: "GOOD"})
+    line = table.row(case.id, case.kind, case.code, case.message, seen)
+    OBSERVED[case.id] = line
+    if not table.WRITE:
+        assert table.doc_rows().get(case.id) == line, f"{table.DOC} is not current: {table.__doc__}"
 
 
 def test_catalogue_covers_every_command():
@@ -898,3 +913,24 @@ def test_catalogue_covers_every_command():
     assert set(kinds) == set(CATEGORIES)
     assert len({c.id for c in CASES}) == len(CASES)
     print(f"{len(CASES)} rows;", dict(commands), dict(kinds))
+
+
+def test_reliability_doc_lists_every_row_and_no_other():
+    """The doc's table has a row per case, none for a case that is gone (each row's content is
+    checked by its own test); with BERT_WRITE_RELIABILITY=1 this writes the table instead."""
+    if table.WRITE:
+        missing = [c.id for c in CASES if c.id not in OBSERVED]
+        assert not missing, f"run every row to write the table; not run: {missing}"
+        table.write([OBSERVED[c.id] for c in CASES])
+    assert list(table.doc_rows()) == [c.id for c in CASES]
+
+
+def test_reliability_doc_cites_tests_that_exist():
+    """Every `tests/FILE.py::test_name` the doc names (its faults table) is a test there."""
+    import re
+
+    root = table.DOC.parents[1]
+    cited = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", table.DOC.read_text(encoding="utf-8"))
+    assert len(cited) >= 3
+    for path, name in cited:
+        assert f"def {name}(" in (root / path).read_text(), f"{path}::{name}"

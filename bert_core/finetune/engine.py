@@ -148,6 +148,7 @@ def padding_mask(rows: Sequence[np.ndarray], index: Sequence[int]) -> torch.Tens
 def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None = None):
     """The folder's BertConfig with the task's label names; checks that `max_seq_length`
     fits its positions (read before any training, so a bad folder fails first)."""
+    from bert_core.data.tokenizer import read_vocab
     from bert_core.model import modeling as bert
 
     if not (model_dir / bert.CONFIG_NAME).is_file():
@@ -156,6 +157,12 @@ def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None
         model_dir / bert.CONFIG_NAME, num_labels=task.num_labels, finetuning_task=task.name,
         id2label=dict(enumerate(task.labels)) if task.labels else None,
     )  # fmt: skip
+    vocab = model_dir / "vocab.txt"
+    if vocab.is_file() and (size := len(read_vocab(vocab))) > config.vocab_size:
+        raise InputError(  # its ids past the embedding table: another model's vocabulary
+            vocab, f"{size} tokens, more than the model's vocab_size {config.vocab_size} "
+            f"({model_dir / bert.CONFIG_NAME}): the vocabulary of another model",
+        )  # fmt: skip
     if max_seq_length is not None and max_seq_length > config.max_position_embeddings:
         raise ValueError(
             f"max_seq_length {max_seq_length} exceeds the model's max_position_embeddings "

@@ -113,6 +113,7 @@ def test_copy_between_local_and_s3(s3, tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def ray_head(s3):
     env = {**os.environ, **s3[1], "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    env["RAY_JOB_STOP_WAIT_TIME_S"] = "120"  # as infra/k8s/raycluster.yaml: time to checkpoint
     head = RayHead(env)
     try:
         head.wait_ready()
@@ -190,9 +191,10 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
     ray_head, s3, tiny_instances, tmp_path, monkeypatch
 ):
     """A KFP step's life on a KubeRay cluster, on loopback: the step submits the job; its pod
-    dies (SIGKILL); a retry finds the job RUNNING and follows it; the job is stopped after its
-    first checkpoint (the retry exits non-zero, naming the job); the next retry resubmits it as
-    `-r2`, which resumes from the checkpoint in S3 and ends with the weights of an uninterrupted
+    dies (SIGKILL); a retry finds the job RUNNING and follows it; that step is stopped (SIGTERM)
+    after the job's first checkpoint: it stops the job, whose driver saves a checkpoint first
+    (exit 143, naming the job and the step); the next retry resubmits it as `-r2`, which resumes
+    from that checkpoint in S3 and ends with the weights of an uninterrupted
     run; one more retry only fetches the outputs. One long test on purpose: each step needs the
     state the previous one left on the cluster, and every job start costs tens of seconds."""
     from safetensors.torch import load_file
@@ -221,10 +223,16 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
     second = Caller(args, env, tmp_path)
     second.wait_for(rf"Ray job {base} is RUNNING at {re.escape(ray_head.url)}; following it", 120)
     _wait_recorded("kfp-retry", "checkpoint_00000025", 180)
-    ray_head.api("POST", f"/api/jobs/{base}/stop")
-    assert second.finish() == 2, second.text[-4000:]
-    assert f"bert pretrain: error: Ray job {base} STOPPED" in second.text
-    assert f"ray job logs {base}" in second.text
+    # the step is stopped (a KFP run terminated): SIGTERM to its pod's process, which stops
+    # the job; Ray sends the job's driver SIGTERM, which saves a checkpoint and ends
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.finish() == 143, second.text[-4000:]
+    stopped = re.search(
+        rf"bert pretrain: interrupted \(SIGTERM\): Ray job {base} stopped with a checkpoint at "
+        r"step (\d+) under s3://bert-jobs/ray/kfp-retry; the same command resumes from it",
+        second.text,
+    )
+    assert stopped, second.text[-4000:]
     assert not (tmp_path / "run").exists()
 
     third = Caller(args, env, tmp_path)
@@ -233,7 +241,7 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
     assert third.finish() == 0, third.text[-4000:]
     assert f"Ray job {base} STOPPED; resubmitting as {base}-r2" in third.text
     resumed = int(re.search(r"\[pretrain\] resumed from step (\d+)", third.text).group(1))
-    assert 25 <= resumed < 150, resumed
+    assert resumed == int(stopped.group(1)) and 25 < resumed < 150, resumed
     assert "pretrain: step 150/150" in third.text
     jobs = ray_head.jobs(base)
     assert {k: v["status"] for k, v in jobs.items() if k.startswith(base)} == {

@@ -2,8 +2,9 @@
 
 Owns `config` (BertConfig and the size presets), `layers` (embeddings, attention, feed-forward),
 `modeling` (BertModel, BertForPreTraining, checkpoints in the Hugging Face layout), `heads` (the
-fine-tuning heads) and `optim` (AdamW without decay on biases and LayerNorm, the warm-up/decay
-schedule, autocast, the device). The names users know from `transformers` are re-exported here:
+fine-tuning heads) and `optim` (the original's Adam without bias correction and torch's AdamW,
+no decay on biases and LayerNorm, their warm-up/decay schedules, autocast, the device). The
+names users know from `transformers` are re-exported here:
 `from bert_core.model import BertConfig, BertModel, BertForSequenceClassification`.
 
 May import: `errors` only. The model knows nothing about data, training or serving, so every

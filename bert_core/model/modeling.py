@@ -137,14 +137,16 @@ class BertPreTrainedModel(nn.Module):
         self.vocab_file: Path | None = None  # remembered by from_pretrained, re-written on save
 
     def _init_weights(self, module: nn.Module) -> None:
-        """Truncation-free normal(0, 0.02) as the paper's released code; zero biases."""
+        """The original's `truncated_normal_initializer(stddev=initializer_range)`: normal(0,
+        0.02) cut at 2 sigma (re-drawn beyond, not rescaled: the std is ~0.88 x 0.02); zero
+        biases, LayerNorm at 1 and 0. transformers draws an untruncated normal instead."""
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
+            nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
+            nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
             if module.padding_idx is not None:
                 module.weight.data[module.padding_idx].zero_()
         elif isinstance(module, nn.LayerNorm):

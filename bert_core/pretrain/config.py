@@ -17,6 +17,8 @@ from bert_core.options import add_options, config_from_args, option
 
 # The paper's objective (masked LM + next sentence) and its "No NSP" ablation (Table 5).
 OBJECTIVES = ("mlm+nsp", "mlm")
+# `bert_core.model.optim.OPTIMIZERS`: the original's optimiser and schedule, or transformers'
+OPTIMIZERS = ("bert", "adamw")
 
 
 @dataclass
@@ -39,6 +41,13 @@ class PretrainConfig:
     weight_decay: float = option(0.01, "AdamW weight decay (not on LayerNorm weights and biases)")
     adam_betas: tuple[float, float] = option((0.9, 0.999), "AdamW betas", metavar=("B1", "B2"))
     adam_eps: float = option(1e-6, "AdamW epsilon")
+    optimizer: str = option(
+        "bert",
+        "bert: the original's Adam without bias correction and its schedule (linear decay from "
+        "step 0, 1 - t/T; the warm-up replaces it while warming up); adamw: torch's AdamW and "
+        "transformers' schedule (decay after the warm-up, (T - t)/(T - w)). docs/fidelity.md",
+        choices=OPTIMIZERS,
+    )
     max_grad_norm: float = option(1.0, "gradient clipping (global norm)")
     dropout: float | None = option(None, "override the preset's dropout (hidden and attention)")
     dynamic_masking: bool = option(False, "re-mask on every read (RoBERTa)")
@@ -117,6 +126,8 @@ class PretrainConfig:
             raise BertError(f"--preset must be one of {', '.join(PRESETS)}, not {self.preset!r}")
         if self.objective not in OBJECTIVES:
             raise BertError(f"--objective must be one of {', '.join(OBJECTIVES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise BertError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
         MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError
 
 

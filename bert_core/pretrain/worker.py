@@ -1,8 +1,9 @@
 """One pre-training worker: set-up, the training step, and the Ray Train loop around them.
 
 `setup` builds what a rank trains with (model, the paper's optimiser from `bert_core.model.optim`:
-AdamW, lr 1e-4, betas 0.9/0.999, weight decay 0.01 except LayerNorm and biases, linear warm-up
-then linear decay; and its share of the instance shards, `bert_core.pretrain.data`), restored
+by default the original's Adam without bias correction (`--optimizer adamw`: torch's AdamW), lr
+1e-4, betas 0.9/0.999, weight decay 0.01 except LayerNorm and biases, linear warm-up and linear
+decay; and its share of the instance shards, `bert_core.pretrain.data`), restored
 from a checkpoint when there is one. `train_step` is one optimizer step (gradient accumulation,
 clipping at 1.0). Both serve the Ray worker (`train_loop_per_worker`) and the bare loop of
 bench/pretrain.py, so the bench measures exactly what Ray Train adds.
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from bert_core.data.tokenizer import read_vocab
+from bert_core.errors import BertError
 from bert_core.model import optim
 from bert_core.pretrain.config import PretrainConfig
 from bert_core.pretrain.data import (
@@ -111,13 +113,20 @@ def setup(
     core = build_model(cfg, len(vocab))
     if cfg.objective == "mlm":
         freeze_nsp_head(core)
-    optimizer = optim.adamw(
-        core, cfg.learning_rate, cfg.weight_decay, eps=cfg.adam_eps, betas=cfg.adam_betas
-    )
-    scheduler = optim.linear_schedule(optimizer, cfg.warmup, cfg.steps)
+    optimizer, scheduler = optim.optimizer_and_schedule(
+        cfg.optimizer, core, cfg.learning_rate, cfg.weight_decay, cfg.warmup, cfg.steps,
+        eps=cfg.adam_eps, betas=cfg.adam_betas,
+    )  # fmt: skip
     seed_all(cfg.seed + 1000 * (rank + 1))  # distinct dropout per rank
     step, history, heldout = start_step, [], []
     if state is not None:
+        # checkpoints from before --optimizer were AdamW's: never switch optimiser mid-run
+        saved = state.get("config", {}).get("optimizer", "adamw")
+        if saved != cfg.optimizer:
+            raise BertError(
+                f"the checkpoint was trained with --optimizer {saved}, not {cfg.optimizer}: "
+                f"resume with --optimizer {saved}"
+            )
         step, history, heldout = restore(state, core, optimizer, scheduler, rank, world)
     model = prepare(core) if prepare else core.to(device)
     _optimizer_state_to(optimizer, device)

@@ -10,6 +10,7 @@ import csv
 import math
 import shutil
 from collections import Counter
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 from bert_core.data.instance_shards import SCHEMA
 from bert_core.data.tokenizer import read_lowercase, read_vocab
 from bert_core.errors import BertError
+from bert_core.model import optim
 from bert_core.model.modeling import BertConfig, BertForPreTraining
 from bert_core.pretrain import command as pt
 from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
@@ -130,9 +132,12 @@ def test_batches_are_padded_and_dynamic_masking_remasks(instances):
 
 
 def test_optimizer_excludes_layernorm_and_bias_from_weight_decay(instances, tmp_path):
-    """The worker's set-up (also the bench's): the paper's AdamW and warm-up/decay schedule."""
+    """The worker's set-up (also the bench's): by default the original's optimiser (Adam
+    without bias correction) and schedule; `--optimizer adamw`: torch's AdamW, transformers'
+    schedule. The update rules themselves: tests/model/test_fidelity.py."""
     cfg = PretrainConfig(instances=str(instances), output=str(tmp_path), steps=1000)
     t = setup(cfg)
+    assert cfg.optimizer == "bert" and isinstance(t.optimizer, optim.AdamWeightDecay)
     decay, no_decay = t.optimizer.param_groups
     names = {id(p): n for n, p in t.core.named_parameters()}
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
@@ -142,12 +147,27 @@ def test_optimizer_excludes_layernorm_and_bias_from_weight_decay(instances, tmp_
     assert any("LayerNorm" in names[id(p)] for p in no_decay["params"])
     assert decay["initial_lr"] == 1e-4 and decay["betas"] == (0.9, 0.999)
     assert decay["eps"] == 1e-6
-    # linear warm-up over 1% of the steps (step / warmup, transformers' rule), then linear decay
+    # linear warm-up over 1% of the steps (step / warmup), then the original's decay from step
+    # 0 (1 - step / steps), or with adamw transformers' decay after the warm-up
     assert t.scheduler.get_last_lr() == [0.0, 0.0]  # the first step runs at lr 0
     lrs = [t.scheduler.lr_lambdas[0](step) * 1e-4 for step in range(1000)]
+    assert lrs[0] == 0 and lrs[5] == pytest.approx(0.5e-4) and lrs[10] == pytest.approx(0.99e-4)
+    assert lrs[500] == pytest.approx(0.5e-4) and lrs[999] == pytest.approx(1e-7)
+    assert t.step == 0 and t.stream.masking is None and t.stream.batch_size == 256
+
+    hf = setup(replace(cfg, optimizer="adamw"))
+    assert isinstance(hf.optimizer, torch.optim.AdamW)
+    assert [len(g["params"]) for g in hf.optimizer.param_groups] == [
+        len(decay["params"]), len(no_decay["params"])
+    ]  # fmt: skip
+    lrs = [hf.scheduler.lr_lambdas[0](step) * 1e-4 for step in range(1000)]
     assert lrs[0] == 0 and lrs[5] == pytest.approx(0.5e-4) and lrs[10] == pytest.approx(1e-4)
     assert lrs[505] == pytest.approx(0.5e-4) and lrs[999] == pytest.approx(1e-4 / 990)
-    assert t.step == 0 and t.stream.masking is None and t.stream.batch_size == 256
+    # a run never switches optimiser: checkpoints from before --optimizer were AdamW's
+    with pytest.raises(BertError, match="trained with --optimizer adamw, not bert"):
+        setup(cfg, state={"config": {k: v for k, v in asdict(cfg).items() if k != "optimizer"}})
+    with pytest.raises(BertError, match="--optimizer must be one of bert, adamw"):
+        replace(cfg, optimizer="lamb").validate()
 
 
 # the options of `bert pretrain` before the CLI was generated from PretrainConfig (DVC and KFP
@@ -344,12 +364,15 @@ def test_two_workers_learn_and_survive_a_worker_failure(
     ray_cluster, instances, tmp_path, mlflow_uri
 ):
     """200 steps on 2 workers; rank 0 raises at step 130 once. The run must restart from the
-    step-100 checkpoint, finish all steps and have learned."""
+    step-100 checkpoint, finish all steps and have learned. (The learning rates of this test and
+    the next are a quarter of AdamW's: without bias correction, the default `--optimizer bert`
+    moves 2-6x further per step in the first few hundred steps; at AdamW's rates 5e-3 and 2e-3
+    it stays at the most frequent token, measured.)"""
     out = tmp_path / "run"
     rc = pt.main(
         [
             "--instances", str(instances), "--output", str(out), "--steps", "200",
-            "--batch-size", "32", "--num-workers", "2", "--learning-rate", "5e-3",
+            "--batch-size", "32", "--num-workers", "2", "--learning-rate", "1.25e-3",
             "--warmup-steps", "20", "--log-every", "10", "--checkpoint-every", "100",
             "--seed", "7", "--inject-failure-at", "130",
         ]
@@ -363,7 +386,7 @@ def test_two_workers_learn_and_survive_a_worker_failure(
     assert float(last["mlm_loss"]) < 0.75 * float(first["mlm_loss"])
     baseline = most_frequent_label_share(instances)
     assert float(last["mlm_accuracy"]) > baseline + 0.05, (last["mlm_accuracy"], baseline)
-    assert 0 < float(last["learning_rate"]) < 5e-3 and float(last["grad_norm"]) > 0
+    assert 0 < float(last["learning_rate"]) < 1.25e-3 and float(last["grad_norm"]) > 0
 
     # restored from the last checkpoint (step 100), not from scratch: MLflow got steps 110, 120
     # twice (before the failure and again after the restore) and every other step once
@@ -371,7 +394,7 @@ def test_two_workers_learn_and_survive_a_worker_failure(
 
     client = mlflow.tracking.MlflowClient(mlflow_uri)
     (run,) = client.search_runs(client.get_experiment_by_name("bert").experiment_id)
-    assert run.data.params["num_workers"] == "2" and run.data.params["learning_rate"] == "0.005"
+    assert run.data.params["num_workers"] == "2" and run.data.params["learning_rate"] == "0.00125"
     steps = Counter(m.step for m in client.get_metric_history(run.info.run_id, "mlm_loss"))
     assert {s for s, n in steps.items() if n > 1} == {110, 120}
     assert set(steps) == set(range(10, 201, 10))
@@ -415,7 +438,7 @@ def test_heldout_accuracy_beats_the_most_frequent_token(tmp_path_factory, shared
         tmp_path_factory.mktemp("wide"), shared_data, chars=400_000, num_shards=4,
         vocab_size=1000, max_seq_length=48,
     )  # fmt: skip
-    cfg = small_config(inst, tmp_path_factory.mktemp("o"), learning_rate=2e-3, steps=300)
+    cfg = small_config(inst, tmp_path_factory.mktemp("o"), learning_rate=5e-4, steps=300)
     t, cpu = setup(cfg), torch.device("cpu")
     heldout = HeldOutEval.load(cfg)
     start = heldout.evaluate(t.core, cpu)
@@ -425,7 +448,8 @@ def test_heldout_accuracy_beats_the_most_frequent_token(tmp_path_factory, shared
     end = heldout.evaluate(t.core, cpu)
     baseline = end["baseline_mlm_accuracy"]
     assert start["heldout_mlm_accuracy"] < baseline < 0.06
-    # measured: 0.076 against 0.042 (seeds 8 and 9: 0.068, 0.070)
+    # measured: 0.065 against 0.042 (seeds 8 and 9: 0.078, 0.072); --optimizer adamw at
+    # 2e-3: 0.072; the default `bert` at 2e-3 or 1e-3: 0.042, stuck at the commonest token
     assert end["heldout_mlm_accuracy"] > baseline + 0.01, (end, baseline)
     assert end["heldout_mlm_loss"] < start["heldout_mlm_loss"] - 0.8
 

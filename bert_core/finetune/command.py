@@ -22,7 +22,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bert_core.finetune.config import FinetuneConfig, config_from_args
-from bert_core.finetune.engine import FinetuneTask, load_tokenizer, model_config, numeric, train
+from bert_core.finetune.engine import (
+    FinetuneTask,
+    load_tokenizer,
+    model_config,
+    numeric,
+    save_model,
+    train,
+)
 from bert_core.finetune.tasks import glue_data
 from bert_core.finetune.tasks.glue import GlueFinetune
 from bert_core.finetune.tasks.ner import NerFinetune
@@ -103,7 +110,7 @@ def finetune(
         }
         if test:
             mlflow.log_metrics({f"test_{k}": v for k, v in numeric(test).items()})
-        model.save_pretrained(tmp / "model")  # label names and task in config.json
+        save_model(task, model, tmp / "model")  # label names, task, problem type: config.json
         task.write_outputs(tmp, model, best["preds"], device, cfg)
         record = finish(tmp, result)
     # only now, the output complete and the run FINISHED: a failure above registers nothing

@@ -21,7 +21,6 @@ model, the command line) is `bert_core.finetune.command`; the configuration
 from __future__ import annotations
 
 import math
-import sys
 import time
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +57,9 @@ class FinetuneTask:
         self.name = name  # as in metrics.json, MLflow and `bert evaluate`
         self.labels: Sequence[str] | None = None  # label names (config.json); None: no names
         self.num_labels = 2
+        # config.json's `problem_type`, as transformers names it (`regression` for STS-B,
+        # `single_label_classification`); None: a head that has none (tokens, spans, choices)
+        self.problem_type: str | None = None
         self.num_train = 0  # training rows (windows) the batches are drawn from
         self.num_train_examples = 0  # examples (sentences, questions) they come from
 
@@ -153,9 +155,13 @@ def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None
 
     if not (model_dir / bert.CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{model_dir}: no {bert.CONFIG_NAME} (not a BERT model folder)")
+    # label2id too: given id2label alone, the folder's own label2id (a pre-trained model's
+    # LABEL_0, LABEL_1) would be kept beside the task's names, the two disagreeing
+    names = list(task.labels or ())
     config = bert.BertConfig.from_json_file(
         model_dir / bert.CONFIG_NAME, num_labels=task.num_labels, finetuning_task=task.name,
-        id2label=dict(enumerate(task.labels)) if task.labels else None,
+        id2label=dict(enumerate(names)) or None,
+        label2id={n: i for i, n in enumerate(names)} or None,
     )  # fmt: skip
     vocab = model_dir / "vocab.txt"
     if vocab.is_file() and (size := len(read_vocab(vocab))) > config.vocab_size:
@@ -198,6 +204,25 @@ def load_model(task: FinetuneTask, model_dir: str | Path, init: str = "pretraine
         }
     model.load_checkpoint_state(state, source=str(model_dir))
     return model
+
+
+def save_model(task: FinetuneTask, model, path: Path) -> None:
+    """`model.save_pretrained(path)` (label names and task in config.json), then the task's
+    `problem_type` and `num_labels` in config.json as transformers writes them, so the folder
+    says what its head is (STS-B: a regression) to us and to transformers alike.
+    `BertConfig` has no `problem_type` field (it reads past unknown keys), hence the addition
+    here rather than in the model's own `to_dict`."""
+    import json
+
+    from bert_core.model.config import CONFIG_NAME
+
+    model.save_pretrained(path)
+    if task.problem_type is None:
+        return
+    file = Path(path) / CONFIG_NAME
+    config = json.loads(file.read_text(encoding="utf-8"))
+    config |= {"problem_type": task.problem_type, "num_labels": task.num_labels}
+    file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def build_optimizer(model: torch.nn.Module, cfg: FinetuneConfig, total_steps: int):
@@ -254,9 +279,8 @@ def fit(
     optimizer, scheduler = build_optimizer(model, cfg, total_steps)
     history: list[dict] = []
     best: dict | None = None
-    interactive = sys.stderr.isatty()  # in a log: a line every 30 s
-    bar = tqdm(total=total_steps, desc=desc, unit="step", ascii=not interactive,
-               mininterval=0.1 if interactive else 30.0)  # fmt: skip
+    # disable=None: a bar on a terminal only; in a log (a KFP pod, CI) the epoch lines below
+    bar = tqdm(total=total_steps, desc=desc, unit="step", disable=None)
     train_seconds = 0.0  # evaluation is not training time
     for epoch in range(1, cfg.epochs + 1):
         start = time.perf_counter()

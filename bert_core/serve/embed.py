@@ -6,9 +6,18 @@ compares the choices: the embeddings alone (91.0 dev F1), the second-to-last hid
 (95.6), the last (94.9), a weighted sum of the last four (95.9), the concatenation of the last
 four (96.1, within 0.3 of fine-tuning). Those are the options here: `--layers` picks hidden
 states (0 = the embeddings' output, 1..L the layers, negative counts from the end, `last4` =
--4,-3,-2,-1), `--combine` concatenates, sums or averages them, `--pooling none` keeps one vector
-per token (`tokens`, `vectors`) and `mean` / `cls` give one per row (`vector`: the mean over
-the row's tokens, padding excluded, or the [CLS] token's).
+-4,-3,-2,-1), `--combine` concatenates, sums or averages them, and `--pooling` says what a row
+gets: `mean` (the default) one `vector`, the mean over the row's tokens ([CLS] and [SEP]
+included, padding excluded), `cls` the [CLS] token's vector, `none` one vector per token
+(`tokens`, `vectors`: the paper's feature-based input to a tagger).
+
+Why mean by default: a file of texts in, one vector per text out is what most callers of an
+embedding command want (search, clustering, a classifier on top), and a per-token default made
+every row a [tokens x dim] matrix. Of the two sentence vectors, the mean is the better one
+without fine-tuning: Sentence-BERT (Reimers and Gurevych, 2019, table 1 and section 6) found
+averaged BERT token vectors ahead of the [CLS] vector, which pre-training trains only for next
+sentence prediction; sentence-embedding models built on BERT (Sentence-BERT, all-MiniLM-L6-v2)
+are trained to be mean-pooled. `--pooling none` keeps the per-token output of section 5.3.
 
 Inputs are `bert predict`'s (`bert_core.serve.records`: `text` and optional `text_pair`, streamed in
 chunks, length-sorted batches through `finetune.predict_batches`, a GPU when present), tokenised
@@ -180,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     layers = "last, last4, second-to-last, embeddings or indices: --layers=-2, --layers=0,6"
     p.add_argument("--layers", default="last", help=f"{layers} (default: last)")
     p.add_argument("--combine", choices=COMBINE, default="concat", help="of the chosen layers")
-    p.add_argument("--pooling", choices=POOLING, default="none",
-                   help="none: a vector per token; mean or cls: one per row")  # fmt: skip
+    p.add_argument("--pooling", choices=POOLING, default="mean",
+                   help="mean (default): one vector per row, the mean of its tokens'; cls: the "
+                   "[CLS] token's; none: a vector per token")  # fmt: skip
     p.add_argument("--column", action="append", default=[], metavar="MODEL=FILE")
     p.add_argument("--id-column", default="id", help="copied to the output when present")
     p.add_argument("--max-seq-length", type=int, default=128, help="longer text is cut")
@@ -205,9 +215,9 @@ def _layers_value(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from bert_core.serve.mlflow_model import local_model
-    from bert_core.serve.predict import parse_columns
+    from bert_core.serve.predict import parse_columns, tracking_env
     from bert_core.storage import check_apart, local_copy
-    from bert_core.tracking import start_run
+    from bert_core.tracking import environ, start_run
 
     args = build_parser().parse_args(_layers_value(sys.argv[1:] if argv is None else argv))
     rename, layers = parse_columns(args.column), parse_layers(args.layers)
@@ -216,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(max_seq_length=args.max_seq_length, batch_size=args.batch_size,
                         device=args.device)  # fmt: skip
     params = {k: str(v) for k, v in vars(args).items() if k != "column"}
-    with start_run("embed", params):
+    env, tags = tracking_env(args.model)  # the experiment: as `bert predict`'s
+    with environ(env), start_run("embed", params, tags):
         import mlflow
 
         with local_model(args.model) as (folder, _):

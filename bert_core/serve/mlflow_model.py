@@ -14,7 +14,9 @@ requirements of our model code only (no `transformers`). `mlflow.pyfunc.load_mod
 `bert_core.serve.registry.log_finetuned`, the pipeline's `lineage.register_pretrained` for the
 pre-trained model (masked-token filling). `resolve` turns any model reference a user may hold
 (a folder, `runs:/...`, `models:/name@alias`) into a local folder and its settings
-(`local_model`).
+(`local_model`). A fine-tuned model's settings are its run's (`inference_settings`), SQuAD
+2.0's tuned null threshold included, so `bert predict` and the served model answer "" exactly
+where the tuned dev score counted no answer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -103,13 +106,16 @@ def mlflow_type(t: Any):
 
 
 def signature(config: dict):
-    """The input columns (required and optional) and the answer's fields of a model."""
+    """The input columns (required and optional) and the answer's fields of a model: its own
+    (`Predictor.fields`), so an SST-2 model takes `text`, an MRPC one `text` and `text_pair`,
+    a classifier of no known task `text` and an optional `text_pair`."""
     from mlflow.models import ModelSignature
     from mlflow.types.schema import ColSpec, Schema
 
     cls = predictor_class(config)
-    inputs = [ColSpec("string", c) for c in cls.inputs]
-    inputs += [ColSpec("string", c, required=False) for c in cls.optional]
+    required, optional = cls.fields(config)
+    inputs = [ColSpec("string", c) for c in required]
+    inputs += [ColSpec("string", c, required=False) for c in optional]
     outputs = [ColSpec(mlflow_type(t), k) for k, t in cls.output_types(config).items()]
     return ModelSignature(inputs=Schema(inputs), outputs=Schema(outputs))
 
@@ -118,6 +124,25 @@ def requirements() -> list[str]:
     """Pinned requirements (local version labels such as `+cpu` dropped: pip cannot resolve
     them from an index)."""
     return [f"{p}=={version(p).split('+')[0]}" for p in REQUIREMENTS]
+
+
+def inference_settings(result: dict) -> dict:
+    """A `bert finetune` run's inference settings, from its metrics.json content: its config
+    (how text was cut, windowed and decoded) less where it ran (`RUNTIME`), and for SQuAD 2.0
+    the null threshold tuned on dev (`best_f1_thresh`: "tau is selected on the dev set to
+    maximize F1", section 4.3) in place of the configured `null_score_diff_threshold`."""
+    settings = {k: v for k, v in (result.get("config") or {}).items() if k not in RUNTIME}
+    tuned = (result.get("metrics") or {}).get("best_f1_thresh")
+    if tuned is not None:
+        settings["null_score_diff_threshold"] = float(tuned)
+    return settings
+
+
+def quiet_progress() -> None:
+    """MLflow's artifact upload/download bars (tqdm) only on a terminal: in a log (a KFP pod,
+    CI) each update is more text, not a redrawn bar. The environment wins when it says."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 def log_model(
@@ -130,6 +155,7 @@ def log_model(
 
     import bert_core
 
+    quiet_progress()
     config = read_config(model_dir)
     cls = predictor_class(config, Path(model_dir) / "config.json")
     # how text is cut, windowed and decoded; batch size and device are the server's business
@@ -155,6 +181,7 @@ def local_model(source: str | os.PathLike) -> Iterator[tuple[Path, dict]]:
         return
     from bert_core.tracking import tracking_uri
 
+    quiet_progress()
     mlflow.set_tracking_uri(tracking_uri())
     tmp = tempfile.mkdtemp(prefix="bert-model-")
     try:
@@ -179,8 +206,7 @@ def _layout(path: Path) -> tuple[Path, dict]:
             )
         return path / artifact["path"], dict((flavor.get("config") or {}).get(CONFIG_KEY) or {})
     if (path / "model" / "config.json").is_file() and (path / "metrics.json").is_file():
-        config = json.loads((path / "metrics.json").read_text()).get("config") or {}
-        return path / "model", {k: v for k, v in config.items() if k not in RUNTIME}
+        return path / "model", inference_settings(json.loads((path / "metrics.json").read_text()))
     if not path.is_dir():
         what = "a file, not a model folder" if path.exists() else "no such model folder"
         raise FileNotFoundError(f"{path}: {what}")

@@ -21,14 +21,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
+import os
 import time
 from pathlib import Path
 
 from bert_core.serve import records
 from bert_core.serve.predictors import BadInput, Predictor, Settings, load_predictor
 
-OVERRIDES = ("batch_size", "device", "max_seq_length", "max_chars", "top_k")
+OVERRIDES = ("batch_size", "device", "max_seq_length", "max_chars", "top_k",
+             "null_score_diff_threshold")  # fmt: skip
 
 
 def load(model: str | Path, overrides: dict | None = None) -> Predictor:
@@ -61,9 +62,9 @@ def predict_file(
     first = next(chunks)
     check_columns(predictor, rename or {}, first)
     with_id = id_column in first.frame.columns
-    interactive = sys.stderr.isatty()
-    bar = tqdm(total=records.count_rows(input), desc="predict", unit="row", disable=not progress,
-               ascii=not interactive, mininterval=0.1 if interactive else 30.0)  # fmt: skip
+    # disable=None: no bar when stderr is not a terminal (a KFP pod's log, CI): no log lines
+    bar = tqdm(total=records.count_rows(input), desc="predict", unit="row",
+               disable=None if progress else True)  # fmt: skip
     rows = 0
     with records.writer(output, output_schema(predictor, with_id)) as write:
         for chunk in itertools.chain([first], chunks):
@@ -84,22 +85,20 @@ def predict_file(
 
 
 def check_columns(predictor: Predictor, rename: dict[str, str], chunk: records.Chunk) -> None:
-    """`--column` against the model's fields, and the input's columns (its first `chunk`)
-    against them, before any answer: a field the model lacks, or a sentence-pair model's
-    `text_pair` missing, would be ignored (a pair answered as one sentence). A FILE column
-    not in the input is `records.read_chunks`' error."""
-    required, optional = predictor.file_fields()
+    """`--column` against the model's fields (`Predictor.fields`: a single-sentence task's
+    model takes no `text_pair`, a pair task's needs one), and the input's columns (its first
+    `chunk`) against them, before any answer: a field the model lacks would be ignored, a
+    pair answered as one sentence. A FILE column not in the input is `records.read_chunks`'
+    error."""
     for model, file in rename.items():
-        if model not in (*required, *optional):
-            takes = ", ".join(required) + "".join(f", optional {c}" for c in optional)
+        if model not in (*predictor.inputs, *predictor.optional):
             task = predictor.config.finetuning_task
             raise ValueError(
                 f"--column {model}={file}: this {predictor.kind} model"
-                f"{f' (fine-tuned on {task})' if task else ''} takes the fields {takes}"
+                f"{f' (fine-tuned on {task})' if task else ''} takes the fields {predictor.takes()}"
             )
-    have = [str(c) for c in chunk.frame.columns]
-    error = predictor.missing(have, (required, optional))  # a missing `text`: predict's own
-    if error is not None and predictor.missing(have) is None:
+    error = predictor.missing([str(c) for c in chunk.frame.columns])
+    if error is not None:
         raise chunk.error(f"{error}; `--column MODEL=FILE` reads another column", None)
 
 
@@ -129,7 +128,75 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-length", type=int, help="default: the fine-tuning run's")
     p.add_argument("--max-chars", type=int, help="longer text is an error (default: 20000)")
     p.add_argument("--top-k", type=int, help="fill-mask: candidates per [MASK] (default: 5)")
+    p.add_argument("--null-score-diff-threshold", type=float,
+                   help="SQuAD 2.0: answer \"\" when the null score beats the best span's by "
+                   "more (default: the threshold tuned on dev, best_f1_thresh)")  # fmt: skip
     return p
+
+
+def model_run(source: str | Path) -> str | None:
+    """The id of the MLflow run that logged the model `source` names: `runs:/<id>/...`, a
+    registered version (`models:/<name>@<alias>`, `models:/<name>/<version>`), a logged model
+    (`models:/m-...`), an MLflow model folder (MLmodel's `run_id`) or a `bert finetune` output
+    (mlflow_model.json); None when it names none or the tracking store does not know it."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from bert_core.serve.registry import RECORD
+    from bert_core.storage import is_uri
+    from bert_core.tracking import tracking_uri
+
+    text = str(source)
+    try:
+        if text.startswith("runs:/"):
+            return text.removeprefix("runs:/").split("/")[0] or None
+        if text.startswith("models:/"):
+            client, ref = MlflowClient(tracking_uri()), text.removeprefix("models:/").strip("/")
+            name, at, alias = ref.partition("@")
+            if at:
+                return client.get_model_version_by_alias(name, alias).run_id
+            name, _, version = ref.partition("/")
+            if version:
+                return client.get_model_version(name, version).run_id
+            return client.get_logged_model(name).source_run_id
+        path = Path(source)
+        if is_uri(source) or not path.is_dir():
+            return None
+        if (path / "MLmodel").is_file():
+            from mlflow.models import Model
+
+            return Model.load(str(path / "MLmodel")).run_id
+        if (path / RECORD).is_file():
+            return json.loads((path / RECORD).read_text()).get("run_id")
+    except (MlflowException, OSError, ValueError):
+        return None
+    return None
+
+
+def tracking_env(model: str | Path) -> tuple[dict[str, str], dict[str, str]]:
+    """(environment, tags) for the run of a step that uses `model` (`bert predict`, `bert
+    embed`). Its experiment follows every step's rule (`tracking.start_run`): nested under
+    the pipeline's run (`BERT_PARENT_RUN_ID`), else MLFLOW_EXPERIMENT_NAME when set; and,
+    where neither says, the experiment of the run that logged the model (a `make run` model's
+    predictions beside it in bert-pipeline), not the catch-all default `bert`. The tag
+    `bert.model_run_id` names that run."""
+    run_id = model_run(model)
+    if run_id is None:
+        return {}, {}
+    tags = {"bert.model_run_id": run_id}
+    if os.environ.get("BERT_PARENT_RUN_ID") or os.environ.get("MLFLOW_EXPERIMENT_NAME"):
+        return {}, tags
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from bert_core.tracking import tracking_uri
+
+    client = MlflowClient(tracking_uri())
+    try:
+        experiment = client.get_experiment(client.get_run(run_id).info.experiment_id)
+    except MlflowException:  # a run of another store (a folder copied from elsewhere)
+        return {}, {}
+    return {"MLFLOW_EXPERIMENT_NAME": experiment.name}, tags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     from bert_core.storage import check_apart, local_copy
 
     check_apart({"--output": args.output}, {"--input": args.input, "--model": args.model})
-    from bert_core.tracking import start_run
+    from bert_core.tracking import environ, start_run
 
     params = {"model": args.model, "input": args.input, "output": str(args.output)}
-    with start_run("predict", params | {"chunk_size": args.chunk_size}):
+    env, tags = tracking_env(args.model)
+    with environ(env), start_run("predict", params | {"chunk_size": args.chunk_size}, tags):
         import mlflow
 
         predictor = load(args.model, {k: getattr(args, k) for k in OVERRIDES})

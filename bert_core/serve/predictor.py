@@ -89,6 +89,8 @@ class Predictor:
         self.tokenizer.no_truncation()  # too long is cut or windowed by the task's code
         self.model = self.load_model().to(self.device).eval()
         self.config: BertConfig = self.model.config
+        # this model's columns: a classifier of a known GLUE task narrows them (`fields`)
+        self.inputs, self.optional = type(self).fields(self.config.to_dict())
         self.max_seq_length = min(
             self.settings.max_seq_length or self.default_max_seq_length,
             self.config.max_position_embeddings,
@@ -98,6 +100,13 @@ class Predictor:
         from bert_core.model import heads
 
         return getattr(heads, self.head).from_pretrained(self.model_dir)
+
+    @classmethod
+    def fields(cls, config: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(required, optional) input columns of the model of `config` (config.json): the
+        kind's `inputs` and `optional`, unless the model's task says more (`TextClassifier`).
+        The MLflow signature, `bert predict`'s checks and every answer use these."""
+        return cls.inputs, cls.optional
 
     @classmethod
     def output_types(cls, config: dict) -> dict[str, Any]:
@@ -124,20 +133,17 @@ class Predictor:
         with torch.inference_mode():
             return self.answer(columns)
 
-    def file_fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(required, optional) columns of a file of inputs (`bert predict`): `inputs` and
-        `optional`; a classifier of a known task narrows them (`TextClassifier`)."""
-        return self.inputs, self.optional
+    def takes(self) -> str:
+        """The model's columns in words: `text, text_pair` or `text, optional text_pair`."""
+        return ", ".join(self.inputs) + "".join(f", optional {c}" for c in self.optional)
 
-    def missing(self, have: list[str], fields=None) -> BadInput | None:
-        """The error for columns `have` lacking required ones of `fields` ((required, optional),
-        default `inputs` and `optional`), naming what the model reads; None when complete."""
-        required, optional = fields or (self.inputs, self.optional)
-        missing = [c for c in required if c not in have]
+    def missing(self, have: list[str]) -> BadInput | None:
+        """The error for columns `have` lacking required ones, naming what the model reads (and
+        the task it was fine-tuned on); None when complete."""
+        missing = [c for c in self.inputs if c not in have]
         if not missing:
             return None
-        want = ", ".join(required) + "".join(f", optional {c}" for c in optional)
-        task = self.config.finetuning_task if fields else None
+        want, task = self.takes(), self.config.finetuning_task
         return BadInput(
             f"missing column {', '.join(map(repr, missing))}: this {self.kind} model"
             f"{f' (fine-tuned on {task})' if task else ''} reads "

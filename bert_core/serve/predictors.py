@@ -6,8 +6,9 @@ answer are the same computation. Each class reuses its task's fine-tuning code (
 collate, the length-sorted `engine.predict_batches` loop), so inference sees inputs exactly as
 the dev set did during fine-tuning:
 
-- `TextClassifier` (GLUE, `BertForSequenceClassification`): `text` [+ `text_pair`] -> `label`,
-  its probability `score` and every label's `probabilities`; a regression head (STS-B) -> `score`.
+- `TextClassifier` (GLUE, `BertForSequenceClassification`): `text` (single-sentence tasks) or
+  `text` + `text_pair` (pair tasks) -> `label` (config.json's label name: `positive`), its
+  probability `score` and every label's `probabilities`; a regression head (STS-B) -> `score`.
 - `EntityTagger` (CoNLL-2003, `BertForTokenClassification`): `text` -> `entities`, each with its
   type, text, character offsets and mean word probability.
 - `QuestionAnswerer` (SQuAD, `BertForQuestionAnswering`): `question` + `context` -> `answer`,
@@ -75,12 +76,14 @@ class TextClassifier(Predictor):
         if self.config.num_labels == 1:
             self.kind = "regression"
 
-    def file_fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """A model of a known GLUE task reads a file's `text` and `text_pair` both (a pair
-        task) or `text` only; `text_pair` stays optional per row, and for other models."""
-        pair = pair_task(self.config.to_dict())
+    @classmethod
+    def fields(cls, config: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """A model of a known GLUE task reads `text` and `text_pair` both, in every row (a pair
+        task: MRPC, QQP, STS-B, MNLI, QNLI, RTE, WNLI), or `text` only (CoLA, SST-2: a
+        `text_pair` is not read); another classifier `text` and an optional `text_pair`."""
+        pair = pair_task(config)
         if pair is None:
-            return super().file_fields()
+            return super().fields(config)
         return (("text", "text_pair") if pair else ("text",)), ()
 
     @classmethod

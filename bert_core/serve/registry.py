@@ -49,12 +49,13 @@ def model_name(task: str, template: str | None = None) -> str | None:
 
 def log_finetuned(out: Path, result: dict) -> dict:
     """In `bert finetune`'s open MLflow run: log `out/model` as an MLflow model with the run's
-    inference settings, and write `out/mlflow_model.json` (its URI, the run, and the registered
-    model it is meant for: none for a random-init control, a measurement rather than a
-    candidate for the task's model). Returns that record; nothing is registered yet."""
-    from bert_core.serve.mlflow_model import log_model
+    inference settings (`mlflow_model.inference_settings`: SQuAD 2.0's tuned null threshold
+    too), and write `out/mlflow_model.json` (its URI, the run, and the registered model it is
+    meant for: none for a random-init control, a measurement rather than a candidate for the
+    task's model). Returns that record; nothing is registered yet."""
+    from bert_core.serve.mlflow_model import inference_settings, log_model
 
-    info = log_model(out / "model", result.get("config"))
+    info = log_model(out / "model", inference_settings(result))
     record: dict[str, Any] = {"model_uri": info.model_uri, "run_id": info.run_id}
     name, alias = model_name(result["task"]), os.environ.get(ALIAS_ENV) or None
     if name is not None and result.get("init", "pretrained") != "random":

@@ -82,10 +82,10 @@ def test_tiny_bert_beats_majority_on_real_sst2(tmp_path, shared_data, tiny_dir, 
 
     # The saved model is the best epoch's: reloaded, it makes exactly those predictions.
     model = BertForSequenceClassification.from_pretrained(out / "model")
-    assert json.loads((out / "model" / "config.json").read_text())["id2label"] == {
-        "0": "0",
-        "1": "1",
-    }
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["id2label"] == {"0": "negative", "1": "positive"}  # the data's 0 and 1
+    assert config["label2id"] == {"negative": 0, "positive": 1}
+    assert config["problem_type"] == "single_label_classification"
     feats = featurize(get_task("SST-2"), dev, load_tokenizer(out / "model"), 64)
     preds = to_predictions(get_task("SST-2"), predict(model, feats, torch.device("cpu"), 256))
     assert [str(p) for p in preds] == [r[3] for r in rows[1:]]
@@ -121,13 +121,15 @@ def _rte(root, n_train=64):
     (root / "test.tsv").write_text("".join("\t".join(r) + "\n" for r in test))
 
 
-def test_pair_task_writes_glue_submission(tmp_path, tiny_dir, mlflow_env):
+def test_pair_task_writes_glue_submission(tmp_path, tiny_dir, mlflow_env, capsys):
     data = tmp_path / "RTE"
     data.mkdir()
     _rte(data)
     out = tmp_path / "out"
     argv = ["finetune", "--task", "rte", "--data", str(data), "--model", str(tiny_dir)]
     assert cli.main([*argv, "--output", str(out), "--epochs", "1", "--batch-size", "16"]) == 0
+    printed = capsys.readouterr()  # stderr is no terminal (a KFP pod's log): no progress bar
+    assert "finetune RTE" not in printed.err and "epoch 1: train_loss" in printed.out
     rows = _read_tsv(out / "submission" / "RTE.tsv")
     assert rows[0] == ["index", "prediction"]
     assert [r[0] for r in rows[1:]] == ["100", "101", "102", "103", "104"]
@@ -154,6 +156,18 @@ def test_regression_task_sts_b(tmp_path, shared_data, tiny_dir, mlflow_env):
     # Predictions are written to 3 places; the metric recomputed from the file agrees.
     got = compute_metrics(get_task("STS-B"), preds, labels)
     assert got["spearman"] == pytest.approx(result["metrics"]["spearman"], abs=0.02)
+    # config.json says it is a regression, as transformers reads it; the model takes pairs
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert (config["problem_type"], config["num_labels"]) == ("regression", 1)
+    assert config["id2label"] == {"0": "LABEL_0"} and config["label2id"] == {"LABEL_0": 0}
+    import transformers
+
+    theirs = transformers.AutoConfig.from_pretrained(str(out / "model"))
+    assert (theirs.problem_type, theirs.num_labels) == ("regression", 1)
+    from bert_core.serve.mlflow_model import signature
+
+    inputs = signature(config).inputs.inputs
+    assert [(c.name, c.required) for c in inputs] == [("text", True), ("text_pair", True)]
 
 
 def _tokens(tokenizer, feats, i):

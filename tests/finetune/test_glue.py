@@ -10,7 +10,9 @@ import pytest
 
 from bert_core.errors import InputError
 from bert_core.finetune.tasks.glue_data import (
+    NLI2,
     TASKS,
+    Example,
     compute_metrics,
     get_task,
     glue_score,
@@ -331,3 +333,59 @@ def test_submission_names():
         "RTE.tsv",
         "WNLI.tsv",
     ]
+
+
+NAMES = {
+    "CoLA": ("unacceptable", "acceptable"),
+    "SST-2": ("negative", "positive"),
+    "MRPC": ("not_equivalent", "equivalent"),
+    "QQP": ("not_duplicate", "duplicate"),
+    "MNLI": ("contradiction", "entailment", "neutral"),
+    "QNLI": ("entailment", "not_entailment"),
+    "RTE": ("entailment", "not_entailment"),
+    "WNLI": ("not_entailment", "entailment"),
+    "STS-B": (),
+}
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_label_names_say_what_the_data_values_mean(name, tiny_dir):
+    """config.json's id2label/label2id carry the label names (SST-2: negative, positive), one
+    set per task; the data's values keep their ids (the targets, hence the metrics) and GLUE's
+    submission files keep the values GLUE's server reads."""
+    from bert_core.finetune.engine import model_config
+    from bert_core.finetune.tasks.glue import GlueFinetune
+
+    task = get_task(name)
+    assert task.label_names == NAMES[name]
+    config = model_config(GlueFinetune(name), tiny_dir)
+    if task.is_regression:
+        assert config.id2label is None and config.num_labels == 1
+        return
+    assert config.id2label == dict(enumerate(NAMES[name]))
+    assert config.label2id == {n: i for i, n in enumerate(NAMES[name])}
+    ids = np.arange(len(task.labels))
+    examples = [Example(str(i), "a", None, value) for i, value in enumerate(task.labels)]
+    assert label_ids(task, examples).tolist() == ids.tolist()
+    assert prediction_names(task, ids) == list(task.labels)  # "0"/"1" for SST-2's server
+    assert task.labels == ({"MNLI": task.label_names, "QNLI": NLI2, "RTE": NLI2}.get(name)
+                           or ("0", "1"))  # fmt: skip
+
+
+def test_binary_names_match_the_data(shared_data):
+    """What 1 means, read off rows of the shared files: WNLI's first pair is entailed, CoLA's
+    first sentence acceptable, MRPC's first pair paraphrases, SST-2's second row negative."""
+    glue = shared_data / "glue"
+    first = {n: read_task(get_task(n), glue / n, "train")["train"] for n in ("WNLI", "CoLA")}
+    wnli = first["WNLI"][0]
+    assert wnli.text_b == "The carrot had a hole." and wnli.label == "1"
+    assert get_task("WNLI").label_names[int(wnli.label)] == "entailment"
+    cola = first["CoLA"][0]
+    assert cola.text_a.startswith("our friends wo n't buy") and cola.label == "1"
+    assert get_task("CoLA").label_names[1] == "acceptable"
+    sst2 = read_task(get_task("SST-2"), glue / "SST-2", "train")["train"][1]
+    assert sst2.text_a == "contains no wit , only labored gags" and sst2.label == "0"
+    assert get_task("SST-2").label_names[0] == "negative"
+    mrpc = read_task(get_task("MRPC"), glue / "MRPC", "train")["train"][0]
+    assert mrpc.text_a.startswith("Amrozi accused his brother") and mrpc.label == "1"
+    assert get_task("MRPC").label_names[1] == "equivalent"

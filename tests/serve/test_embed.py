@@ -57,7 +57,13 @@ def test_embed_equals_transformers_hidden_states(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.chdir(tmp_path)
     tokens, states = reference
-    per_token = run_embed(tmp_path, minilm_dir, capsys, "--layers", "last4")  # concat, none
+    # the default: one vector per row, the mean of the last layer over the row's tokens (the
+    # mean pooling MiniLM was trained for), no per-token columns
+    default = run_embed(tmp_path, minilm_dir, capsys)
+    assert set(default[0]) == {"row", "id", "num_tokens", "vector"}
+    for row, hs in zip(default, states, strict=True):
+        np.testing.assert_allclose(np.array(row["vector"]), hs[-1][0].mean(0).numpy(), atol=2e-4)
+    per_token = run_embed(tmp_path, minilm_dir, capsys, "--layers", "last4", "--pooling", "none")
     for row, toks, hs in zip(per_token, tokens, states, strict=True):
         assert row["tokens"] == toks and row["num_tokens"] == len(toks)
         want = torch.cat(hs[-4:], dim=-1)[0].numpy()

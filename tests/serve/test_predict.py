@@ -73,8 +73,10 @@ def test_every_format_any_chunking_same_answers(env, capsys):
         argv = ["predict", "--model", model, "--input", str(files[fmt]), "--output", str(out)]
         argv += ["--chunk-size", str(chunk), "--batch-size", "2"]
         assert cli.main(argv + (["--column", "text=sentence"] if fmt == "tsv" else [])) == 0
-        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        printed = capsys.readouterr()
+        summary = json.loads(printed.out.strip().splitlines()[-1])
         assert summary["rows"] == len(SENTENCES) and summary["kind"] == "classification"
+        assert "predict:" not in printed.err  # stderr is no terminal: no progress bar
         got = read_output(out)
         assert [r["row"] for r in got] == list(range(len(SENTENCES)))
         assert [r.get("id") for r in got] == (
@@ -126,8 +128,8 @@ def test_bad_rows_name_file_and_line_and_leave_no_output(env, capsys):
         (
             bad,
             [],
-            f"{bad}: missing column 'text': this classification model reads the columns "
-            "text, optional text_pair (got sentence, label) (`--column MODEL=FILE`",
+            f"{bad}: missing column 'text': this classification model (fine-tuned on SST-2) "
+            "reads the columns text (got sentence, label); `--column MODEL=FILE`",
         ),  # fmt: skip
         (bad, ["--column", "text=sentence", "--max-chars", "3"], f"{bad}:2: 'text' has 4"),
     ]

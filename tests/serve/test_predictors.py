@@ -8,6 +8,7 @@ SQuAD questions (transformers' QA pipeline decodes differently: no max-context r
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -56,14 +57,34 @@ def test_classification_probabilities_equal_transformers(folders):
         assert o["score"] == max(o["probabilities"].values())
 
 
-def test_sentence_pairs_and_regression(folders):
-    pairs = pd.DataFrame({"text": SENTENCES[:2], "text_pair": [SENTENCES[2], None]})
-    ours = load_predictor(folders["pair"]).predict(pairs)
+def test_sentence_pairs_and_regression(folders, tmp_path):
+    pairs = pd.DataFrame({"text": SENTENCES[:2], "text_pair": [SENTENCES[2], SENTENCES[0]]})
+    mrpc = load_predictor(folders["pair"])
+    assert (mrpc.inputs, mrpc.optional) == (("text", "text_pair"), ())  # a pair task: both
     pipe = hf_pipeline("text-classification", folders["pair"], top_k=None)
-    theirs = [pipe({"text": SENTENCES[0], "text_pair": SENTENCES[2]}), pipe([SENTENCES[1]])[0]]
+    theirs = [pipe({"text": a, "text_pair": b}) for a, b in zip(*pairs.T.values, strict=True)]
+    for o, t in zip(mrpc.predict(pairs), theirs, strict=True):
+        assert o["probabilities"] == pytest.approx({x["label"]: x["score"] for x in t}, abs=1e-5)
+    # a pair task's row without its second sentence is refused, not answered as one sentence
+    with pytest.raises(BadInput, match="row 1: 'text_pair' is missing"):
+        mrpc.predict(pd.DataFrame({"text": SENTENCES[:2], "text_pair": [SENTENCES[2], None]}))
+    # a single-sentence task's model reads no text_pair; one of no known task may have one
+    sst2 = load_predictor(folders["classification"])
+    assert (sst2.inputs, sst2.optional) == (("text",), ())
+    assert sst2.predict(pairs) == sst2.predict(pairs[["text"]])
+    other = tmp_path / "other"
+    shutil.copytree(folders["pair"], other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"finetuning_task": "my-task"}))
+    either = load_predictor(other)
+    assert (either.inputs, either.optional) == (("text",), ("text_pair",))
+    ours = either.predict(pd.DataFrame({"text": SENTENCES[:2], "text_pair": [SENTENCES[2], None]}))
+    theirs = [theirs[0], pipe([SENTENCES[1]])[0]]
     for o, t in zip(ours, theirs, strict=True):
         assert o["probabilities"] == pytest.approx({x["label"]: x["score"] for x in t}, abs=1e-5)
-    (score,) = load_predictor(folders["regression"]).predict(pd.DataFrame({"text": ["a b"]}))
+    stsb = load_predictor(folders["regression"])
+    assert stsb.kind == "regression" and stsb.inputs == ("text", "text_pair")
+    (score,) = stsb.predict(pd.DataFrame({"text": ["a b"], "text_pair": ["c"]}))
     assert set(score) == {"score"} and isinstance(score["score"], float)
 
 
@@ -129,7 +150,9 @@ def test_fill_mask_equals_transformers(folders):
     (first,) = [pipe(texts[0])]
     assert ours[0]["masks"][0]["tokens"][0] == first[0]["token_str"]
     assert ours[0]["masks"][0]["scores"] == pytest.approx([x["score"] for x in first], abs=1e-6)
-    assert ours[0]["filled"] == texts[0].replace("[MASK]", first[0]["token_str"])
+    # the mask's place takes the best piece as text (a `##` continuation piece without `##`)
+    best = first[0]["token_str"].removeprefix("##")
+    assert ours[0]["filled"] == texts[0].replace("[MASK]", best)
     both = pipe(texts[1])  # one list per mask, in order
     assert [m["start"] for m in ours[1]["masks"]] == [0, 19]
     for mask, want in zip(ours[1]["masks"], both, strict=True):

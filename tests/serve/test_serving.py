@@ -198,3 +198,128 @@ def test_registered_model_names():
     assert registry.model_name("squad_v2") == "bert-squadv2"
     assert registry.model_name("STS-B", "team-{task}-bert") == "team-stsb-bert"
     assert registry.model_name("SST-2", "none") is None
+
+
+SINGLE, PAIR = ("CoLA", "SST-2"), ("MRPC", "QQP", "STS-B", "MNLI", "QNLI", "RTE", "WNLI")
+
+
+@pytest.mark.parametrize(
+    "head,task,required,optional",
+    [("BertForSequenceClassification", t, ("text",), ()) for t in SINGLE]
+    + [("BertForSequenceClassification", t, ("text", "text_pair"), ()) for t in PAIR]
+    + [
+        ("BertForSequenceClassification", None, ("text",), ("text_pair",)),  # no known task
+        ("BertForTokenClassification", "conll2003", ("text",), ()),
+        ("BertForQuestionAnswering", "squad_v2", ("question", "context"), ()),
+        ("BertForMultipleChoice", "swag", ("context", *(f"ending{i}" for i in range(4))),
+         ("start",)),
+        ("BertForPreTraining", None, ("text",), ()),
+    ],
+)  # fmt: skip
+def test_each_model_signature_and_example_are_its_tasks(head, task, required, optional):
+    """A single-sentence task's model takes `text` only, a pair task's `text` and `text_pair`
+    both required; the input example has exactly the required columns (and SWAG's `start`)."""
+    config = {"architectures": [head], "finetuning_task": task}
+    inputs = serving.signature(config).inputs
+    assert tuple(c.name for c in inputs.inputs if c.required) == required
+    assert tuple(c.name for c in inputs.inputs if not c.required) == optional
+    example = serving.predictor_class(config).example(config)
+    assert set(required) <= set(example) <= set(required) | set(optional)
+
+
+def squad_v2_output(root, minilm_dir, threshold):
+    """A `bert finetune --task squad_v2` output whose model answers every question with null
+    odds 0 (its head all zeros: the null and every span score 0): the default threshold 0
+    answers a span (odds 0 is not > 0), a tuned threshold below 0 answers ""."""
+    import torch
+
+    from bert_core.model import heads
+
+    model = heads.BertForQuestionAnswering.from_pretrained(
+        minilm_dir, num_labels=2, finetuning_task="squad_v2"
+    )
+    torch.nn.init.zeros_(model.qa_outputs.weight)
+    torch.nn.init.zeros_(model.qa_outputs.bias)
+    model.save_pretrained(root / "model", vocab_file=minilm_dir / "vocab.txt")
+    result = {"task": "squad_v2", "config": {"max_seq_length": 64, "doc_stride": 32,
+                                             "null_score_diff_threshold": 0.0},
+              "metrics": {"f1": 0.5, "best_f1": 0.6, "best_f1_thresh": threshold}, "score": 0.5}
+    (root / "metrics.json").write_text(json.dumps(result))  # fmt: skip
+    return root, result
+
+
+def test_squad_v2_tuned_threshold_travels_with_the_model(tracking, minilm_dir, capsys):
+    """best_f1_thresh of metrics.json is the threshold `bert predict` and the MLflow model
+    answer with: "" where the model folder alone (threshold 0) answers a span."""
+    out, result = squad_v2_output(tracking / "squad_v2", minilm_dir, -1.0)
+    row = {"question": "Where was the treaty signed?",
+           "context": "After months of talks, the treaty was signed in Lisbon."}  # fmt: skip
+    (span,) = load_predictor(out / "model").predict(pd.DataFrame([row]))
+    assert span["answer"] != "" and row["context"][span["start"] : span["end"]] == span["answer"]
+    assert serving.inference_settings(result)["null_score_diff_threshold"] == -1.0
+
+    (tracking / "qa.jsonl").write_text(json.dumps(row) + "\n")
+    argv = ["predict", "--model", str(out), "--input", str(tracking / "qa.jsonl")]
+    for extra, want in (([], ""), (["--null-score-diff-threshold", "0"], span["answer"])):
+        target = tracking / f"qa-{len(extra)}.jsonl"
+        assert cli.main([*argv, "--output", str(target), *extra]) == 0
+        assert json.loads(target.read_text())["answer"] == want
+    capsys.readouterr()
+
+    with mlflow.start_run(experiment_id=mlflow.set_experiment("serving").experiment_id) as run:
+        record = registry.log_finetuned(out, result)
+    model = mlflow.pyfunc.load_model(record["model_uri"])
+    assert model.predict(pd.DataFrame([row]))[0]["answer"] == ""
+    params = MlflowClient().get_run(run.info.run_id).data.params
+    assert float(params["inference/null_score_diff_threshold"]) == -1.0
+
+
+def test_predict_logs_where_its_model_was_logged(tracking, minilm_dir, monkeypatch, capsys):
+    """`bert predict`'s run goes where `tracking.start_run` says (MLFLOW_EXPERIMENT_NAME, the
+    parent run's), and where neither is set, into the experiment of the run that logged the
+    model, tagged with that run: not into the catch-all `bert`. Every way to name the model."""
+    import shutil
+
+    client = MlflowClient()
+    folder = build("classification", minilm_dir, tracking / "exp" / "model")
+    with mlflow.start_run(experiment_id=mlflow.set_experiment("models").experiment_id) as run:
+        info = serving.log_model(folder, {})
+    version = registry.register(info.model_uri, "exp-sst2", {"task": "SST-2", "score": 1.0},
+                                alias="champion")  # fmt: skip
+    output = tracking / "exp-output"  # a `bert finetune` output: model/, metrics.json, record
+    shutil.copytree(folder, output / "model")
+    (output / "metrics.json").write_text(json.dumps({"config": {}}))
+    (output / registry.RECORD).write_text(json.dumps({"run_id": run.info.run_id}))
+    (tracking / "in.txt").write_text("a gripping , funny film\n")
+
+    def predict_run(model):
+        out = tracking / "pred.jsonl"
+        out.unlink(missing_ok=True)
+        argv = ["predict", "--model", model, "--input", str(tracking / "in.txt")]
+        assert cli.main([*argv, "--output", str(out)]) == 0
+        capsys.readouterr()
+        (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
+                                    filter_string="tags.`bert.step` = 'predict'",
+                                    order_by=["attributes.start_time DESC"], max_results=1)
+        return client.get_experiment(run.info.experiment_id).name, run.data.tags  # fmt: skip
+
+    models = [info.model_uri, f"runs:/{run.info.run_id}/model", str(output),
+              "models:/exp-sst2@champion", f"models:/exp-sst2/{version.version}"]  # fmt: skip
+    try:
+        for model in models:
+            name, tags = predict_run(model)
+            assert (name, tags["bert.model_run_id"]) == ("models", run.info.run_id), model
+        assert predict_run(str(folder))[0] == "bert"  # a bare folder: no run to follow
+        monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "my-project")
+        assert predict_run(info.model_uri)[0] == "my-project"  # the environment says
+    finally:
+        mlflow.set_experiment("serving")
+
+
+def test_artifact_progress_bars_only_on_a_terminal(monkeypatch):
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    serving.quiet_progress()  # pytest's stderr is no terminal, as a KFP pod's log
+    assert os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == "false"
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "true")
+    serving.quiet_progress()  # the environment wins
+    assert os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == "true"

@@ -126,8 +126,12 @@ class GlueFinetune(FinetuneTask):
     def __init__(self, name: str):
         self.glue = get_task(name)
         super().__init__(self.glue.name)
-        self.labels = self.glue.labels or None  # STS-B (regression) has no label names
+        # config.json's id2label: what the labels mean (SST-2: negative, positive), the data's
+        # values (0, 1) stay the targets' ids; STS-B (regression) has no label names
+        self.labels = self.glue.label_names or None
         self.num_labels = self.glue.num_labels
+        regression = self.glue.is_regression
+        self.problem_type = "regression" if regression else "single_label_classification"
 
     def prepare(self, data_dir: Path, tokenizer, cfg) -> dict:
         task, n_train = self.glue, cfg.max_train_examples

@@ -59,16 +59,22 @@ class Split:
 @dataclass(frozen=True)
 class GlueTask:
     name: str
-    labels: tuple[str, ...]  # label names in id order; () for regression (STS-B)
+    labels: tuple[str, ...]  # the data's label values in id order; () for regression (STS-B)
     metrics: tuple[str, ...]  # official metrics, computed on every dev split
     train: Split
     dev: tuple[Split, ...]
     test: tuple[Split, ...]
     paper_metric: str  # the one number BERT's Table 1 shows for the task
+    names: tuple[str, ...] = ()  # what each label means, in id order; () when the values say it
 
     @property
     def is_regression(self) -> bool:
         return not self.labels
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        """The labels as config.json's `id2label` and a model's answers name them."""
+        return self.names or self.labels
 
     @property
     def num_labels(self) -> int:
@@ -93,6 +99,15 @@ class Example:
 BINARY = ("0", "1")
 NLI2 = ("entailment", "not_entailment")
 MNLI_LABELS = ("contradiction", "entailment", "neutral")
+# What 0 and 1 mean (GLUE's papers and files; the names of the `glue` set on the Hugging Face
+# Hub): the data keep their values, a model's config.json and answers say these names.
+BINARY_NAMES = {
+    "CoLA": ("unacceptable", "acceptable"),
+    "SST-2": ("negative", "positive"),
+    "MRPC": ("not_equivalent", "equivalent"),
+    "QQP": ("not_duplicate", "duplicate"),
+    "WNLI": ("not_entailment", "entailment"),  # 1: sentence 2 follows from sentence 1
+}
 
 
 def _single(name: str, train: Layout, test: Layout) -> tuple[Split, tuple, tuple]:
@@ -103,9 +118,11 @@ def _single(name: str, train: Layout, test: Layout) -> tuple[Split, tuple, tuple
     )
 
 
-def _task(name: str, labels, metrics, train: Layout, test: Layout, paper_metric: str) -> GlueTask:
+def _task(
+    name: str, labels, metrics, train: Layout, test: Layout, paper_metric: str, names=()
+) -> GlueTask:
     tr, dev, te = _single(name, train, test)
-    return GlueTask(name, labels, metrics, tr, dev, te, paper_metric)
+    return GlueTask(name, labels, metrics, tr, dev, te, paper_metric, names)
 
 
 def _pair_indexed(a: str, b: str) -> tuple[Layout, Layout]:
@@ -133,6 +150,7 @@ TASKS: dict[str, GlueTask] = {
             Layout((), text_a=3, label=1),
             _INDEX_SENTENCE,
             "mcc",
+            BINARY_NAMES["CoLA"],
         ),
         # SST-2: `sentence label`; test `index sentence`.
         _task(
@@ -142,6 +160,7 @@ TASKS: dict[str, GlueTask] = {
             Layout(("sentence", "label"), text_a=0, label=1),
             _INDEX_SENTENCE,
             "accuracy",
+            BINARY_NAMES["SST-2"],
         ),
         # MRPC: `Quality #1 ID #2 ID #1 String #2 String`; test `index #1 ID #2 ID #1 .. #2 ..`.
         _task(
@@ -151,6 +170,7 @@ TASKS: dict[str, GlueTask] = {
             Layout(_MRPC, text_a=3, text_b=4, label=0),
             Layout(("index", *_MRPC[1:]), text_a=3, text_b=4, index=0),
             "f1",
+            BINARY_NAMES["MRPC"],
         ),
         # STS-B: `index genre filename year old_index source1 source2 sentence1 sentence2 score`.
         _task(
@@ -169,6 +189,7 @@ TASKS: dict[str, GlueTask] = {
             Layout(_QQP, text_a=3, text_b=4, label=5),
             Layout(("id", "question1", "question2"), text_a=1, text_b=2, index=0),
             "f1",
+            BINARY_NAMES["QQP"],
         ),
         # MNLI: sentence1/sentence2 at 8/9, gold_label last (train 12 columns, dev 16).
         GlueTask(
@@ -196,7 +217,8 @@ TASKS: dict[str, GlueTask] = {
         # QNLI: `index question sentence label`; RTE, WNLI: `index sentence1 sentence2 label`.
         _task("QNLI", NLI2, ("accuracy",), *_pair_indexed("question", "sentence"), "accuracy"),
         _task("RTE", NLI2, ("accuracy",), *_pair_indexed("sentence1", "sentence2"), "accuracy"),
-        _task("WNLI", BINARY, ("accuracy",), *_pair_indexed("sentence1", "sentence2"), "accuracy"),
+        _task("WNLI", BINARY, ("accuracy",), *_pair_indexed("sentence1", "sentence2"), "accuracy",
+              BINARY_NAMES["WNLI"]),
     ]
 }
 

@@ -106,7 +106,7 @@ class _Progress:
         from tqdm import tqdm
 
         self.queue, self.control = Queue(), Queue()
-        self.bar = tqdm(total=total, desc="pretrain", unit="step", dynamic_ncols=True)
+        self.bar = tqdm(total=total, desc="pretrain", unit="step", dynamic_ncols=True, disable=None)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

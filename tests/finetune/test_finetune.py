@@ -140,11 +140,16 @@ def test_pair_task_writes_glue_submission(tmp_path, tiny_dir, mlflow_env, capsys
     assert set(preds) <= {"entailment", "not_entailment"} and len(preds) == 16
 
 
-def test_regression_task_sts_b(tmp_path, shared_data, tiny_dir, mlflow_env):
-    # The tiny model carries a 2-way head: fine-tuning on STS-B replaces it with a 1-output one.
+def test_regression_task_sts_b(tmp_path, shared_data, minilm_dir, mlflow_env):
+    # A MiniLM classifier with a 2-way head: fine-tuning on STS-B replaces it with a 1-output
+    # one. Real weights, so the pairs get scores the file's 3 places can tell apart (a random
+    # tiny encoder gives every pair nearly the same one).
+    from tests.serving_helpers import build
+
+    model = build("classification", minilm_dir, tmp_path / "classifier")
     out = tmp_path / "stsb"
     argv = ["finetune", "--task", "STS-B", "--data", str(shared_data / "glue" / "STS-B")]
-    argv += ["--model", str(tiny_dir), "--output", str(out), "--epochs", "1"]
+    argv += ["--model", str(model), "--output", str(out), "--epochs", "1"]
     argv += ["--max-train-examples", "64", "--max-eval-examples", "48", "--max-seq-length", "32"]
     assert cli.main(argv) == 0
     result = json.loads((out / "metrics.json").read_text())
@@ -153,6 +158,7 @@ def test_regression_task_sts_b(tmp_path, shared_data, tiny_dir, mlflow_env):
     rows = _read_tsv(out / "dev_predictions.tsv")[1:]
     labels = np.array([float(r[2]) for r in rows])
     preds = np.array([float(r[3]) for r in rows])
+    assert len(set(preds)) > 10, preds  # not one score for every pair
     # Predictions are written to 3 places; the metric recomputed from the file agrees.
     got = compute_metrics(get_task("STS-B"), preds, labels)
     assert got["spearman"] == pytest.approx(result["metrics"]["spearman"], abs=0.02)

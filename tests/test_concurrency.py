@@ -470,4 +470,4 @@ def test_two_finetunes_at_once_on_one_new_sqlite_store(tmp_path, shared_data, ti
         assert run.data.metrics["dev_accuracy"] == pytest.approx(result["metrics"]["accuracy"])
         record = json.loads((out / "mlflow_model.json").read_text())
         assert record["run_id"] == run.info.run_id  # its own run's model, its own version
-        assert run.data.tags["bert.model_version"] == versions[run.info.run_id].version
+        assert run.data.tags["bert.model_version"] == str(versions[run.info.run_id].version)

@@ -32,18 +32,17 @@ import http.client
 import importlib.util
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+
+from tests.serving_helpers import free_port, stop_server, wait_until_up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,41 +66,10 @@ def log_model(root: Path) -> str:
         return log(root / "model").model_uri
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(name: str, cmd: list[str], root: Path, env: dict) -> subprocess.Popen:
     with open(root / f"{name}.log", "w") as out:  # its own session: stopped with its workers
         return subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
-
-
-def wait_until_up(proc: subprocess.Popen, port: int, log: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    sys.exit(f"server not up after {timeout} s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def body(sentence: str) -> bytes:
@@ -202,7 +170,7 @@ def main() -> None:
     procs = {side: start(side, cmd, root, env) for side, cmd in cmds.items()}
     try:
         for side, proc in procs.items():
-            wait_until_up(proc, ports[side], root / f"{side}.log")
+            wait_until_up(proc, ports[side], root / f"{side}.log", timeout=300)
             load(ports[side], payloads[:64], 8, 3.0)  # warm-up: first-call allocations
         rounds: dict[str, list] = {"ours": [], "mlflow": []}
         load_avg = os.getloadavg()[0]
@@ -215,7 +183,7 @@ def main() -> None:
                                                 labels(ports["mlflow"], first), strict=True)])
     finally:
         for proc in procs.values():
-            stop(proc)
+            stop_server(proc)
     ours, ref = summary(rounds["ours"]), summary(rounds["mlflow"])
     result = {
         "clients": args.clients, "duration_s_per_side": args.duration, "rounds": args.rounds,

@@ -9,6 +9,12 @@ so that no two candidates tie.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -57,3 +63,48 @@ def build(kind: str, minilm_dir: Path, dest: Path, seed: int = 0) -> Path:
         torch.nn.init.normal_(model.cls.predictions.transform.dense.weight, std=0.2)
     model.save_pretrained(dest, vocab_file=minilm_dir / "vocab.txt")
     return dest
+
+
+# ---------------------------------------------------------------- a model server in a subprocess
+# (`bert serve` and `mlflow models serve`, started in their own session by the serving tests and
+# bench/serve_load.py)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_up(proc: subprocess.Popen, port: int, log: Path, timeout: float) -> None:
+    """Until the server on `port` answers /ping with 200; an AssertionError with the end of
+    its `log` when it exits first or is not up within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:  # URLError, a refused or reset connection, a timeout
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"server not up after {timeout} s:\n{_tail(log)}")
+
+
+def _tail(log: Path) -> str:
+    return log.read_text()[-3000:]
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """SIGTERM to the server's process group (it and its uvicorn workers), SIGKILL after
+    `timeout` seconds; returns its exit code."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode

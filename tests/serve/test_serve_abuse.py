@@ -30,19 +30,13 @@ import pytest
 
 from bert_core.serve import mlflow_model as serving
 from bert_core.serve.batching import BatchedModel
-from tests.serving_helpers import build
+from tests.serving_helpers import build, free_port, stop_server, wait_until_up
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # a real server: about 30 s on 2 cores
 LIMITS = ["--max-body-bytes", "65536", "--max-concurrency", "2", "--max-chars", "1000",
           "--body-timeout", "5"]  # fmt: skip
 GOOD = {"dataframe_records": [{"text": "still up"}]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(port: int, body=b"", method="POST", path="/invocations", conn=None):
@@ -72,30 +66,13 @@ class Server:
         self.proc, self.port, self.log = proc, port, log
 
     def wait_until_up(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if call(self.port, method="GET", path="/ping")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"server not up after {timeout} s:\n{self.tail()}")
+        wait_until_up(self.proc, self.port, self.log, timeout)
 
     def tail(self) -> str:
         return self.log.read_text()[-3000:]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_server(self.proc)
 
 
 @pytest.fixture(scope="module")

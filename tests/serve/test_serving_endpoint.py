@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -25,7 +22,7 @@ import pytest
 from bert_core import cli
 from bert_core.serve import mlflow_model as serving
 from bert_core.serve import registry
-from tests.serving_helpers import build
+from tests.serving_helpers import build, free_port, stop_server, wait_until_up
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -49,12 +46,6 @@ REQUESTS = {
 }  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(port: int, payload) -> tuple[int, dict]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/invocations",
@@ -66,32 +57,6 @@ def post(port: int, payload) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
-
-
-def wait_until_up(proc: subprocess.Popen, port: int, log: Path, timeout: float = 150) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"server not up after {timeout} s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """The server and its uvicorn workers: the process group we started it in."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +99,11 @@ def servers(tmp_path_factory, minilm_dir):
                     )
                 procs.append((proc, log))
             for (proc, log), port in zip(procs, ports.values(), strict=True):
-                wait_until_up(proc, port, log)
+                wait_until_up(proc, port, log, timeout=150)
             yield root, ports
         finally:
             for proc, _ in procs:
-                stop(proc)
+                stop_server(proc, timeout=15)
 
 
 def strip_numbers(value):

@@ -20,9 +20,10 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 
 class BertError(Exception):
@@ -58,13 +59,23 @@ class Interrupted(KeyboardInterrupt):
 
 
 @contextmanager
-def interrupts_raise() -> Iterator[None]:
-    """While the block runs, SIGTERM and SIGINT raise `Interrupted` in the main thread (by
-    default SIGTERM ends the process on the spot: no `finally`, no run ended, staging left).
-    The previous handlers come back afterwards; off the main thread this does nothing."""
+def handling_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """While the block runs, `handler` takes SIGTERM and SIGINT; the previous handlers come back
+    afterwards. Off the main thread (where Python cannot set a handler) nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, previous in old.items():
+            signal.signal(s, previous)
+
+
+def interrupts_raise() -> AbstractContextManager[None]:
+    """While the block runs, SIGTERM and SIGINT raise `Interrupted` in the main thread (by
+    default SIGTERM ends the process on the spot: no `finally`, no run ended, staging left)."""
     owner = os.getpid()
 
     def handler(signum: int, frame) -> None:
@@ -74,12 +85,7 @@ def interrupts_raise() -> Iterator[None]:
             return
         raise Interrupted(signum)
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+    return handling_signals(handler)
 
 
 def first_invalid_utf8_line(path: str | os.PathLike) -> int | None:

@@ -11,7 +11,6 @@ shards is checked without reading its data; a row group without statistics is re
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -28,9 +27,10 @@ from bert_core.pretrain.data import (
     check_seq_length,
     list_row_groups,
     masking_config_from_vocab,
+    read_instances_config,
     shards,
 )
-from bert_core.storage import exists, filesystem, is_s3
+from bert_core.storage import exists, is_s3
 
 
 def check_inputs(cfg: PretrainConfig) -> int:
@@ -64,7 +64,7 @@ def check_inputs(cfg: PretrainConfig) -> int:
     for folder in (cfg.instances, cfg.heldout):
         if folder == cfg.instances or exists(folder):
             check_shards(folder, limits)
-    _read_json(f"{cfg.instances.rstrip('/')}/stats.json")
+    read_instances_config(cfg.instances)  # stats.json: the workers read it
     if cfg.dynamic_masking:  # its special tokens, before a worker needs them
         masking_config_from_vocab(vocab, recipe=cfg.masking_recipe)
     return len(vocab)
@@ -156,21 +156,6 @@ def _min_max(meta: pq.ParquetFile, name: str) -> tuple[int | None, int | None]:
             lows.append(pc.min(values).as_py())
             highs.append(pc.max(values).as_py())
     return (min(lows), max(highs)) if lows else (None, None)
-
-
-def _read_json(path: str) -> dict:
-    """stats.json, when there is one, must be JSON (the workers read its config)."""
-    import pyarrow.fs as pafs
-
-    fs, inner = filesystem(path)
-    if fs.get_file_info(inner).type != pafs.FileType.File:
-        return {}
-    with fs.open_input_stream(inner) as f:
-        text = f.read().decode("utf-8", errors="replace")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(path, f"not valid JSON ({e.msg})", line=e.lineno) from None
 
 
 def check_output(output: str) -> None:

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bert_core.errors import BertError, Interrupted, atomic_dir
+from bert_core.errors import BertError, Interrupted, atomic_dir, handling_signals
 from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.checks import check_inputs, check_output
 from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
@@ -176,7 +176,7 @@ def _stop_on_signals(control) -> Iterator[_Stop]:
 
     Kubernetes sends SIGTERM and SIGKILL `terminationGracePeriodSeconds` (30 s) later: one step
     and one checkpoint must fit in that, which they do for BERT-Base on a GPU."""
-    stop, old = _Stop(), {}
+    stop = _Stop()
 
     def handler(signum: int, frame) -> None:
         if stop.signum is not None:
@@ -189,13 +189,8 @@ def _stop_on_signals(control) -> Iterator[_Stop]:
         # not here: a Ray call inside a signal handler could interrupt another Ray call
         threading.Thread(target=control.put, args=("stop",), daemon=True).start()
 
-    if threading.current_thread() is threading.main_thread():
-        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with handling_signals(handler):
         yield stop
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def pretrain(cfg: PretrainConfig) -> dict[str, Any]:

@@ -138,14 +138,21 @@ def check_seq_length(instances_dir: str | Path, max_positions: int, model: str) 
 
 def read_instances_config(instances_dir: str | Path) -> dict:
     """The settings `bert instances` made the shards with (stats.json's `config`: masking
-    recipe, sequence length, dupe factor, held-out share...); {} for shards without one."""
+    recipe, sequence length, dupe factor, held-out share...); {} for shards without one. A
+    stats.json that is not JSON is an error naming it and the line (the driver reads it first,
+    `bert_core.pretrain.checks`, so a worker never meets it)."""
     import json
 
-    fs, inner = filesystem(_join(instances_dir, "stats.json"))
+    path = _join(instances_dir, "stats.json")
+    fs, inner = filesystem(path)
     if fs.get_file_info(inner).type != pafs.FileType.File:
         return {}
     with fs.open_input_stream(inner) as f:
-        return dict(json.loads(f.read().decode("utf-8")).get("config", {}))
+        text = f.read().decode("utf-8", errors="replace")
+    try:
+        return dict(json.loads(text).get("config", {}))
+    except json.JSONDecodeError as e:
+        raise InputError(path, f"not valid JSON ({e.msg})", line=e.lineno) from None
 
 
 def masking_config_from_vocab(

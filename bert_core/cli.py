@@ -176,14 +176,17 @@ def kfp_pipeline_end(state: str) -> str | None:
 
 
 def kfp_register_pretrained(output: str | os.PathLike) -> dict[str, float]:
-    """After `bert pretrain --output OUTPUT` ran as a KFP step: log and register its model in
-    MLflow (on the step's run under the pipeline run) and return the last logged pre-training
-    metrics, for the step's KFP Metrics output."""
+    """After `bert pretrain --output OUTPUT` ran as a KFP step: its model registered (on its
+    FINISHED run, `serve.registry.register_pretrained`: once, found again by the run), here,
+    before the fine-tuning fan-out, so the fine-tunings all name the same version rather than
+    race to register it; returns the last logged pre-training metrics, for the step's KFP
+    Metrics output."""
+    from bert_core.serve import registry
     from bert_core.track import lineage
 
     require_tracking_server()
     output = Path(output)
-    lineage.register_pretrained(output / "model", os.environ.get("BERT_PARENT_RUN_ID"))
+    registry.register_pretrained(output / "model")
     return lineage.last_pretrain_metrics(output / "pretrain_metrics.csv")
 
 
@@ -221,30 +224,35 @@ def dvc_lineage_env() -> dict[str, str]:
 
 def dvc_record_lineage(parent_id: str, dvc_lock: Path, output: Path) -> list[str]:
     """After `dvc repro`, on the open parent run: DVC's hashes on the step runs, which stages
-    ran, the pre-trained model registered when pretrain ran. Returns the stages that ran."""
+    ran, and when pretrain ran the version of `bert-pretrained` it made (registered by the
+    first `bert finetune` of its model: `serve.registry.register_pretrained` finds it by the
+    run). Returns the stages that ran."""
     import mlflow
 
+    from bert_core.serve import registry
     from bert_core.track import lineage
 
-    lineage.tag_dvc_lineage(parent_id, dvc_lock)
+    lineage.record_dvc_lineage(parent_id, dvc_lock)
     stages = sorted({r.data.tags.get("dvc.stage", "") for r in lineage.child_runs(parent_id)})
     mlflow.set_tag("bert.stages_run", ",".join(s for s in stages if s) or "none (cached)")
     if lineage.child_runs(parent_id, "pretrain"):
-        version = lineage.register_pretrained(output / "pretrain" / "model", parent_id)
-        mlflow.set_tag("bert.registered_model", f"{version.name}/{version.version}")
+        version = registry.register_pretrained(output / "pretrain" / "model")
+        if version is not None:
+            mlflow.set_tag("bert.registered_model", f"{version.name}/{version.version}")
     return stages
 
 
-def dvc_log_results(evaluate_dir: Path) -> dict:
-    """Log `bert evaluate`'s results on the open (parent) run, as its evaluate step logged
-    them: the same names and values (fractions). Returns glue_results.json's content."""
-    import mlflow
-
+def dvc_log_results(parent_id: str, evaluate_dir: Path) -> dict:
+    """The results on the parent run when DVC skipped a cached evaluate stage (one that ran
+    published them itself, `tracking.publish_results`): the same names, values and files. Returns
+    glue_results.json's content."""
     from bert_core.report.evaluate import mlflow_metrics
+    from bert_core.track import lineage
+    from bert_core.tracking import publish_results
 
     results = json.loads((evaluate_dir / "glue_results.json").read_text())
-    mlflow.log_metrics(mlflow_metrics(results))
-    mlflow.log_artifact(str(evaluate_dir / "glue_table.md"))
+    if not lineage.child_runs(parent_id, "evaluate"):
+        publish_results(parent_id, mlflow_metrics(results), evaluate_dir)
     return results
 
 

@@ -36,6 +36,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -49,6 +50,7 @@ from bert_core.errors import BertError, pid_alive
 
 DEFAULT_EXPERIMENT = "bert"
 PROCESS_TAG = "bert.step.process"
+RUN_RECORD = "mlflow_run.json"  # in a model folder: the run that made it (`bert pretrain`'s)
 # MLflow's HTTP client retries a refused connection 7 times with a doubling back-off (minutes:
 # sized for a rate-limited hosted service) and waits up to 120 s for an answer. Our tracking
 # server is self-hosted and never rate-limits, so a dead one should fail a step in seconds:
@@ -377,3 +379,17 @@ def start_run(
         raise
     with _server_errors(uri, step):
         mlflow.end_run()
+
+
+def publish_results(run_id: str, metrics: Mapping[str, float], folder: str | os.PathLike) -> None:
+    """A pipeline's results on its own run, so the run a user opens first and the compare view
+    of pipeline runs show them: the evaluate step's metrics, table and plot. `bert evaluate`
+    calls it for its parent (Kubeflow and DVC alike), `make run` when DVC skipped evaluate."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    client, now = MlflowClient(tracking_uri()), int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+    for name in ("glue_table.md", "glue_scores.png"):  # `bert evaluate`'s
+        if (Path(folder) / name).is_file():
+            client.log_artifact(run_id, str(Path(folder) / name))

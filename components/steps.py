@@ -186,7 +186,7 @@ def evaluate(
     """bert evaluate over every fine-tuned model of the run: the GLUE table (rendered by the KFP
     UI as Markdown) and the GLUE score, a "random init" row and the gain when the control ran,
     NER / SQuAD rows when token-level tasks ran (evaluate groups the folders into systems by
-    their init). The metrics are the evaluate step's MLflow metrics (fractions)."""
+    their init). The metrics are the evaluate step's MLflow metrics (percent, named by role)."""
     import shutil
 
     from bert_core.cli import kfp_metrics, kfp_step

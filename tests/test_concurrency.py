@@ -203,7 +203,7 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(concurren
             assert run.data.tags["mlflow.parentRunId"] == parents[kfp_id].info.run_id
             assert run.data.tags["bert.step"] not in steps[kfp_id]
             steps[kfp_id][run.data.tags["bert.step"]] = run
-    versions = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
+    versions = client.search_model_versions(f"name='{registry.PRETRAINED}'")
     for name, args in RUNS.items():
         kfp_id, parent, own = ids[name], parents[ids[name]], steps[ids[name]]
         assert parent.info.status == "FINISHED"  # closed by its own exit handler
@@ -467,7 +467,8 @@ def test_two_finetunes_at_once_on_one_new_sqlite_store(tmp_path, shared_data, ti
         out = tmp_path / f"seed-{seed}"
         result = json.loads((out / "metrics.json").read_text())
         assert run.info.status == "FINISHED" and result["config"]["seed"] == seed
-        assert run.data.metrics["dev_accuracy"] == pytest.approx(result["metrics"]["accuracy"])
+        accuracy = 100 * result["metrics"]["accuracy"]
+        assert run.data.metrics["dev/accuracy"] == pytest.approx(accuracy)
         record = json.loads((out / "mlflow_model.json").read_text())
         assert record["run_id"] == run.info.run_id  # its own run's model, its own version
         assert run.data.tags["bert.model_version"] == str(versions[run.info.run_id].version)

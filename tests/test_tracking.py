@@ -143,31 +143,39 @@ def test_the_exit_handler_ends_the_parent_run_as_the_backend_state_says(
     assert MlflowClient(uri).get_run(parent).info.status == status
 
 
-def test_register_pretrained_logs_and_versions_the_model(uri, tmp_path):
+def test_register_pretrained_logs_and_versions_the_model_once_per_run(uri, tmp_path):
+    import json
+
     import torch
 
     from bert_core.model.modeling import BertConfig, BertForPreTraining
+    from bert_core.serve import registry
 
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefgh"]))
     model = BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=13))
     model.save_pretrained(tmp_path / "model", vocab_file=vocab)
     with lineage.start_pipeline_run() as parent:
-        with tracking.start_run("pretrain", {"steps": 1}):
+        with tracking.start_run("pretrain", {"steps": 1}) as run:  # as `bert pretrain` leaves it
             pass
-        first = lineage.register_pretrained(tmp_path / "model", parent.info.run_id)
-        second = lineage.register_pretrained(tmp_path / "model", parent.info.run_id)
+        record = {"run_id": run.info.run_id}
+        (tmp_path / "model" / tracking.RUN_RECORD).write_text(json.dumps(record))
+        first = registry.register_pretrained(tmp_path / "model")
+        second = registry.register_pretrained(tmp_path / "model")  # found by its run
     (pretrain,) = lineage.child_runs(parent.info.run_id, "pretrain")
-    assert (int(first.version), int(second.version)) == (1, 2)
+    assert (int(first.version), int(second.version)) == (1, 1)
     assert first.run_id == pretrain.info.run_id
     assert first.tags == {"bert.hidden_size": "128", "bert.num_hidden_layers": "2"}
+    assert f"run {pretrain.info.run_id}: 2 layers x 128, 1 steps, from random init" in (
+        first.description
+    )
     import mlflow
     import pandas as pd
 
     from bert_core.serve.mlflow_model import local_model
 
     # an MLflow model (pyfunc flavor: masked-token filling) holding the HF-layout folder
-    uri = f"models:/{lineage.REGISTERED_MODEL}/1"
+    uri = f"models:/{registry.PRETRAINED}/1"
     (answer,) = mlflow.pyfunc.load_model(uri).predict(pd.DataFrame({"text": ["a [MASK] c"]}))
     assert len(answer["masks"]) == 1 and len(answer["masks"][0]["tokens"]) == 5
     with local_model(uri) as (folder, _):
@@ -183,18 +191,18 @@ def test_bert_runs_compares_pipeline_runs(uri, capsys):
     tracking.tracking_uri()  # a store, but no experiment yet: a clear error
     assert bert(["runs"]) == 2
     assert "no MLflow experiment 'bert-pipeline'" in capsys.readouterr().err
-    for preset, score in (("tiny", 0.415), ("mini", 0.6325)):  # MLflow holds fractions
+    for preset, score in (("tiny", 41.5), ("mini", 63.25)):  # MLflow holds percent
         with lineage.start_pipeline_run(params={"model": {"preset": preset}}):
             with tracking.start_run("evaluate"):
                 import mlflow
 
-                mlflow.log_metrics({"glue_score": score, "SST-2.score": score + 0.01})
+                mlflow.log_metrics({"eval/score": score, "eval/SST-2/score": score + 1})
     assert bert(["runs"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header, newest, oldest = lines
-    assert header.split()[-2:] == ["glue_score", "SST-2.score"]
+    assert header.split()[-2:] == ["eval/score", "eval/SST-2/score"]
     assert "model.preset" in header
-    assert newest.split()[-3:] == ["mini", "63.25", "64.25"]  # shown in percent
+    assert newest.split()[-3:] == ["mini", "63.25", "64.25"]  # shown as logged: percent
     assert oldest.split()[-3:] == ["tiny", "41.50", "42.50"]
 
 

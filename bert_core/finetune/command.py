@@ -35,9 +35,10 @@ from bert_core.finetune.tasks.glue import GlueFinetune
 from bert_core.finetune.tasks.ner import NerFinetune
 from bert_core.finetune.tasks.squad import SquadFinetune
 from bert_core.finetune.tasks.swag import SwagFinetune
+from bert_core.metrics import named, task_run
 from bert_core.model import optim
 from bert_core.options import add_options
-from bert_core.serve.registry import log_finetuned, register_finetuned
+from bert_core.serve.registry import log_finetuned, pretrained_source, register_finetuned
 from bert_core.storage import check_apart, local_copy, output_dir
 
 # Every task `bert finetune` runs: exact name -> its `FinetuneTask` class. GLUE names are also
@@ -73,7 +74,11 @@ def finetune(
     device = optim.resolve_device(cfg.device)
     model_config(task, Path(model_dir), cfg.max_seq_length)
     data_uri, model_uri = data_uri or str(data_dir), model_uri or str(model_dir)
+    # models:/bert-pretrained/N for a `bert pretrain` folder (registered by now), else the path
+    source = None if cfg.init == "random" else pretrained_source(model_dir, model_uri)
     params = {"task": task.name, "data": data_uri, "model": model_uri, **asdict(cfg)}
+    if cfg.init == "random":  # the control names what it started from: no pre-trained weights
+        params |= {"model": "none (random init)", "architecture_from": model_uri}
     params |= counts | {"device": str(device)}
     if cfg.is_sweep:  # logged at the end: the chosen trial's (MLflow parameters are write-once)
         del params["learning_rate"], params["seed"]
@@ -105,11 +110,13 @@ def finetune(
             "train_seconds": train_seconds,
             "train_examples_per_second": task.num_train_examples * cfg.epochs / train_seconds,
             "model": model_uri,
+            "pretrained_model": source,
+            "score_metric": task.score_metric,
             "data": data_uri,
             "device": str(device),
         }
         if test:
-            mlflow.log_metrics({f"test_{k}": v for k, v in numeric(test).items()})
+            mlflow.log_metrics(named(test, "test"))
         save_model(task, model, tmp / "model")  # label names, task, problem type: config.json
         task.write_outputs(tmp, model, best["preds"], device, cfg)
         record = finish(tmp, result)
@@ -127,8 +134,9 @@ def finish(out: Path, result: dict) -> dict:
     import mlflow
 
     (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-    mlflow.log_metrics({"best_epoch": result["best_epoch"], "best_dev_score": result["score"]})
-    mlflow.log_metrics({f"best_dev_{k}": v for k, v in result["metrics"].items()})
+    # the kept (best) epoch's, in the one metric language: `eval/score` lines every task up
+    mlflow.log_metrics(task_run(result["score"], result["metrics"]))
+    mlflow.log_metric("eval/best_epoch", result["best_epoch"])
     mlflow.log_artifact(str(out / "metrics.json"))
     return log_finetuned(out, result)  # the model as an MLflow model (serve.registry)
 

@@ -31,6 +31,7 @@ import torch
 
 from bert_core.errors import InputError
 from bert_core.finetune.config import FinetuneConfig, option  # noqa: F401 (re-exported)
+from bert_core.metrics import task_run
 from bert_core.model import optim
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")  # a batch's non-target keys
@@ -52,6 +53,7 @@ class FinetuneTask:
     model_class = "BertForSequenceClassification"  # a head class of `bert_core.model.heads`
     replace_mismatched_head = False  # a checkpoint head of another shape: replaced, not an error
     download_help: str | None = None  # set: `--download` fetches the data when missing
+    score_metric = "score"  # the dev metric `evaluate`'s score is (the registry names it)
 
     def __init__(self, name: str):
         self.name = name  # as in metrics.json, MLflow and `bert evaluate`
@@ -75,7 +77,9 @@ class FinetuneTask:
         raise NotImplementedError
 
     def evaluate(self, model, device: torch.device, cfg) -> tuple[dict, float, object]:
-        """(dev metrics, score the best epoch is chosen by, predictions)."""
+        """(dev metrics, score the best epoch is chosen by, predictions). The score is in
+        percent, the results table's scale (`bert_core.metrics`), for every task; the metrics
+        are fractions."""
         raise NotImplementedError
 
     def evaluate_test(self, model, device: torch.device, cfg) -> dict | None:
@@ -320,9 +324,10 @@ def fit(
 
 
 def epoch_metrics(record: dict) -> dict[str, float]:
-    """One epoch's MLflow metrics (step = epoch): train_loss, dev_score, dev_<metric>."""
-    flat = {f"dev_{k}": v for k, v in numeric(record["metrics"]).items()}
-    return {"train_loss": record["train_loss"], "dev_score": record["score"]} | flat
+    """One epoch's MLflow metrics (step = epoch), in the one metric language
+    (`bert_core.metrics`): `train/loss`, `dev/score`, `dev/<metric>` in percent."""
+    dev = task_run(record["score"], record["metrics"], "dev")
+    return {"train/loss": record["train_loss"], **dev}
 
 
 def numeric(metrics: dict) -> dict:

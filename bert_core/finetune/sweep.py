@@ -10,7 +10,7 @@ fine-tuning data shuffling and classifier layer initialization."
 pair, seeds `--seed` .. `--seed + N - 1`, in one step (`run_trials`): the task's data are read,
 sampled (with `--seed`, the same for every trial) and featurised once; each trial is a nested
 MLflow run under the step's run (its `learning_rate`, `seed`, per-epoch dev metrics and
-`best_dev_score`); the best trial by dev score (each trial's best epoch; ties: the earlier trial)
+`eval/score`); the best trial by dev score (each trial's best epoch; ties: the earlier trial)
 is the step's output, its `learning_rate`/`seed` the step run's parameters, the choice in tags
 `sweep.*` and in metrics.json's `sweep` section.
 
@@ -70,6 +70,7 @@ def run_trials(task, model_dir, cfg, device: torch.device, train: Callable):
     import mlflow
 
     from bert_core.finetune.engine import epoch_metrics
+    from bert_core.metrics import task_run
     from bert_core.tracking import default_tags
 
     trials, kept, kept_cfg, chosen = [], None, None, 0
@@ -81,7 +82,8 @@ def run_trials(task, model_dir, cfg, device: torch.device, train: Callable):
             mlflow.log_params(params | {"task": task.name, "init": trial.init})
             result = train(task, model_dir, trial, device, mlflow.log_metrics)
             model, best, history, seconds = result
-            mlflow.log_metrics({"best_dev_score": best["score"], "best_epoch": best["epoch"]})
+            kept_epoch = {"eval/best_epoch": best["epoch"]}
+            mlflow.log_metrics(task_run(best["score"], best["metrics"]) | kept_epoch)
         trials.append(_record(i, trial, best, seconds, run.info.run_id))
         if kept is None or best["score"] > kept[1]["score"]:
             kept, kept_cfg, chosen = result, trial, i

@@ -26,6 +26,7 @@ Two-phase training as in the paper (90% of steps at 128 tokens, then 512): run p
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -44,6 +45,7 @@ from bert_core.pretrain.checks import check_inputs, check_output
 from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
 from bert_core.pretrain.state import HELDOUT_COLUMNS, load_state, write_metrics_csv
 from bert_core.storage import check_apart, copy, filesystem, is_s3, preflight
+from bert_core.tracking import RUN_RECORD
 
 __all__ = ["PretrainConfig", "build_parser", "init_local_ray", "main", "pretrain", "storage_path"]
 
@@ -211,7 +213,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         cfg.init_model = str(Path(cfg.init_model).resolve())
     _init_ray(cfg)
     with (
-        tracking.start_run("pretrain", cfg, tags={"bert.storage_path": storage}) as run,
+        tracking.start_run("pretrain", cfg, tags={"bert.storage_path": storage,
+                           "bert.start_from": cfg.init_model or "random init"}) as run,
         _output_folder(cfg.output) as out,
     ):
         progress = _Progress(cfg.steps)
@@ -229,7 +232,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
             progress.close()
         if result.checkpoint is None:
             raise BertError(f"the run under {storage}/{cfg.run_name} produced no checkpoint")
-        summary = _finish(cfg, result.checkpoint, out)
+        summary = _finish(cfg, result.checkpoint, out, run.info.run_id)
         if stop.signum is not None:  # the workers saved a checkpoint and stopped: say where
             where = f"checkpoint at step {summary['step']} saved in {storage}/{cfg.run_name}"
             raise Interrupted(stop.signum, f"{where}; the same command resumes from it")
@@ -285,14 +288,18 @@ def _output_folder(output: str) -> Iterator[Path]:
                 copy(Path(tmp) / name, f"{output.rstrip('/')}/{name}")
 
 
-def _finish(cfg: PretrainConfig, checkpoint, out: Path) -> dict[str, Any]:
-    """Copy the final model out of the last checkpoint and write the metrics CSV into `out`."""
+def _finish(cfg: PretrainConfig, checkpoint, out: Path, run_id: str) -> dict[str, Any]:
+    """Copy the final model out of the last checkpoint and write the metrics CSV into `out`.
+    The model names its run (`tracking.RUN_RECORD`), wherever it is copied: the registry
+    registers it from that run once the run FINISHED, and links each fine-tuned version to it
+    (`serve.registry.pretrained_source`; this layer never imports serve)."""
     with checkpoint.as_directory() as d:
         state = load_state(d)
         finished = state["step"] >= cfg.steps and (Path(d) / "model").is_dir()
         if finished:
             with atomic_dir(out / "model") as tmp:
                 shutil.copytree(Path(d) / "model", tmp, dirs_exist_ok=True)
+                (tmp / RUN_RECORD).write_text(json.dumps({"run_id": run_id}) + "\n")
     write_metrics_csv(out / "pretrain_metrics.csv", state["history"])
     heldout = state.get("heldout_history", [])
     write_metrics_csv(out / "heldout_metrics.csv", heldout, HELDOUT_COLUMNS)

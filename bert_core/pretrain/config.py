@@ -65,7 +65,7 @@ class PretrainConfig:
     eval_every: int | None = option(
         None,
         "held-out evaluation every this many steps, and at the start and end "
-        "(default: --checkpoint-every)",
+        "(default: --log-every, so the held-out curve has a point wherever the training one does)",
     )
     eval_sequences: int = option(1024, "held-out sequences evaluated, at most (the first ones)")
     init_model: str | None = option(None, "start from this model (phase two)")
@@ -95,8 +95,9 @@ class PretrainConfig:
 
     @property
     def eval_interval(self) -> int:
-        """Steps between held-out evaluations: --eval-every, else --checkpoint-every."""
-        return self.eval_every or self.checkpoint_every
+        """Steps between held-out evaluations: --eval-every, else --log-every (MLflow's held-out
+        curve then has a point at every logged step, not only at checkpoints)."""
+        return self.eval_every or self.log_every
 
     @property
     def heldout(self) -> str:

@@ -22,10 +22,11 @@ Other tasks (`bert finetune --task conll2003|squad|squad_v2|swag`) get their own
 out like the paper's Tables 2 to 4 and its CoNLL-2003 table; they are reported beside GLUE,
 never averaged into the GLUE score.
 
-Scales: metrics are fractions everywhere (metrics.json, glue_results.json, MLflow); the task and
-GLUE scores and the gains are percent in glue_results.json and the table (the paper's scale) and
-fractions in MLflow, where `mlflow_metrics` names and scales every number the same way for every
-caller. The tables and the plot are `bert_core.report.tables`.
+Scales: metrics are fractions in the files (metrics.json, glue_results.json); the task and GLUE
+scores and the gains are percent there and in the table (the paper's scale). In MLflow and
+Kubeflow every score is percent, the table's numbers, named by `mlflow_metrics` in the one metric
+language (`bert_core.metrics`) for every caller. The tables and the plot are
+`bert_core.report.tables`.
 """
 
 from __future__ import annotations
@@ -33,19 +34,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from bert_core import storage
 from bert_core.errors import InputError, utf8_errors
 from bert_core.finetune.tasks.glue_data import TASKS, get_task, glue_score, task_score
+from bert_core.metrics import CORRELATIONS, HEADLINE, is_ratio, kind, named, task_run
+from bert_core.report.scores import write_scores
 from bert_core.report.tables import (  # noqa: F401 (TABLE_ORDER: re-exported)
     REQUIRED,
     TABLE_ORDER,
     TOKEN_TASKS,
     markdown_table,
     plot_scores,
+    slug,
 )
 
 SYSTEM_OF_INIT = {"pretrained": "BERT (ours)", "random": "random init"}
@@ -120,8 +123,6 @@ def _numbers(path: str, values: dict, prefix: str = "") -> dict[str, float]:
 
 
 # the last word of a metric's name -> its range; metrics.json holds fractions (module doc)
-FRACTIONS = ("accuracy", "f1", "precision", "recall", "exact", "match")  # exact_match, best_exact
-CORRELATIONS = ("mcc", "pearson", "spearman")
 
 
 def _check_ranges(path: str, task: str, metrics: dict[str, float]) -> None:
@@ -129,11 +130,10 @@ def _check_ranges(path: str, task: str, metrics: dict[str, float]) -> None:
     percent, or a broken run's, would be averaged into the scores as it is. Others (SQuAD 2.0's
     `*_thresh`: null-score odds) need only be finite."""
     for name, value in metrics.items():
-        kind = name.rsplit("_", 1)[-1]
-        low = -1.0 if kind in CORRELATIONS else 0.0
+        low = -1.0 if kind(name) in CORRELATIONS else 0.0
         if not math.isfinite(value):
             raise InputError(path, f"{task}: metric {name} is {value}, not a finite number")
-        if (kind in FRACTIONS or kind in CORRELATIONS) and not low <= value <= 1:
+        if is_ratio(name) and not low <= value <= 1:
             hint = " (metrics.json holds fractions, not percent)" if value > 1 else ""
             raise InputError(path, f"{task}: {name} {value:g} is outside [{low:g}, 1]{hint}")
 
@@ -240,54 +240,52 @@ def collect_systems(groups: Sequence[Group]) -> dict:
     return results
 
 
-def slug(system: str) -> str:
-    """An MLflow-friendly prefix for a system's metrics: 'random init' -> 'random_init'."""
-    return re.sub(r"[^0-9a-z]+", "_", system.lower()).strip("_") or "system"
-
-
 def _system_metrics(results: dict, prefix: str = "") -> dict[str, float]:
     out = {}
     if results["glue_score"] is not None:  # None when only token-level tasks ran
-        out[f"{prefix}glue_score"] = results["glue_score"] / 100
+        out[f"{prefix}eval/{HEADLINE}"] = results["glue_score"]
     for name, r in {**results["tasks"], **results.get("token_tasks", {})}.items():
-        out.update({f"{prefix}{name}.{k}": float(v) for k, v in r["metrics"].items()})
+        out |= named(r["metrics"], f"{prefix}eval/{name}")
         if "score" in r:  # GLUE tasks; token-level ones report their metrics only
-            out[f"{prefix}{name}.score"] = r["score"] / 100
+            out[f"{prefix}eval/{name}/{HEADLINE}"] = r["score"]
     return out
 
 
 def mlflow_metrics(results: dict) -> dict[str, float]:
-    """Results as MLflow metrics, at one scale: fractions, as metrics.json holds them.
+    """Results as MLflow (and Kubeflow) metrics in the one metric language (`bert_core.metrics`):
+    every score in percent, the table's numbers.
 
     `results` is `collect_systems`'s (glue_results.json's content) or one `bert finetune`
-    output's metrics.json. Names: `{task}.{metric}` for every task's dev metrics, `{task}.score`
-    for a GLUE task's score and `glue_score`, all of the main system; every other system's the
-    same under its `slug` (`random_init.glue_score`, `random_init.SST-2.score`, ...); the main
-    system's gain over the control as `gain.glue_score`, `gain.{task}.score` and
-    `gain.{task}.{metric}` (other tasks), another system's as `{slug}.gain.glue_score`. Scores
-    and gains, in percent in glue_results.json (the table's scale), are divided by 100. Every
-    place results reach MLflow (`bert evaluate`'s run, the DVC pipeline's parent run, the
-    Kubeflow components' Metrics) logs this, so runs compare as-is.
+    output's metrics.json (its run's `eval/score` and `eval/<metric>`). Names for a table: the
+    main system's GLUE score `eval/score`, each task's `eval/{task}/score` and
+    `eval/{task}/{metric}`; every other system's the same under its `slug`
+    (`random_init/eval/score`, `random_init/eval/SST-2/score`, ...); the main system's gain over
+    the control as `gain/eval/score`, `gain/eval/{task}/score` and `gain/eval/{task}/{metric}`
+    (other tasks), another system's as `{slug}/gain/eval/score`. Every place results reach
+    MLflow (`bert evaluate`'s run, the DVC pipeline's parent run, the Kubeflow components'
+    Metrics) logs this, so runs compare as-is.
     """
-    if "task" in results:  # one metrics.json: the task's metrics (its `score` is not GLUE's)
-        return {f"{results['task']}.{k}": float(v) for k, v in results["metrics"].items()}
+    if "task" in results:  # one metrics.json: a fine-tuning run's own names
+        score = results.get(HEADLINE)
+        return named(results["metrics"], "eval") | ({} if score is None else task_run(score, {}))
     out = _system_metrics(results)
     main = results.get("system")
     for name, r in results.get("systems", {}).items():
         if name != main:
-            out |= _system_metrics(r, f"{slug(name)}.")
+            out |= _system_metrics(r, f"{slug(name)}/")
         if r.get("gain"):
-            prefix = "gain." if name == main else f"{slug(name)}.gain."
+            prefix = "gain/" if name == main else f"{slug(name)}/gain/"
             out |= _gain_metrics(r["gain"], prefix)
     return out
 
 
 def _gain_metrics(g: dict, prefix: str) -> dict[str, float]:
-    out = {f"{prefix}{t}.score": v / 100 for t, v in g["tasks"].items()}
+    """A gain section (points, already percent) under `prefix`."""
+    out = {f"{prefix}eval/{t}/{HEADLINE}": v for t, v in g["tasks"].items()}
     for t, ms in g.get("token_tasks", {}).items():
-        out |= {f"{prefix}{t}.{m}": v / 100 for m, v in ms.items()}
+        out |= {f"{prefix}eval/{t}/{m}": v for m, v in ms.items()}
     if g["glue_score"] is not None:
-        out[f"{prefix}glue_score"] = g["glue_score"] / 100
+        out[f"{prefix}eval/{HEADLINE}"] = g["glue_score"]
     return out
 
 
@@ -302,6 +300,7 @@ def evaluate(
         (tmp / "glue_results.json").write_text(json.dumps(collected, indent=2) + "\n")
         (tmp / "glue_table.md").write_text(markdown_table(collected))
         plot_scores(collected, tmp / "glue_scores.png")
+        write_scores(collected, tmp, lambda folder: _read(folder)[1])  # flat: for DVC
     return collected
 
 
@@ -335,12 +334,18 @@ def main(argv: list[str] | None = None) -> int:
     results = evaluate(groups, args.output)
     folders = [f for group in args.results for f in group]
     systems = list(results.get("systems", [results["system"]]))
-    with start_run("evaluate", {"results": folders, "system": ", ".join(systems)}):
+    with start_run("evaluate", {"results": folders, "system": ", ".join(systems)}) as run:
         import mlflow
 
-        mlflow.log_metrics(mlflow_metrics(results))
+        from bert_core.tracking import publish_results
+
+        metrics = mlflow_metrics(results)
+        mlflow.log_metrics(metrics)
         with storage.local_copy(args.output) as written:  # an s3:// output: fetched back
             mlflow.log_artifacts(str(written), artifact_path="glue")
+            parent = run.data.tags.get("mlflow.parentRunId")
+            if parent:  # a pipeline's evaluate: its results on the pipeline's run too
+                publish_results(parent, metrics, written)
     print(f"{args.output.rstrip('/')}/glue_table.md")
     print(markdown_table(results).split("\n\n")[0])
     return 0

@@ -9,6 +9,7 @@ percent here (metrics are fractions in the results).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from bert_core.finetune.tasks.glue_data import TASKS
@@ -44,6 +45,11 @@ NOTE = (
 def systems(results: dict) -> dict[str, dict]:
     """{name: that system's results}, the single system's when there is one."""
     return results.get("systems") or {results.get("system", "BERT (ours)"): results}
+
+
+def slug(system: str) -> str:
+    """A system's name as an MLflow metric prefix or a file name: 'random init' -> 'random_init'."""
+    return re.sub(r"[^0-9a-z]+", "_", system.lower()).strip("_") or "system"
 
 
 def _pct(x: float) -> str:

@@ -11,8 +11,10 @@ requirements of our model code only (no `transformers`). `mlflow.pyfunc.load_mod
 `mlflow models serve` and `bert predict` then all answer through `bert_core.serve.predictors`.
 
 `log_model` logs one onto a run (the open one, or `run_id`'s): `bert finetune` calls it through
-`bert_core.serve.registry.log_finetuned`, the pipeline's `lineage.register_pretrained` for the
-pre-trained model (masked-token filling). `resolve` turns any model reference a user may hold
+`bert_core.serve.registry.log_finetuned`, `registry.register_pretrained` for the pre-trained
+model (masked-token filling). The MLmodel it writes names no path of the machine that logged it
+(`_save_portable`): a model read elsewhere, or after `bert finetune`'s staging folder is gone,
+has no stale path in it. `resolve` turns any model reference a user may hold
 (a folder, `runs:/...`, `models:/name@alias`) into a local folder and its settings
 (`local_model`). A fine-tuned model's settings are its run's (`inference_settings`), SQuAD
 2.0's tuned null threshold included, so `bert predict` and the served model answer "" exactly
@@ -30,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlflow
@@ -150,7 +153,8 @@ def log_model(
     name: str = "model",
 ):  # fmt: skip
     """Log an HF-layout model folder as an MLflow pyfunc model on the open run (or `run_id`'s);
-    returns MLflow's ModelInfo (`.model_uri` to register or load it)."""
+    returns MLflow's ModelInfo (`.model_uri` to register or load it). Its MLmodel names no path
+    of this machine (`_PORTABLE`)."""
     from mlflow.models import Model
 
     import bert_core
@@ -161,13 +165,39 @@ def log_model(
     # how text is cut, windowed and decoded; batch size and device are the server's business
     kept = {k: v for k, v in vars(Settings.from_dict(settings)).items() if k not in RUNTIME}
     return Model.log(
-        artifact_path=None, name=name, flavor=mlflow.pyfunc, run_id=run_id,
+        artifact_path=None, name=name, flavor=_PORTABLE, run_id=run_id,
         python_model=str(Path(__file__).with_name("pyfunc_model.py")),  # no pickle
         artifacts={ARTIFACT: str(model_dir)}, code_paths=[str(Path(bert_core.__file__).parent)],
         signature=signature(config), input_example=pd.DataFrame([cls.example(config)]),
         pip_requirements=requirements(), model_config={CONFIG_KEY: kept},
         metadata={"bert_kind": cls.kind, "bert_task": config.get("finetuning_task") or ""},
     )  # fmt: skip
+
+
+def _save_portable(path: str, mlflow_model, **kwargs) -> None:
+    """`mlflow.pyfunc.save_model`, then MLmodel rewritten to name no path of the machine that
+    logged it: MLflow records where the artifact and the code file came from (`uri`: `bert
+    finetune`'s staging folder, deleted once the output is complete; `model_code_path`: this
+    checkout's file) and where its store kept the model (`artifact_path`). A copy read elsewhere,
+    or after the staging folder is gone, would name paths that are not there. Loading needs
+    none of them: it reads the artifact's `path` inside the model and the code file by its name
+    (mlflow.pyfunc.model._load_context_model_and_signature), and the store knows where the model
+    is (its LoggedModel). So: `uri` = `path`, the code file by name, no `artifact_path` (as
+    `mlflow.pyfunc.save_model` writes for a model saved, not logged)."""
+    from mlflow.models.model import MLMODEL_FILE_NAME, MODEL_CODE_PATH
+
+    mlflow.pyfunc.save_model(path=path, mlflow_model=mlflow_model, **kwargs)
+    flavor = mlflow_model.flavors[mlflow.pyfunc.FLAVOR_NAME]
+    for artifact in (flavor.get("artifacts") or {}).values():
+        artifact["uri"] = artifact["path"]
+    if flavor.get(MODEL_CODE_PATH):
+        flavor[MODEL_CODE_PATH] = Path(flavor[MODEL_CODE_PATH]).name
+    mlflow_model.artifact_path = None
+    mlflow_model.save(os.path.join(path, MLMODEL_FILE_NAME))
+
+
+# the "flavor module" `Model.log` saves with (it needs only `save_model` and a name)
+_PORTABLE = SimpleNamespace(__name__=mlflow.pyfunc.__name__, save_model=_save_portable)
 
 
 @contextmanager

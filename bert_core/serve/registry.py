@@ -1,21 +1,38 @@
-"""The model registry: one registered model per task, aliases, and `bert promote`.
+"""The model registry: a registered model per task and the pre-trained one, `bert promote`.
 
 `bert finetune` logs its model as an MLflow model (`bert_core.serve.mlflow_model`) on its run
 (`log_finetuned`) and, only once its output folder is complete and its run has ended FINISHED,
 registers a new version of the task's registered model (`register_finetuned`): a step that fails
 at any point before leaves the registry as it was. The name comes from `BERT_REGISTERED_MODEL` (a
 template, default `bert-{task}`: `bert-sst2`, `bert-conll2003`, `bert-squad`; `none` logs the
-model without registering it). The version carries the run's dev score and task as tags. When
-`BERT_MODEL_ALIAS` is set (the pipeline sets `candidate`) the new version gets that alias. A
-fine-tuning output folder records its logged model and the name it is registered under in
-`mlflow_model.json`; the version number is on the run (`bert.model_version` tag) and in the registry
-(`MlflowClient().search_model_versions(f"run_id='{run_id}'")`).
+model without registering it). The random-init control is never registered: it is a measurement,
+not a candidate. When `BERT_MODEL_ALIAS` is set (the pipeline sets `candidate`) the new version
+gets that alias. A fine-tuning output folder records its logged model and the name it is
+registered under in `mlflow_model.json`; the version number is on the run (`bert.model_version`
+tag) and in the registry (`MlflowClient().search_model_versions(f"run_id='{run_id}'")`).
 
-`bert promote TASK [VERSION]` then moves the `champion` alias to the version (default: the
-`candidate`) only when its dev score beats the current champion's (ties keep the champion;
-`--force` moves it anyway), and records the decision as the version's `bert.promotion` tag, so
-the registry shows why each champion is one. Serving and batch inference then name the alias,
-never a number: `models:/bert-sst2@champion`.
+Why descriptions and tags: versions told apart only by run id are of no use to a person choosing
+one. Each registered model says what it is and how its versions are made and promoted; each
+version says which run made it, its dev score and metric, and what it was fine-tuned from, as a
+description and as tags to search by (`bert.task`, `bert.dev_score`, `bert.dev_metric`,
+`bert.pretrained_model`).
+
+The pre-trained model is `bert-pretrained`, one version per `bert pretrain` run that ended
+FINISHED (`register_pretrained`). Its model folder names its run (`tracking.RUN_RECORD`, written
+by `bert pretrain`, which sits below this layer and never imports it: pre-training must not
+depend on serving or fine-tuning code, or DVC would re-run it when they change). The version is
+found by that run, or logged on it and registered, by the KFP pretrain step or by the first
+`bert finetune --model` of the folder, so it exists before any fine-tuned version names it:
+`bert.pretrained_model` = `models:/bert-pretrained/N` (`pretrained_source`). A folder that names
+no such run (a public checkpoint, one made by hand) is linked by the path or URI given.
+
+`champion`: the first version of a task's model becomes champion when registered (its
+`bert.promotion` tag says "first champion"), so a model is servable from its first run. After
+that only `bert promote TASK [VERSION]` moves it, to the version (default: the `candidate`)
+whose dev score beats the current champion's (ties keep the champion; `--force` moves it
+anyway), and records the decision as the version's `bert.promotion` tag, so the registry shows
+why each champion is one. Serving and batch inference then name the alias, never a number:
+`models:/bert-sst2@champion`.
 """
 
 from __future__ import annotations
@@ -28,14 +45,17 @@ from pathlib import Path
 from typing import Any
 
 from bert_core.errors import BertError
-from bert_core.tracking import tracking_uri
+from bert_core.tracking import RUN_RECORD, tracking_uri
 
 NAME_ENV = "BERT_REGISTERED_MODEL"  # registered model name template; "none": do not register
 ALIAS_ENV = "BERT_MODEL_ALIAS"  # alias given to the new version (the pipeline: candidate)
 DEFAULT_NAME = "bert-{task}"
 CANDIDATE, CHAMPION = "candidate", "champion"
 SCORE_TAG, TASK_TAG, PROMOTION_TAG = "bert.dev_score", "bert.task", "bert.promotion"
+METRIC_TAG, SOURCE_TAG = "bert.dev_metric", "bert.pretrained_model"
 RECORD = "mlflow_model.json"  # in a fine-tuning output: the model's MLflow URI and version
+PRETRAINED = "bert-pretrained"  # the registered model of `bert pretrain`'s models
+FIRST = "first champion (dev score {:.4g})"
 
 
 def model_name(task: str, template: str | None = None) -> str | None:
@@ -75,6 +95,8 @@ def register_finetuned(record: dict, result: dict):
     name = record["registered_model"]
     version = register(record["model_uri"], name, result, record.get("alias"))
     tags = {"bert.registered_model": name, "bert.model_version": str(version.version)}
+    if result.get("pretrained_model"):
+        tags[SOURCE_TAG] = result["pretrained_model"]
     client = MlflowClient(tracking_uri())
     for key, value in tags.items():
         client.set_tag(record["run_id"], key, value)
@@ -82,16 +104,151 @@ def register_finetuned(record: dict, result: dict):
 
 
 def register(model_uri: str, name: str, result: dict, alias: str | None = None):
-    """A new version of `name` for a logged model, tagged with the run's task and dev score;
-    `alias` (e.g. candidate) moved to it. Returns the ModelVersion."""
+    """A new version of `name` for a logged model, described and tagged from the run's result
+    (task, dev score and metric, the pre-trained model it came from); `alias` (e.g. candidate)
+    moved to it; `champion` too when the model has none yet. Returns the ModelVersion."""
     import mlflow
     from mlflow import MlflowClient
 
-    tags = {TASK_TAG: result["task"], SCORE_TAG: repr(float(result["score"]))}
+    client = MlflowClient(tracking_uri())
+    metric = result.get("score_metric") or "score"
+    describe(client, name, task_description(name, result["task"], metric))
+    tags = {TASK_TAG: result["task"], SCORE_TAG: repr(float(result["score"])),
+            METRIC_TAG: metric, SOURCE_TAG: result.get("pretrained_model")}  # fmt: skip
+    tags = {k: v for k, v in tags.items() if v}
+    mlflow.set_tracking_uri(tracking_uri())
     version = mlflow.register_model(model_uri, name, tags=tags)
+    text = version_description(version.run_id, result, metric)
+    client.update_model_version(name, version.version, description=text)
     if alias:
-        MlflowClient(tracking_uri()).set_registered_model_alias(name, alias, version.version)
+        client.set_registered_model_alias(name, alias, version.version)
+    _first_champion(client, name, version.version, float(result["score"]))
     return version
+
+
+def _first_champion(client, name: str, version: str, score: float) -> None:
+    """`champion` on `version` when the model has none yet (its first version), so a task's
+    model is servable from its first run; afterwards only `promote` moves it. Two first
+    versions registered at once: the alias ends on one, and only that one says it is champion."""
+    if _by_alias(client, name, CHAMPION) is not None:
+        return
+    client.set_registered_model_alias(name, CHAMPION, version)
+    if str(_by_alias(client, name, CHAMPION).version) == str(version):
+        reason = "champion: " + FIRST.format(score)
+        client.set_model_version_tag(name, version, PROMOTION_TAG, reason)
+
+
+def describe(client, name: str, description: str) -> None:
+    """Create registered model `name` with `description`, or give it the description when it
+    has none (one made before, by hand or by `mlflow.register_model`); a description a person
+    wrote is kept. Two steps creating it at once: the loser finds it there."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name, description=description)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        if not client.get_registered_model(name).description:
+            client.update_registered_model(name, description=description)
+
+
+def task_description(name: str, task: str, metric: str) -> str:
+    """What a task's registered model is, and how its versions are made and promoted."""
+    return (
+        f"BERT fine-tuned on {task} by `bert finetune --task {task}`, scored on {task}'s dev "
+        f"set by {metric} (percent). Each fine-tuning from a pre-trained model that ends "
+        f"FINISHED adds a version, tagged `{SCORE_TAG}`, `{METRIC_TAG}` and `{SOURCE_TAG}` (the "
+        f"pre-trained model it started from); the random-init control is never registered. The "
+        f"first version is `{CHAMPION}`; after that only `bert promote {task}` moves it, to a "
+        f"version whose dev score beats the champion's (the pipeline's newest is "
+        f"`{CANDIDATE}`). Serve `models:/{name}@{CHAMPION}`."
+    )
+
+
+def version_description(run_id: str | None, result: dict, metric: str) -> str:
+    """Which run made a version, its dev score, and what it was fine-tuned from."""
+    source = result.get("pretrained_model") or result.get("model") or "an unrecorded model"
+    return (
+        f"`bert finetune` run {run_id}: {result['task']} dev {metric} "
+        f"{float(result['score']):.2f} (percent), fine-tuned from {source}."
+    )
+
+
+PRETRAINED_DESCRIPTION = (
+    "BERT pre-trained by `bert pretrain` (masked LM + next sentence), as an MLflow pyfunc "
+    "model that fills [MASK] tokens; its HF-layout folder is the `model` artifact. A version is "
+    "one pretrain run that ended FINISHED, registered once, before anything is fine-tuned from "
+    "it (by the KFP pretrain step, or by the first `bert finetune --model` of its folder). Each "
+    f"fine-tuned version of a task's model names the version it came from in `{SOURCE_TAG}`. "
+    "No champion: pre-training has no dev score to compare."
+)
+
+
+def pretrained_source(model_dir: str | os.PathLike, given: str) -> str:
+    """What `bert finetune --model` started from, for `bert.pretrained_model`: the registered
+    pre-trained version (`models:/bert-pretrained/N`) when the folder is a `bert pretrain`
+    output whose run ended FINISHED (registered now when it is not yet), else the path or URI
+    the model was `given` as (a public checkpoint, a folder made by hand)."""
+    version = register_pretrained(model_dir)
+    return given if version is None else f"models:/{version.name}/{version.version}"
+
+
+def register_pretrained(model_dir: str | os.PathLike, name: str = PRETRAINED):
+    """The registered version of a `bert pretrain` model folder, found by the run the folder
+    names (`tracking.RUN_RECORD`), else logged on that run and registered now. None when the
+    folder names no run, or one this tracking store does not hold or that did not end FINISHED:
+    only a complete pre-training is registered."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    record = Path(model_dir) / RUN_RECORD
+    if not record.is_file():
+        return None
+    run_id = json.loads(record.read_text())["run_id"]
+    client = MlflowClient(tracking_uri())
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:  # a folder from another tracking store
+        return None
+    if run.info.status != "FINISHED":
+        return None
+    found = _versions_of(client, name, run_id)
+    return found[0] if found else _register_run(client, name, Path(model_dir), run)
+
+
+def _versions_of(client, name: str, run_id: str) -> list:
+    """`name`'s versions made from `run_id`, oldest first."""
+    found = client.search_model_versions(f"run_id = '{run_id}'")
+    return sorted((v for v in found if v.name == name), key=lambda v: int(v.version))
+
+
+def _register_run(client, name: str, model_dir: Path, run):
+    """Log `model_dir` on its pretrain `run` and register it as a new version of `name`. Two
+    steps registering the same run at once (two fine-tunings of one fresh folder): each then
+    keeps the oldest version of the run and deletes its own newer one, so one is left."""
+    import mlflow
+
+    from bert_core.serve.mlflow_model import log_model
+
+    mlflow.set_tracking_uri(tracking_uri())
+    run_id = run.info.run_id
+    info = log_model(model_dir, run_id=run_id)
+    describe(client, name, PRETRAINED_DESCRIPTION)
+    config = json.loads((model_dir / "config.json").read_text())
+    tags = {f"bert.{k}": str(config.get(k)) for k in ("hidden_size", "num_hidden_layers")}
+    start = run.data.tags.get("bert.start_from", "random init")
+    text = (f"`bert pretrain` run {run_id}: {config.get('num_hidden_layers')} layers x "
+            f"{config.get('hidden_size')}, {run.data.params.get('steps', '?')} steps, "
+            f"from {start}.")  # fmt: skip
+    # the logged model's id too: a tracking server (unlike a local store) refuses a
+    # `models:/m-...` source without it
+    mine = client.create_model_version(name, source=info.model_uri, run_id=run_id, tags=tags,
+                                       description=text, model_id=info.model_id)  # fmt: skip
+    first = _versions_of(client, name, run_id)[0]
+    if first.version != mine.version:
+        client.delete_model_version(name, mine.version)
+    return first
 
 
 def _by_alias(client, name: str, alias: str):
@@ -141,7 +298,7 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
     old = None if champion is None else _score(champion)
     promoted = force or old is None or score > old
     if old is None:
-        reason = f"first champion (dev score {score:.4g})"
+        reason = FIRST.format(score)
     else:
         cmp = ">" if score > old else "<="
         reason = f"dev score {score:.4g} {cmp} champion version {champion.version}'s {old:.4g}"

@@ -6,8 +6,10 @@ which nests under whatever parent the orchestrator exported.
 
 - DVC (`make run`): `start_pipeline_run` opens the parent run in the pipeline's experiment and
   exports its id (`BERT_PARENT_RUN_ID`), so every step started beneath it (DVC stages,
-  subprocesses) nests under it; afterwards `tag_dvc_lineage` tags the runs with the DVC hashes
-  of their inputs (from dvc.lock) and `register_pretrained` logs and registers the model.
+  subprocesses) nests under it; afterwards `record_dvc_lineage` records the DVC hashes
+  of what each run read (from dvc.lock) as MLflow dataset inputs (the steps register the
+  pre-trained model themselves: `bert_core.serve.registry`). The evaluate step puts the results
+  on the parent run (`tracking.publish_results`).
 - Kubeflow: no process lives for the whole run, so the parent is found or created by the KFP run
   id (`kfp_parent_run`), opened with the run's settings by the first task
   (`kfp_pipeline_run`) and closed by the exit handler (`kfp_pipeline_end`). The first task
@@ -30,10 +32,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from bert_core import storage
-from bert_core.tracking import default_tags, environ, flatten, start_run, tracking_uri
+from bert_core.tracking import default_tags, environ, flatten, tracking_uri
 
 PIPELINE_EXPERIMENT = "bert-pipeline"
-REGISTERED_MODEL = "bert-pretrained"
 # A unique key broken by a concurrent insert, as the tracking server reports it (SQLAlchemy's
 # message for SQLite, PostgreSQL, MySQL): the row exists now, so the write can be retried.
 LOST_INSERT_RACE = re.compile(r"IntegrityError|UniqueViolation|UNIQUE constraint|Duplicate entry")
@@ -130,10 +131,32 @@ def data_digests(inputs: Mapping[str, list[str]]) -> DataDigests:
 
 
 def log_data_inputs(run_id: str, inputs: Mapping[str, list[str]], digests: DataDigests) -> None:
-    """Record each data input on a run as an MLflow dataset input (`mlflow.log_input`'s record,
-    through the client: the run is not this process's active run): name corpus / glue / token,
+    """Record each data input on a run as an MLflow dataset input: name corpus / glue / token,
     source its URI (the data folder for a task list), digest the content digest, context the
     input's name. An input with no tasks (an empty token list) is left out."""
+    datasets = [
+        Dataset(name, uris[0] if len(uris) == 1 else uris[0].rsplit("/", 1)[0], value, name)
+        for (name, uris), value in zip(inputs.items(), digests, strict=True)
+        if uris
+    ]
+    log_datasets(run_id, datasets)
+
+
+class Dataset(NamedTuple):
+    """One MLflow dataset input: what the run read (`name`, `source` URI), which version of it
+    (`digest`: a content hash, DVC's or `storage.digest`), and in what role (`context`)."""
+
+    name: str
+    source: str
+    digest: str
+    context: str
+
+
+def log_datasets(run_id: str, datasets: list[Dataset]) -> None:
+    """`mlflow.log_input`'s records, through the client (the run need not be this process's
+    active run): the MLflow UI lists them in the run's Datasets column and page, one line each,
+    instead of a tag per file. MLflow keeps a digest of at most 36 characters (a DVC folder
+    hash, `<md5>.dir`, is 36)."""
     from mlflow import MlflowClient
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
@@ -141,13 +164,12 @@ def log_data_inputs(run_id: str, inputs: Mapping[str, list[str]], digests: DataD
     from mlflow.exceptions import MlflowException
 
     records = []
-    for (name, uris), value in zip(inputs.items(), digests, strict=True):
-        if not uris:
-            continue
-        source = uris[0] if len(uris) == 1 else uris[0].rsplit("/", 1)[0]
-        dataset = MetaDataset(resolve_dataset_source(source), name=name, digest=value)
-        tags = [InputTag("mlflow.data.context", name)]
+    for d in datasets:
+        dataset = MetaDataset(resolve_dataset_source(d.source), name=d.name, digest=d.digest[:36])
+        tags = [InputTag("mlflow.data.context", d.context)]
         records.append(DatasetInput(dataset._to_mlflow_entity(), tags=tags))
+    if not records:
+        return
     client = MlflowClient(tracking_uri())
     try:
         client.log_inputs(run_id, datasets=records)
@@ -265,18 +287,24 @@ def dvc_lock_hashes(lock_file: str | os.PathLike) -> dict[str, dict[str, str]]:
     }
 
 
-def _tag_key(prefix: str, path: str) -> str:
-    return prefix + "".join(c if c.isalnum() or c in "._-/ " else "_" for c in path)[:240]
+def _is_code(path: str) -> bool:
+    """A stage's code dependency (its `bert_core` modules), not data."""
+    return path.endswith(".py")
 
 
-def tag_dvc_lineage(parent_run_id: str, lock_file: str | os.PathLike) -> dict[str, str]:
-    """Tag the parent run with the hashes of the pipeline's inputs, each step run with its own.
+def record_dvc_lineage(parent_run_id: str, lock_file: str | os.PathLike) -> dict[str, str]:
+    """The DVC hashes of what ran, as MLflow dataset inputs rather than a tag per file: the
+    pipeline's inputs (the deps no stage produces: corpus, GLUE folders) on the parent run, each
+    step's data deps (its inputs and the outputs of earlier stages it reads) on its step run,
+    digest = the DVC hash, so two runs that read the same bytes show the same digest. A step's
+    code deps (its `bert_core` modules) become one tag, `dvc.code_md5` (a hash of their
+    hashes): the same value means the same code ran. A step run is matched to its stage by the
+    `dvc.stage` tag `start_run` set from DVC's DVC_STAGE. Returns the inputs' hashes."""
+    import hashlib
 
-    Inputs are the deps no stage produces (corpus, GLUE folders); a step run is matched to its
-    stage by the `dvc.stage` tag `start_run` set from DVC's DVC_STAGE. Returns the inputs' hashes.
-    """
     from mlflow import MlflowClient
 
+    root = Path(lock_file).resolve().parent  # dvc.lock's paths are relative to its folder
     hashes = dvc_lock_hashes(lock_file)
     stages = (_read_yaml(lock_file).get("stages") or {}).values()
     produced = [o["path"].rstrip("/") for e in stages for o in e.get("outs", [])]
@@ -289,12 +317,24 @@ def tag_dvc_lineage(parent_run_id: str, lock_file: str | os.PathLike) -> dict[st
             path == p or path.startswith(p + "/") or p.startswith(path + "/") for p in produced
         )
     }
+
+
+    def datasets(deps: Mapping[str, str], context: str) -> list[Dataset]:
+        return [
+            Dataset(path, str((root / path).resolve()), md5, context)
+            for path, md5 in sorted(deps.items())
+            if not _is_code(path)
+        ]
+
+    log_datasets(parent_run_id, datasets(inputs, "pipeline input"))
     client = MlflowClient(tracking_uri())
-    for path, md5 in inputs.items():
-        client.set_tag(parent_run_id, _tag_key("dvc.input.", path), md5)
     for child in child_runs(parent_run_id):
-        for path, md5 in hashes.get(child.data.tags.get("dvc.stage", ""), {}).items():
-            client.set_tag(child.info.run_id, _tag_key("dvc.dep.", path), md5)
+        deps = hashes.get(child.data.tags.get("dvc.stage", ""), {})
+        log_datasets(child.info.run_id, datasets(deps, "step input"))
+        code = sorted((p, m) for p, m in deps.items() if _is_code(p))
+        if code:
+            digest = hashlib.md5(json.dumps(code).encode()).hexdigest()
+            client.set_tag(child.info.run_id, "dvc.code_md5", digest)
     return inputs
 
 
@@ -309,39 +349,4 @@ def child_runs(parent_run_id: str, step: str | None = None) -> list[Any]:
         query += f" and tags.`bert.step` = '{step}'"
     return client.search_runs(
         [experiment_id], filter_string=query, order_by=["attributes.start_time DESC"]
-    )
-
-
-def register_pretrained(
-    model_dir: str | os.PathLike, parent_run_id: str | None = None, name: str = REGISTERED_MODEL
-) -> Any:
-    """Log the pre-trained model (HF layout) on its pretrain run as an MLflow model (the pyfunc
-    flavor of `bert_core.serve.mlflow_model`: masked-token filling) and register a new version.
-
-    The pretrain run is the latest `bert.step = pretrain` child of the pipeline run; without one
-    (a step run alone) a `register` run holds the files. Returns the MLflow ModelVersion.
-    """
-    import mlflow
-    from mlflow import MlflowClient
-
-    from bert_core.serve.mlflow_model import log_model
-
-    client = MlflowClient(tracking_uri())
-    runs = child_runs(parent_run_id, "pretrain") if parent_run_id else []
-    if runs:
-        run_id = runs[0].info.run_id
-    else:
-        with start_run("register", {"model_dir": str(model_dir)}) as run:
-            run_id = run.info.run_id
-    info = log_model(model_dir, run_id=run_id)
-    try:
-        client.create_registered_model(name, description="BERT pre-trained by this pipeline")
-    except mlflow.exceptions.MlflowException:  # already registered: add a version
-        pass
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    tags = {f"bert.{k}": str(config.get(k)) for k in ("hidden_size", "num_hidden_layers")}
-    # the logged model's id too: a tracking server (unlike a local store) refuses a
-    # `models:/m-...` source without it
-    return client.create_model_version(
-        name, source=info.model_uri, run_id=run_id, tags=tags, model_id=info.model_id
     )

@@ -2,14 +2,14 @@
 
 Each pipeline run (`make run`, `dvc repro` through it, or a Kubeflow run) is a parent MLflow run
 in the pipeline's experiment; its scores are the ones its `evaluate` step logged. The table is a
-pandas DataFrame, newest run first, so it also reads well in a notebook (`runs_table()`). MLflow
-holds the scores as fractions (`evaluate.mlflow_metrics`); the table shows them in percent, as
-the GLUE table does.
+pandas DataFrame, newest run first, so it also reads well in a notebook (`runs_table()`). The
+scores are MLflow's as they are (`evaluate.mlflow_metrics`: percent, the GLUE table's numbers),
+under their MLflow names, so a column here is a column of MLflow's compare view.
 
-Besides the main system's scores (`glue_score`, `{task}.score`), a run that fine-tuned other
-systems (`bert evaluate`'s rows: the random-init control, ablations) shows each one's GLUE score
-(`random_init.glue_score`, ...) and the main system's gain over the control (`gain.glue_score`,
-in points), so the control and the gain compare across runs too.
+Besides the main system's scores (GLUE `eval/score`, `eval/{task}/score`), a run that fine-tuned
+other systems (`bert evaluate`'s rows: the random-init control, ablations) shows each one's GLUE
+score (`random_init/eval/score`, ...) and the main system's gain over the control
+(`gain/eval/score`, in points), so the control and the gain compare across runs too.
 """
 
 from __future__ import annotations
@@ -38,19 +38,27 @@ SETTINGS = (
 )
 
 
-def _is_score(name: str) -> bool:
-    """The main system's GLUE and task scores, every system's GLUE score, the gain."""
-    return name.endswith("glue_score") or (name.endswith(".score") and name.count(".") == 1)
+GLUE = "eval/score"  # a pipeline run's headline: the GLUE score (`bert_core.metrics`)
+
+
+def _is_glue(name: str) -> bool:
+    """Every system's GLUE score and the gains': `eval/score`, `random_init/eval/score`, ..."""
+    return name == GLUE or name.endswith("/" + GLUE)
+
+
+def _is_task(name: str) -> bool:
+    """The main system's task scores: `eval/SST-2/score`."""
+    return name.startswith("eval/") and name.endswith("/score") and name != GLUE
 
 
 def _scores(run: Any) -> dict[str, float]:
-    """GLUE scores (and gains) of a pipeline run in percent: its own, else those of its newest
-    evaluate step."""
+    """GLUE and task scores (and gains) of a pipeline run, in percent: its own, else those of
+    its newest evaluate step."""
     metrics = run.data.metrics
-    if "glue_score" not in metrics:
+    if GLUE not in metrics:
         evaluated = child_runs(run.info.run_id, "evaluate")
         metrics = evaluated[0].data.metrics if evaluated else {}
-    return {k: 100 * v for k, v in metrics.items() if _is_score(k)}
+    return {k: v for k, v in metrics.items() if _is_glue(k) or _is_task(k)}
 
 
 def runs_table(experiment: str = PIPELINE_EXPERIMENT, limit: int = 10):
@@ -84,9 +92,9 @@ def runs_table(experiment: str = PIPELINE_EXPERIMENT, limit: int = 10):
         row.update(_scores(run))
         rows.append(row)
     frame = pd.DataFrame(rows)
-    glue = sorted((c for c in frame.columns if c.endswith("glue_score")),
-                  key=lambda c: (c != "glue_score", c.startswith("gain."), c))  # fmt: skip
-    scores = sorted(c for c in frame.columns if c.endswith(".score"))
+    glue = sorted((c for c in frame.columns if _is_glue(c)),
+                  key=lambda c: (c != GLUE, c.startswith("gain/"), c))  # fmt: skip
+    scores = sorted(c for c in frame.columns if _is_task(c))
     ordered = [c for c in frame.columns if c not in scores and c not in glue]
     ordered += glue + scores
     return frame[ordered] if rows else frame

@@ -94,8 +94,10 @@ def test_tiny_bert_beats_majority_on_real_sst2(tmp_path, shared_data, tiny_dir, 
     client = mlflow.MlflowClient()
     runs = mlflow.search_runs(experiment_names=["bert"], output_format="list")
     (run,) = [r for r in runs if r.data.tags.get("bert.step") == "finetune-SST-2"]
-    history = client.get_metric_history(run.info.run_id, "dev_accuracy")
+    history = client.get_metric_history(run.info.run_id, "dev/accuracy")
     assert [m.step for m in history] == [1, 2]
+    assert [m.value for m in history] == [100 * e["metrics"]["accuracy"] for e in result["epochs"]]
+    assert run.data.metrics["eval/score"] == result["score"]  # the kept epoch's, percent
     assert run.data.params["learning_rate"] == "0.001"
 
     # ... and `bert evaluate` turns it into the GLUE table.
@@ -418,7 +420,7 @@ def test_sweep_and_control_end_to_end(tmp_path, shared_data, tiny_dir, mlflow_en
     nested = sorted(_nested(step.info.run_id), key=lambda r: int(r.data.params["trial"]))
     params = [(float(r.data.params["learning_rate"]), int(r.data.params["seed"])) for r in nested]
     assert params == [(t["learning_rate"], t["seed"]) for t in trials]
-    assert [r.data.metrics["best_dev_score"] for r in nested] == [t["score"] for t in trials]
+    assert [r.data.metrics["eval/score"] for r in nested] == [t["score"] for t in trials]
     assert step.data.tags["sweep.chosen_run_id"] == nested[sweep["chosen"]].info.run_id
 
     # the saved model is the chosen trial's: it makes the written dev predictions
@@ -433,6 +435,11 @@ def test_sweep_and_control_end_to_end(tmp_path, shared_data, tiny_dir, mlflow_en
     control = tmp_path / "control"
     assert cli.main([*run, "--output", str(control), "--init", "random", "--lr", "1e-3"]) == 0
     assert json.loads((control / "metrics.json").read_text())["init"] == "random"
+    runs = mlflow.search_runs(experiment_names=["bert"], output_format="list")
+    (run,) = [r for r in runs if r.data.tags["bert.step"] == "finetune-STS-B-random"]
+    # the control names what it started from: no pre-trained weights, --model's shape only
+    assert run.data.params["model"] == "none (random init)"
+    assert run.data.params["architecture_from"] == str(tiny_dir)
     random_model = BertForSequenceClassification.from_pretrained(control / "model")
     assert not np.allclose(predict(random_model, feats, torch.device("cpu"), 64), logits)
     report = tmp_path / "report"

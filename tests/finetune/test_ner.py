@@ -188,7 +188,8 @@ def test_tiny_model_beats_all_o_baseline(tmp_path: Path, shared_data: Path, mini
     mlflow.set_tracking_uri(f"sqlite:///{db}")
     run = mlflow.search_runs(experiment_names=["bert"], output_format="list")[0]
     assert run.data.params["task"] == "conll2003"
-    assert run.data.metrics["best_dev_f1"] == pytest.approx(result["metrics"]["f1"])
+    assert run.data.metrics["eval/f1"] == pytest.approx(100 * result["metrics"]["f1"])
+    assert run.data.metrics["eval/score"] == result["score"] == run.data.metrics["eval/f1"]
 
 
 def test_conlleval_reads_chunks_tolerantly_unlike_seqeval_strict() -> None:

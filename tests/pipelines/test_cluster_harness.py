@@ -362,6 +362,7 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
 ):
     from mlflow import MlflowClient
 
+    from bert_core.serve import registry
     from bert_core.track import lineage
 
     harness, state, logs = pipeline_run
@@ -399,13 +400,13 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     assert steps["clean"].data.params["input"] == f"{cluster.BUCKET}/data/corpus"
     assert steps["finetune-SST-2"].data.params["data"] == f"{cluster.BUCKET}/data/glue/SST-2"
     evaluate = steps["evaluate"]
-    assert -1 <= evaluate.data.metrics["glue_score"] <= 1
+    assert -100 <= evaluate.data.metrics["eval/score"] <= 100
     table = client.download_artifacts(evaluate.info.run_id, "glue/glue_table.md")
     markdown = Path(table).read_text()
     assert all(f"| {task} |" in markdown for task in GLUE_TASKS), markdown
     assert "| random init |" in markdown and "gain" in markdown, markdown  # the control's row
-    assert "random_init.SST-2.score" in evaluate.data.metrics
-    (version,) = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
+    assert "random_init/eval/SST-2/score" in evaluate.data.metrics
+    (version,) = client.search_model_versions(f"name='{registry.PRETRAINED}'")
     assert version.run_id == steps["pretrain"].info.run_id
 
 

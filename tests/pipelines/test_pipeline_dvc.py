@@ -26,14 +26,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def dvc_run(tmp_path_factory, shared_data):
-    """The DAG run twice by `pipelines/run_dvc.py` (what `make run` runs)."""
+    """The DAG run twice by `pipelines/run_dvc.py` (what `make run` runs): the second time
+    as a DVC experiment (`-S`) overriding a setting no stage of this DAG uses (no token task
+    runs), so every stage is cached and the parent run must still log the override."""
     tmp = tmp_path_factory.mktemp("dvc")
     repo = project_copy(tmp, shared_data)
     env = env_for(repo, f"sqlite:///{tmp / 'mlflow.db'}")
     runs = []
-    for _ in range(2):
+    for args in ([], ["-S", "finetune.token_epochs=7"]):
         proc = subprocess.run(
-            [sys.executable, "pipelines/run_dvc.py"],
+            [sys.executable, "pipelines/run_dvc.py", *args],
             cwd=repo,
             env=env,
             capture_output=True,
@@ -43,6 +45,27 @@ def dvc_run(tmp_path_factory, shared_data):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs.append(proc.stdout)
     return repo, env, runs
+
+
+def test_settings_are_resolved_by_dvcs_own_override_rules(capsys):
+    """The parent run's settings are params.yaml after every `-S` (DVC's Hydra grammar: lists,
+    `+key` to add), other files' overrides left to their stages; a bad one is a one-line usage
+    error, exit 2, before any MLflow run or stage."""
+    from pipelines import run_dvc
+
+    params = run_dvc.resolved_params(
+        ["finetune.epochs=2", "finetune.token_tasks=[conll2003]", "params.yaml:model.preset=mini",
+         "+pretrain.eval_every=10", "predict.yaml:inputs={}"]
+    )  # fmt: skip
+    assert params["finetune"]["epochs"] == 2 and params["finetune"]["token_tasks"] == ["conll2003"]
+    assert params["model"]["preset"] == "mini" and params["pretrain"]["eval_every"] == 10
+    assert "inputs" not in params
+    assert run_dvc.resolved_params([]) == run_dvc.load_params()  # params.yaml itself, untouched
+    with pytest.raises(SystemExit) as e:
+        run_dvc.main(["-S", "finetune.epoch=2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("make run: error: -S finetune.epoch=2: Could not override"), err
 
 
 def _dvc(repo: Path, env: dict, *args: str) -> str:
@@ -63,28 +86,47 @@ def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
         assert -100 <= row["score"] <= 100
     assert "GLUE score" in first
     assert f"mlflow ui --backend-store-uri {env['MLFLOW_TRACKING_URI']}" in first
+    # `dvc metrics show`: evaluate's flat scores, a row per system and task (and GLUE score)
+    # with a handful of numbers each, no settings nor strings (bert_core/report/scores.py)
     shown = json.loads(_dvc(repo, env, "metrics", "show", "--json"))
     (metrics,) = [d["data"] for d in shown.values()]
     files = {Path(k).as_posix(): v["data"] for k, v in metrics.items()}
-    assert files["runs/dvc/evaluate/glue_results.json"]["glue_score"] == pytest.approx(
-        results["glue_score"]
-    )
-    # every task's metrics.json is a DVC metric too (a copy of the one in its output folder)
-    for task in ("SST-2", "MRPC", "STS-B"):
-        copied = (repo / "runs/dvc/metrics" / f"{task}.json").read_text()
-        assert copied == (repo / "runs/dvc/glue" / task / "metrics.json").read_text()
-        assert files[f"runs/dvc/metrics/{task}.json"]["task"] == task
-    assert set(files) == {"runs/dvc/evaluate/glue_results.json"} | {
-        f"runs/dvc/metrics/{p}{t}.json" for t in ("SST-2", "MRPC", "STS-B") for p in ("", "random-")
-    }
+    rows = {f"runs/dvc/evaluate/scores/{s}/{t}.json" for s in ("bert_ours", "random_init")
+            for t in ("SST-2", "MRPC", "STS-B", "GLUE")}  # fmt: skip
+    assert set(files) == rows
+    for name, row in files.items():
+        assert row and all(type(v) in (int, float) for v in row.values()), (name, row)
+        assert len(row) <= 6, (name, row)  # score, 2 metrics, best_epoch, gain (GLUE: tasks)
+    assert len({k for row in files.values() for k in row}) <= 9  # the table's columns, all rows
+    ours = "runs/dvc/evaluate/scores/bert_ours"
+    assert files[f"{ours}/GLUE.json"]["score"] == pytest.approx(results["glue_score"])
+    assert files[f"{ours}/GLUE.json"]["gain"] == pytest.approx(results["gain"]["glue_score"])
+    for task, entry in results["tasks"].items():
+        assert files[f"{ours}/{task}.json"]["score"] == pytest.approx(entry["score"])
+    table = _dvc(repo, env, "metrics", "show")  # the terminal table: a line per row, narrow
+    assert len(table.splitlines()) == 1 + len(rows) and max(map(len, table.splitlines())) < 160
     # the random-init control ran beside each task and is a row of its own, with the gain
+    control = results["systems"]["random init"]["tasks"]
     for task in ("SST-2", "MRPC", "STS-B"):
-        assert files[f"runs/dvc/metrics/random-{task}.json"]["init"] == "random"
+        row = files[f"runs/dvc/evaluate/scores/random_init/{task}.json"]
+        assert row["score"] == pytest.approx(control[task]["score"]) and "gain" not in row
     assert "random init" in first and set(results["systems"]) == {"BERT (ours)", "random init"}
     # the GLUE chart is a DVC plot (an image), beside the pre-training curves
     plots = json.loads(_dvc(repo, env, "plots", "show", "--json"))
     (image,) = plots["data"]["runs/dvc/evaluate/glue_scores.png"]
     assert image["type"] == "image", image
+    # every chart renders on the real outputs: titled, named axes, its columns in its data file
+    assert not plots.get("errors"), plots["errors"]
+    for name, props in declared_plots().items():
+        (chart,) = plots["data"][name]
+        text = json.dumps(chart["content"])
+        for label in (props["title"], props["x_label"], props["y_label"]):
+            assert json.dumps(label) in text, (name, label)
+        for path, columns in props["y"].items():
+            with (repo / path).open() as f:
+                header = f.readline().strip().split(",")
+            assert {props["x"], *columns} <= set(header), (name, path, header)
+        assert chart["content"]["data"]["values"], name
 
 
 @pytest.mark.slow
@@ -162,6 +204,7 @@ def test_a_code_change_marks_the_stages_running_that_code(dvc_run):
 def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch):
     from mlflow import MlflowClient
 
+    from bert_core.serve import registry
     from bert_core.track import lineage
 
     repo, env, _ = dvc_run
@@ -177,7 +220,18 @@ def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch)
     first, second = parents
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     corpus_md5 = lock["clean"]["deps"][0]["md5"]
-    assert first.data.tags["dvc.input.../shared/data/corpus/a_christmas_carol.txt"] == corpus_md5
+    # DVC's hashes as MLflow dataset inputs (digest = the DVC hash), not a tag per file
+    assert not [t for t in first.data.tags if t.startswith(("dvc.input", "dvc.dep"))]
+    inputs = {d.dataset.name: d for d in first.inputs.dataset_inputs}
+    corpus = inputs["../shared/data/corpus/a_christmas_carol.txt"]
+    assert corpus.dataset.digest == corpus_md5
+    assert {t.key: t.value for t in corpus.tags}["mlflow.data.context"] == "pipeline input"
+    assert {f"../shared/data/glue/{t}" for t in GLUE_TASKS} <= set(inputs)
+    # the settings the stages ran with (params.yaml, after any -S: run_dvc.resolved_params)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    assert first.data.params["finetune.epochs"] == str(params["finetune"]["epochs"])
+    assert first.data.params["finetune.token_epochs"] == "1"
+    assert second.data.params["finetune.token_epochs"] == "7"  # -S, as DVC applied it
     assert (
         first.data.tags["mlflow.source.git.commit"]
         == subprocess.run(
@@ -185,31 +239,43 @@ def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch)
         ).stdout.strip()
     )
     assert first.data.params["model.preset"] == "tiny"
-    assert first.data.metrics["glue_score"] == pytest.approx(second.data.metrics["glue_score"])
+    assert first.data.metrics["eval/score"] == pytest.approx(second.data.metrics["eval/score"])
 
     children = {r.data.tags["dvc.stage"]: r for r in lineage.child_runs(first.info.run_id)}
     assert set(children) == set(lock)  # one nested run per stage, all in this experiment
     for stage, run in children.items():
         assert run.info.experiment_id == experiment.experiment_id
         assert run.info.status == "FINISHED"
-        for dep in lock[stage]["deps"]:
-            assert run.data.tags[f"dvc.dep.{dep['path']}"] == dep["md5"], stage
+        inputs = {d.dataset.name: d.dataset.digest for d in run.inputs.dataset_inputs}
+        data = {d["path"]: d["md5"] for d in lock[stage]["deps"] if not d["path"].endswith(".py")}
+        assert inputs == data, stage  # its data deps, each with DVC's hash
+        assert len(run.data.tags["dvc.code_md5"]) == 32  # its code deps: one digest
     assert children["pretrain"].data.metrics["loss"] > 0
-    assert 0 <= children["finetune@SST-2"].data.metrics["best_dev_accuracy"] <= 1
-    assert children["evaluate"].data.metrics["glue_score"] == first.data.metrics["glue_score"]
-    # the parent run holds the evaluate step's metrics, at its scale (fractions)
+    assert 0 <= children["finetune@SST-2"].data.metrics["eval/accuracy"] <= 100
+    assert children["evaluate"].data.metrics["eval/score"] == first.data.metrics["eval/score"]
+    # the parent run holds the evaluate step's metrics, at its scale (percent, the table's)
     results = {k: v for k, v in first.data.metrics.items() if k != "pipeline_seconds"}
     assert results == children["evaluate"].data.metrics
-    assert {"glue_score", "SST-2.score", "SST-2.accuracy", "STS-B.pearson"} <= set(results)
-    assert all(-1 <= v <= 1 for v in results.values()), results
+    assert {"eval/score", "eval/SST-2/score", "eval/SST-2/accuracy", "eval/STS-B/pearson"} <= set(
+        results
+    )
+    assert all(-100 <= v <= 100 for v in results.values()), results
     assert lineage.child_runs(second.info.run_id) == []  # cached: nothing re-ran
 
-    (version,) = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
+    (version,) = client.search_model_versions(f"name='{registry.PRETRAINED}'")
     assert version.run_id == children["pretrain"].info.run_id
+    link = f"models:/{registry.PRETRAINED}/{version.version}"
+    assert first.data.tags["bert.registered_model"] == link.removeprefix("models:/")
+    # each task's model: its first version is champion, linked to that pre-trained version
+    tasks = [s.split("@")[1] for s in children if s.startswith("finetune@")]
+    for task in tasks:
+        champion = client.get_model_version_by_alias(registry.model_name(task), "champion")
+        assert champion.tags[registry.SOURCE_TAG] == link, task
+        assert champion.run_id == children[f"finetune@{task}"].info.run_id
     from bert_core.serve.mlflow_model import local_model
 
     # an MLflow model (pyfunc: masked-token filling) holding the HF-layout folder
-    with local_model(f"models:/{lineage.REGISTERED_MODEL}/1") as (folder, _):
+    with local_model(f"models:/{registry.PRETRAINED}/1") as (folder, _):
         files = {f.name for f in folder.iterdir()}
     assert {"config.json", "model.safetensors", "vocab.txt"} <= files
 
@@ -223,7 +289,7 @@ def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch)
     ).stdout
     assert first.info.run_id[:8] in table and second.info.run_id[:8] in table
     shown = [float(x) for x in re.findall(r"-?\d+\.\d+", table)]  # 40.20 may print as 40.2
-    percent = 100 * first.data.metrics["glue_score"]  # `bert runs` shows scores in percent
+    percent = first.data.metrics["eval/score"]  # `bert runs` shows scores as logged: percent
     assert any(abs(x - percent) < 0.006 for x in shown), table
 
 
@@ -245,7 +311,7 @@ def test_token_tasks_are_a_foreach_stage_feeding_evaluate(tmp_path, shared_data)
     }
     assert "finetune-token@conll2003" in stages
     assert "Outputs runs/dvc/glue/conll2003" in stages["finetune-token@conll2003"]
-    assert stages["finetune-token@conll2003"].endswith("Reports runs/dvc/metrics/conll2003.json")
+    assert "Reports" not in stages["finetune-token@conll2003"]  # metrics: evaluate's flat scores
     dag = _dvc(repo, env, "dag", "--dot")
     assert '"pretrain" -> "finetune-token@conll2003"' in dag
     assert '"finetune-token@conll2003" -> "evaluate"' in dag
@@ -316,6 +382,52 @@ def test_every_stage_depends_on_the_code_it_runs():
     assert "bert_core/track/lineage.py" not in stage_code("clean")  # the CLI's KFP helpers only
     tasks = {f"bert_core/finetune/tasks/{t}.py" for t in ("glue", "ner", "squad", "swag")}
     assert tasks <= stage_code("finetune") and not tasks & stage_code("evaluate")
+
+
+# ---------------------------------------------------------------- what DVC shows
+
+
+def declared_plots() -> dict[str, dict]:
+    """dvc.yaml's charts (images left out): {id: props}, props' `y` as {data file: [columns]}
+    under the default `data.output` (runs/dvc)."""
+    output = yaml.safe_load((ROOT / "params.yaml").read_text())["data"]["output"]
+    charts = {}
+    for entry in yaml.safe_load((ROOT / "dvc.yaml").read_text())["plots"]:
+        if isinstance(entry, dict):
+            ((name, props),) = entry.items()
+            y = {f.replace("${data.output}", output): [c] if isinstance(c, str) else c
+                 for f, c in props["y"].items()}  # fmt: skip
+            charts[name] = props | {"y": y}
+    return charts
+
+
+def test_dvc_plots_are_titled_with_named_axes():
+    """Every chart has a title and named axes (DVC's defaults are none, `step` and `y`), the
+    fine-tuning ones among them, and the project's templates they name are in .dvc/plots."""
+    charts = declared_plots()
+    fine_tuning = {"dev score per epoch", "pre-trained vs random init", "held-out masked LM"}
+    assert fine_tuning <= set(charts)
+    for name, props in charts.items():
+        assert props.get("title") and props.get("x_label") and props.get("y_label"), name
+        template = ROOT / ".dvc" / "plots" / f"{props['template']}.json"
+        if not template.is_file():
+            from dvc_render.vega_templates import TEMPLATES
+
+            assert props["template"] in {t.DEFAULT_NAME for t in TEMPLATES}, name
+            continue
+        text = template.read_text()
+        for anchor in ("DATA", "TITLE", "X", "Y", "X_LABEL", "Y_LABEL"):
+            assert f"<DVC_METRIC_{anchor}>" in text, (template, anchor)
+
+
+def test_dvc_lock_is_committed_not_ignored():
+    """DVC refuses to run with a git-ignored dvc.lock, so it is meant to be committed
+    (docs/pipeline.md, "dvc.lock"); the HTML of `dvc plots show` is ignored."""
+
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+
+    assert not ignored("dvc.lock") and ignored("dvc_plots/index.html")
 
 
 # ---------------------------------------------------------------- the default remote

@@ -386,6 +386,7 @@ def test_a_kfp_step_without_a_tracking_server_fails_at_once(tmp_path, monkeypatc
 def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     from mlflow import MlflowClient
 
+    from bert_core.serve import registry
     from bert_core.track import lineage
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -417,7 +418,7 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
         assert f"| {task} |" in markdown
     (metrics,) = (tmp_path / "root").glob("bert-pipeline-*/evaluate*/executor_output.json")
     scores = json.loads(metrics.read_text())["artifacts"]["metrics"]["artifacts"][0]["metadata"]
-    assert {"glue_score", "SST-2.score", "STS-B.score"} <= set(scores)
+    assert {"eval/score", "eval/SST-2/score", "eval/STS-B/score"} <= set(scores)
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     client = MlflowClient(uri)
@@ -446,9 +447,9 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     for run in steps.values():
         assert run.data.tags["kfp.run_id"] == kfp_run_id
         assert run.info.status == "FINISHED"
-    assert steps["evaluate"].data.metrics["glue_score"] == pytest.approx(scores["glue_score"])
+    assert steps["evaluate"].data.metrics["eval/score"] == pytest.approx(scores["eval/score"])
     # the KFP UI's numbers are the evaluate step's MLflow metrics: same names, same scale
     assert steps["evaluate"].data.metrics == pytest.approx(scores)
-    assert all(-1 <= v <= 1 for v in scores.values()), scores
-    (version,) = client.search_model_versions(f"name='{lineage.REGISTERED_MODEL}'")
+    assert all(-100 <= v <= 100 for v in scores.values()), scores  # percent, the table's
+    (version,) = client.search_model_versions(f"name='{registry.PRETRAINED}'")
     assert version.run_id == steps["pretrain"].info.run_id

@@ -7,6 +7,7 @@ shared by the module and one 2-worker run serves both the learning and the fault
 from __future__ import annotations
 
 import csv
+import json
 import math
 import shutil
 from collections import Counter
@@ -36,6 +37,7 @@ from bert_core.pretrain.data import (
 from bert_core.pretrain.heldout import HeldOutEval
 from bert_core.pretrain.state import Meter, seed_all
 from bert_core.pretrain.worker import build_model, setup, train_step
+from bert_core.tracking import RUN_RECORD
 from tests.pipeline_helpers import pretraining_instances
 
 
@@ -209,7 +211,7 @@ def test_cli_is_generated_from_the_config():
     assert cfg.use_gpu and cfg.adam_betas == (0.9, 0.98) and cfg.steps == 7
     assert cfg.learning_rate == 5e-3 and cfg.warmup == 3 and cfg.dropout == 0.0
     assert cfg.masking_recipe == "100/0/0" and cfg.inject_failure_at == 4
-    assert defaults.objective == "mlm+nsp" and defaults.eval_interval == defaults.checkpoint_every
+    assert defaults.objective == "mlm+nsp" and defaults.eval_interval == defaults.log_every
     cfg = parse_args(
         ["--instances", "i", "--output", "o", "--objective", "mlm", "--eval-every", "5"]
     )
@@ -403,13 +405,16 @@ def test_two_workers_learn_and_survive_a_worker_failure(
     assert params["instances.masking_recipe"] == params["masking_recipe"] == "80/10/10"
     assert params["objective"] == "mlm+nsp" and params["instances.heldout_fraction"] == "0.02"
 
-    # held-out evaluation at the start, with each checkpoint and at the end, each once (the
-    # restart resumed at step 100, after that step's evaluation), in the CSV and in MLflow
+    # held-out evaluation at the start, at every logged step (--log-every 10: the default
+    # --eval-every) and at the end; the CSV holds each step once (the restart resumed at step
+    # 100, after that step's evaluation), MLflow's history both tries of 110 and 120, as for
+    # the training metrics above
     held = list(csv.DictReader((out / "heldout_metrics.csv").open()))
-    assert [int(r["step"]) for r in held] == [0, 100, 200]
+    assert [int(r["step"]) for r in held] == list(range(0, 201, 10))
     for name in ("heldout_mlm_accuracy", "baseline_mlm_accuracy", "heldout_perplexity"):
-        history = client.get_metric_history(run.info.run_id, name)
-        assert sorted(m.step for m in history) == [0, 100, 200], name
+        history = Counter(m.step for m in client.get_metric_history(run.info.run_id, name))
+        assert set(history) == set(range(0, 201, 10)), name
+        assert {s for s, n in history.items() if n > 1} <= {110, 120}, name
     for r in held:
         assert float(r["heldout_perplexity"]) == pytest.approx(
             math.exp(float(r["heldout_mlm_loss"]))
@@ -426,6 +431,8 @@ def test_two_workers_learn_and_survive_a_worker_failure(
     assert (out / "model" / "vocab.txt").read_bytes() == (instances / "vocab.txt").read_bytes()
     assert model.config.vocab_size == len(read_vocab(instances / "vocab.txt"))
     assert read_lowercase(out / "model") is True  # the vocabulary's casing came along
+    # and names its run, from which the registry registers it (serve.registry)
+    assert json.loads((out / "model" / RUN_RECORD).read_text()) == {"run_id": run.info.run_id}
 
 
 @pytest.mark.slow

@@ -68,12 +68,13 @@ def test_full_glue_table_plot_and_mlflow(tmp_path, mlflow_env):
 
     runs = mlflow.search_runs(experiment_names=["bert"], output_format="list")
     (run,) = [r for r in runs if r.data.tags.get("bert.step") == "evaluate"]
-    # MLflow holds fractions, as metrics.json does (the table shows percent)
-    assert run.data.metrics["glue_score"] == pytest.approx(results["glue_score"] / 100)
-    assert run.data.metrics["CoLA.mcc"] == pytest.approx(0.605)
-    assert run.data.metrics["MRPC.score"] == pytest.approx(0.8735)
+    # MLflow holds the table's numbers (percent), named by role (bert_core.metrics)
+    assert run.data.metrics["eval/score"] == pytest.approx(results["glue_score"])
+    assert run.data.metrics["eval/CoLA/mcc"] == pytest.approx(60.5)
+    assert run.data.metrics["eval/MRPC/score"] == pytest.approx(87.35)
     arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "glue")}
-    assert arts == {"glue/glue_results.json", "glue/glue_table.md", "glue/glue_scores.png"}
+    assert arts == {"glue/glue_results.json", "glue/glue_table.md", "glue/glue_scores.png",
+                    "glue/scores", "glue/task_scores.csv", "glue/dev_curves.csv"}  # fmt: skip
 
 
 def test_partial_results_are_marked(tmp_path):
@@ -143,8 +144,8 @@ def test_token_tasks_get_their_own_rows_outside_the_glue_score(tmp_path, mlflow_
         for r in mlflow.search_runs(experiment_names=["bert"], output_format="list")
         if r.data.tags.get("bert.step") == "evaluate"
     ]
-    assert run.data.metrics["squad.f1"] == pytest.approx(0.909)
-    assert run.data.metrics["glue_score"] == pytest.approx(0.825)
+    assert run.data.metrics["eval/squad/f1"] == pytest.approx(90.9)
+    assert run.data.metrics["eval/score"] == pytest.approx(82.5)
     # token-level results alone: their tables, no GLUE score
     only = evaluate(dirs[2:], tmp_path / "only")
     assert only["glue_score"] is None and only["tasks"] == {}
@@ -158,7 +159,9 @@ def test_token_tasks_get_their_own_rows_outside_the_glue_score(tmp_path, mlflow_
 
 def test_every_caller_logs_the_same_metrics_at_one_scale(tmp_path, mlflow_env, monkeypatch):
     """`bert evaluate`'s run, the DVC pipeline's parent run (pipelines/run_dvc.py) and the KFP
-    components' Metrics carry the same names and values: fractions, as metrics.json holds them."""
+    components' Metrics carry the same names and values: percent, the table's numbers. The
+    evaluate step publishes them, table and plot too, on the pipeline run it is nested under;
+    `make run` does it from the files when DVC skipped a cached evaluate stage."""
     from mlflow import MlflowClient
 
     from bert_core.cli import dvc_log_results
@@ -171,18 +174,27 @@ def test_every_caller_logs_the_same_metrics_at_one_scale(tmp_path, mlflow_env, m
     out = tmp_path / "evaluate"
     with lineage.start_pipeline_run() as parent:
         assert cli.main(["evaluate", "--results", *dirs, "--output", str(out)]) == 0
-        dvc_log_results(out)  # what `make run` (pipelines/run_dvc.py) logs on its parent run
+        dvc_log_results(parent.info.run_id, out)  # what `make run` calls: nothing more here
+    client = MlflowClient()  # after start_pipeline_run set this test's store
     (step,) = lineage.child_runs(parent.info.run_id, "evaluate")
-    logged = MlflowClient().get_run(parent.info.run_id).data.metrics
+    logged = client.get_run(parent.info.run_id).data.metrics
     assert logged == step.data.metrics
+    history = client.get_metric_history(parent.info.run_id, "eval/score")
+    assert len(history) == 1  # published once, by the step; not again by the runner
+    on_parent = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert on_parent == {"glue_table.md", "glue_scores.png"}
+    with lineage.start_pipeline_run() as cached:  # DVC skipped evaluate: the runner publishes
+        assert dvc_log_results(cached.info.run_id, out)["glue_score"] == pytest.approx(80.5, 1e-3)
+    assert client.get_run(cached.info.run_id).data.metrics == logged
+    assert {a.path for a in client.list_artifacts(cached.info.run_id)} == on_parent
     assert cli.kfp_metrics(out / "glue_results.json") == logged  # the KFP evaluate component's
-    assert cli.kfp_metrics(f"{dirs[0]}/metrics.json") == {"CoLA.mcc": 0.605}  # a finetune's
-    expected = {f"{t}.{k}" for t, m in (BERT_LARGE | token).items() for k in m}
-    assert set(logged) == expected | {f"{t}.score" for t in BERT_LARGE} | {"glue_score"}
-    assert logged["glue_score"] == pytest.approx(0.805, abs=5e-4)
-    assert logged["STS-B.score"] == pytest.approx((0.876 + 0.865) / 2)
-    for name, value in logged.items():  # accuracy, F1, MCC, correlations: all within [-1, 1]
-        assert -1 <= value <= 1, name
+    assert cli.kfp_metrics(f"{dirs[0]}/metrics.json") == {"eval/mcc": pytest.approx(60.5)}
+    expected = {f"eval/{t}/{k}" for t, m in (BERT_LARGE | token).items() for k in m}
+    assert set(logged) == expected | {f"eval/{t}/score" for t in BERT_LARGE} | {"eval/score"}
+    assert logged["eval/score"] == pytest.approx(80.5, abs=0.05)
+    assert logged["eval/STS-B/score"] == pytest.approx((87.6 + 86.5) / 2)
+    for name, value in logged.items():  # accuracy, F1, MCC, correlations: percent, the table's
+        assert -100 <= value <= 100, name
 
 
 def _system(root, tasks: dict[str, dict], init: str) -> list[str]:
@@ -232,18 +244,18 @@ def test_control_and_systems_are_rows_of_one_table_with_the_gain(tmp_path, mlflo
     runs = mlflow.search_runs(experiment_names=["bert-pipeline"], output_format="list")
     (step,) = [r for r in runs if r.data.tags.get("bert.step") == "evaluate"]
     m = step.data.metrics
-    assert m["glue_score"] == pytest.approx(0.825) and m["SST-2.score"] == pytest.approx(0.9)
-    assert m["random_init.glue_score"] == pytest.approx(0.45)
-    assert m["random_init.SST-2.accuracy"] == pytest.approx(0.6)
-    assert m["gain.glue_score"] == pytest.approx(0.15)
-    assert m["gain.SST-2.score"] == pytest.approx(0.3)
-    assert m["gain.conll2003.f1"] == pytest.approx(0.4)
+    assert m["eval/score"] == pytest.approx(82.5) and m["eval/SST-2/score"] == pytest.approx(90)
+    assert m["random_init/eval/score"] == pytest.approx(45)
+    assert m["random_init/eval/SST-2/accuracy"] == pytest.approx(60)
+    assert m["gain/eval/score"] == pytest.approx(15)
+    assert m["gain/eval/SST-2/score"] == pytest.approx(30)
+    assert m["gain/eval/conll2003/f1"] == pytest.approx(40)
     capsys.readouterr()
     assert cli.main(["runs"]) == 0  # the pipeline run's row: main score, control's, the gain
     header, row = capsys.readouterr().out.splitlines()
     columns = header.split()
-    assert columns[-5:] == ["glue_score", "random_init.glue_score", "gain.glue_score",
-                            "MRPC.score", "SST-2.score"]  # fmt: skip
+    assert columns[-5:] == ["eval/score", "random_init/eval/score", "gain/eval/score",
+                            "eval/MRPC/score", "eval/SST-2/score"]  # fmt: skip
     assert row.split()[-5:] == ["82.5", "45.0", "15.0", "75.0", "90.0"]
 
     # named systems: one --system per --results; a named group may not mix inits

@@ -1,18 +1,22 @@
 """The MLflow flavor (`bert_core.serve.mlflow_model`) and the registry (`bert_core.serve.registry`):
 logged models load with `mlflow.pyfunc`, answer as the predictors do, need neither transformers nor
-the project installed; `bert finetune` registers its model and `bert promote` moves `champion` only
-to a better version."""
+the project installed; `bert finetune` registers its model, described and linked to the pre-trained
+version it came from, the first version is `champion` and `bert promote` alone moves it, only to a
+better version; a logged MLmodel names no path of the machine that logged it."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
 import pandas as pd
 import pytest
+import yaml
 from mlflow import MlflowClient
 from mlflow.models import Model
 
@@ -20,6 +24,7 @@ from bert_core import cli
 from bert_core.serve import mlflow_model as serving
 from bert_core.serve import registry
 from bert_core.serve.predictors import load_predictor
+from bert_core.tracking import RUN_RECORD, start_run
 from tests.serving_helpers import build
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -106,20 +111,59 @@ def test_bad_input_is_an_invalid_parameter_error(logged):
         model.predict(pd.DataFrame({"sentence": ["fine"]}))
 
 
-def test_finetune_registers_its_model_and_promote_moves_champion_only_when_better(
+def pretrain_output(minilm_dir: Path, dest: Path) -> tuple[Path, str]:
+    """A `bert pretrain` model folder as the command leaves it: a fill-mask model naming its
+    FINISHED pretrain run (`RUN_RECORD`)."""
+    folder = build("fill-mask", minilm_dir, dest)
+    with start_run("pretrain", {"steps": 1}) as run:
+        pass
+    (folder / RUN_RECORD).write_text(json.dumps({"run_id": run.info.run_id}))
+    return folder, run.info.run_id
+
+
+def strings(tree) -> list[str]:
+    """Every string in a parsed YAML file (keys and values), however deep."""
+    if isinstance(tree, dict):
+        return [x for k, v in tree.items() for x in (*strings(k), *strings(v))]
+    if isinstance(tree, list):
+        return [x for v in tree for x in strings(v)]
+    return [tree] if isinstance(tree, str) else []
+
+
+def machine_paths(model_uri: str, dest: Path) -> list[str]:
+    """The strings of a registered model's MLmodel that name a path of this machine: absolute
+    paths, and anything under the temporary folders (the staging folder) or this checkout."""
+    local = mlflow.artifacts.download_artifacts(model_uri, dst_path=str(dest))
+    mlmodel = yaml.safe_load((Path(local) / "MLmodel").read_text())
+    roots = ("/tmp", str(Path(__file__).resolve().parents[2]), str(Path.home()))
+    return [x for x in strings(mlmodel) if os.path.isabs(x) or any(r in x for r in roots)]
+
+
+def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_champion(
     tracking, shared_data, minilm_dir, monkeypatch, capsys
 ):
-    tiny = build("classification", minilm_dir, tracking / "sst2-init")
+    pretrained, pretrain_run = pretrain_output(minilm_dir, tracking / "pretrain" / "model")
     monkeypatch.setenv(registry.ALIAS_ENV, "candidate")
     out = tracking / "sst2"
     argv = ["finetune", "--task", "SST-2", "--data", str(shared_data / "glue" / "SST-2")]
-    argv += ["--model", str(tiny), "--output", str(out), "--epochs", "1", "--batch-size", "8"]
-    assert cli.main([*argv, "--max-train-examples", "8", "--max-eval-examples", "16"]) == 0
+    argv += ["--model", str(pretrained), "--output", str(out), "--epochs", "1"]
+    assert cli.main([*argv, "--batch-size", "8", "--max-train-examples", "8",
+                     "--max-eval-examples", "16"]) == 0  # fmt: skip
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last)["registered_model"] == "bert-sst2/1"
     record = json.loads((out / registry.RECORD).read_text())
     assert (record["registered_model"], record["alias"]) == ("bert-sst2", "candidate")
     client = MlflowClient()
+
+    # the pre-trained model: registered from its FINISHED run before the fine-tuned version
+    # named it, described, once (asking again finds the same version)
+    (pre,) = client.search_model_versions(f"name='{registry.PRETRAINED}'")
+    assert pre.run_id == pretrain_run and pretrain_run in pre.description
+    assert "fills [MASK]" in client.get_registered_model(registry.PRETRAINED).description
+    link = f"models:/{registry.PRETRAINED}/{pre.version}"
+    assert registry.pretrained_source(pretrained, "unused") == link
+    assert len(client.search_model_versions(f"name='{registry.PRETRAINED}'")) == 1
+
     v1 = client.get_model_version_by_alias("bert-sst2", "candidate")
     metrics = json.loads((out / "metrics.json").read_text())
     assert str(v1.version) == "1" and v1.run_id == record["run_id"]
@@ -127,20 +171,30 @@ def test_finetune_registers_its_model_and_promote_moves_champion_only_when_bette
     assert client.get_run(v1.run_id).info.status == "FINISHED"
     assert float(v1.tags[registry.SCORE_TAG]) == metrics["score"]
     assert v1.tags[registry.TASK_TAG] == "SST-2"
+    assert v1.tags[registry.METRIC_TAG] == "accuracy" == metrics["score_metric"]
+    assert v1.tags[registry.SOURCE_TAG] == link == metrics["pretrained_model"]
+    for text in (record["run_id"], "SST-2 dev accuracy", f"{metrics['score']:.2f}", link):
+        assert text in v1.description, (text, v1.description)
+    described = client.get_registered_model("bert-sst2").description
+    assert all(w in described for w in ("SST-2", "accuracy", "champion", "bert promote"))
     run = client.get_run(record["run_id"])
     assert run.data.tags["bert.registered_model"] == "bert-sst2"
+    assert run.data.tags[registry.SOURCE_TAG] == link
     # the model's inference settings beside, not over, the run's training parameters
     assert (run.data.params["batch_size"], run.data.params["inference/max_seq_length"]) == (
         "8", "128",
     )  # fmt: skip
 
-    capsys.readouterr()
-    assert cli.main(["promote", "sst2"]) == 0  # the candidate, no champion yet
-    assert json.loads(capsys.readouterr().out)["promoted"] is True
+    # the first version is champion at once, and says why
+    assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "1"
+    assert v1.tags[registry.PROMOTION_TAG].startswith("champion: first champion (dev score")
+    assert cli.main(["promote", "sst2"]) == 0  # the candidate: it is the champion already
+    assert json.loads(capsys.readouterr().out)["reason"] == "already the champion"
     score = metrics["score"]
-    for delta in (-1.0, +1.0):  # a worse version, then a better one
-        result = {"task": "SST-2", "score": score + delta}
-        registry.register(record["model_uri"], "bert-sst2", result)
+    for delta in (-1.0, +1.0):  # a worse version, then a better one: neither moves champion
+        result = {"task": "SST-2", "score": score + delta, "score_metric": "accuracy"}
+        registry.register(record["model_uri"], "bert-sst2", result | {"pretrained_model": link})
+        assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "1"
     worse = registry.promote("bert-sst2", 2)
     assert (worse["promoted"], worse["champion"]) == (False, 1)
     assert (
@@ -153,9 +207,30 @@ def test_finetune_registers_its_model_and_promote_moves_champion_only_when_bette
     assert registry.promote("bert-sst2", 2, force=True)["champion"] == 2
     assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "2"
 
-    champion = mlflow.pyfunc.load_model("models:/bert-sst2@champion")
+    # MLmodel names no path of this machine: not the staging folder `bert finetune` logged
+    # from, not this checkout's code file; and the models load with the folders all gone
     texts = pd.DataFrame({"text": ["a gripping , funny film", "dull"]})
-    assert champion.predict(texts) == load_predictor(out / "model").predict(texts)
+    expected = load_predictor(out / "model").predict(texts)
+    for uri in ("models:/bert-sst2@champion", link):
+        assert machine_paths(uri, tracking / "downloads" / uri.split("/")[1]) == [], uri
+    shutil.rmtree(out)
+    shutil.rmtree(pretrained)
+    assert mlflow.pyfunc.load_model("models:/bert-sst2@champion").predict(texts) == expected
+    (filled,) = mlflow.pyfunc.load_model(link).predict(pd.DataFrame({"text": ["a [MASK] film"]}))
+    assert len(filled["masks"]) == 1
+
+
+def test_a_folder_that_names_no_finished_pretrain_run_is_linked_by_its_path(tracking, minilm_dir):
+    """A public checkpoint or a folder made by hand (no run named), one whose pretrain run
+    failed, or one from another tracking store: nothing is registered, the link is the path."""
+    folder = build("fill-mask", minilm_dir, tracking / "hand-made")
+    assert registry.pretrained_source(folder, "s3://bucket/hand-made") == "s3://bucket/hand-made"
+    with pytest.raises(RuntimeError), start_run("pretrain", {}) as run:
+        raise RuntimeError("the pre-training failed")
+    for run_id in (run.info.run_id, "f" * 32):  # FAILED; not in this store
+        (folder / RUN_RECORD).write_text(json.dumps({"run_id": run_id}))
+        assert registry.pretrained_source(folder, str(folder)) == str(folder)
+        assert MlflowClient().search_model_versions(f"run_id = '{run_id}'") == []
 
 
 def test_a_step_that_fails_after_logging_its_model_registers_nothing(

@@ -132,6 +132,8 @@ class GlueFinetune(FinetuneTask):
         self.num_labels = self.glue.num_labels
         regression = self.glue.is_regression
         self.problem_type = "regression" if regression else "single_label_classification"
+        names = self.glue.metric_names()  # the score: their mean (`task_score`)
+        self.score_metric = names[0] if len(names) == 1 else f"mean({', '.join(names)})"
 
     def prepare(self, data_dir: Path, tokenizer, cfg) -> dict:
         task, n_train = self.glue, cfg.max_train_examples

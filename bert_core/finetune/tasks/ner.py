@@ -59,6 +59,7 @@ from bert_core.finetune.tasks.ner_data import (  # noqa: F401 (re-exported: the 
     read_conll,
     write_conll,
 )
+from bert_core.metrics import percent
 
 TASK = "conll2003"
 
@@ -252,6 +253,7 @@ class NerFinetune(FinetuneTask):
     config_class = NerConfig
     model_class = "BertForTokenClassification"
     download_help = CONLL_URL
+    score_metric = "f1"
 
     def __init__(self, name: str = TASK):
         super().__init__(name)
@@ -286,7 +288,7 @@ class NerFinetune(FinetuneTask):
     def evaluate(self, model, device, cfg):
         pred = predict(model, self.dev, self.dev_sentences, device, cfg.eval_batch_size)
         metrics = entity_metrics([s.tags for s in self.dev_sentences], pred)
-        return metrics, metrics["f1"], pred
+        return metrics, percent("f1", metrics["f1"]), pred
 
     def evaluate_test(self, model, device, cfg):
         if self.test is None:

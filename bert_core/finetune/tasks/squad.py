@@ -63,6 +63,7 @@ from bert_core.finetune.tasks.squad_metrics import (  # noqa: F401 (the official
     normalize_answer,
     squad_metrics,
 )
+from bert_core.metrics import percent
 
 
 @dataclass
@@ -271,6 +272,7 @@ class SquadFinetune(FinetuneTask):
     config_class = SquadConfig
     model_class = "BertForQuestionAnswering"  # start and end logits: no label names
     download_help = OFFICIAL_URL
+    score_metric = "f1"
 
     def __init__(self, name: str):
         super().__init__(name)
@@ -307,14 +309,14 @@ class SquadFinetune(FinetuneTask):
         if self.version == "1.1":
             preds, null_odds = decode(self.dev_examples, self.dev, logits, cfg, False)
             metrics = squad_metrics(self.dev_examples, preds, self.version)
-            return metrics, metrics["f1"], (preds, null_odds)
+            return metrics, percent("f1", metrics["f1"]), (preds, null_odds)
         # 2.0: the best spans and their null odds, then the answers at the set threshold
         no_null = replace(cfg, null_score_diff_threshold=math.inf)
         spans, null_odds = decode(self.dev_examples, self.dev, logits, no_null, True)
         preds = apply_threshold(spans, null_odds, cfg.null_score_diff_threshold)
         metrics = squad_metrics(self.dev_examples, preds, self.version)
         metrics |= best_thresholds(self.dev_examples, spans, null_odds)
-        return metrics, metrics["f1"], (preds, null_odds)
+        return metrics, percent("f1", metrics["f1"]), (preds, null_odds)
 
     def summary(self, best: dict) -> dict:
         return {

@@ -40,6 +40,7 @@ from bert_core.finetune.engine import (
 )
 from bert_core.finetune.engine import sample as sample_examples
 from bert_core.finetune.tasks.glue import truncate_pair_from_end
+from bert_core.metrics import percent
 
 TASK = "swag"
 OFFICIAL_URL = "https://raw.githubusercontent.com/rowanz/swagaf/master/data/"
@@ -168,6 +169,7 @@ class SwagFinetune(FinetuneTask):
     model_class = "BertForMultipleChoice"
     replace_mismatched_head = True  # e.g. a GLUE classifier (2 outputs) in the checkpoint
     download_help = OFFICIAL_URL
+    score_metric = "accuracy"
 
     def download(self, data_dir: Path) -> None:
         if not all((Path(data_dir) / n).is_file() for n in SPLIT_FILES.values()):
@@ -193,7 +195,7 @@ class SwagFinetune(FinetuneTask):
     def evaluate(self, model, device, cfg):
         scores = predict(model, self.dev, device, cfg.eval_batch_size)
         accuracy = float((scores.argmax(-1) == self.dev.labels).mean())
-        return {"accuracy": accuracy}, accuracy, scores
+        return {"accuracy": accuracy}, percent("accuracy", accuracy), scores
 
     def summary(self, best: dict) -> dict:
         return {

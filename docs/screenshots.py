@@ -1,7 +1,7 @@
 """Screenshots of the MLflow UI for docs/mlflow.md, taken from a real `make run`'s store.
 
-    .venv/bin/pip install -e '.[docs]'        # once (Playwright); the browser is the system's Chromium
-    .venv/bin/python docs/screenshots.py      # after `make run`: writes docs/img/mlflow-*.png
+    .venv/bin/pip install -e '.[docs]'   # once: Playwright; the browser is the system's Chromium
+    .venv/bin/python docs/screenshots.py # after `make run`: writes docs/img/mlflow-*.png
 
 Why a script and not a test: it needs a browser (Debian's `chromium`, or `CHROMIUM=...`), which
 a fresh clone does not have; the pictures are documentation, and the numbers in them come from

@@ -55,6 +55,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "per-token or pooled vectors from chosen layers, to Parquet"),
     "serve": ("bert_core.serve.server",
               "an HTTP endpoint for a model, with limits (localhost unless told)"),
+    "quantize": ("bert_core.compress.quantize",
+                 "a fine-tuned model as a dynamic-int8 CPU model, scored beside it"),
+    "distill": ("bert_core.compress.distill",
+                "a small student trained on a fine-tuned teacher's soft targets (GLUE)"),
 }  # fmt: skip
 
 

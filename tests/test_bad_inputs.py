@@ -307,9 +307,23 @@ def finetune(r: Row, *extra, task: str = "SST-2", data=None, model=None) -> list
             model or r.good.encoder, "--output", r.out, "--epochs", "1", *extra]  # fmt: skip
 
 
-def predict(r: Row, data: Path | str, *extra, output: str = "out.jsonl") -> list:
-    return ["predict", "--model", r.good.classifier, "--input", data,
+def predict(r: Row, data: Path | str, *extra, output: str = "out.jsonl", model=None) -> list:
+    return ["predict", "--model", model or r.good.classifier, "--input", data,
             "--output", r.tmp / output, *extra]  # fmt: skip
+
+
+def quantize(r: Row, model: Path | str, *extra) -> list:
+    return ["quantize", "--model", model, "--output", r.out, *extra]
+
+
+def distill(r: Row, *extra, teacher=None, student=None, task: str = "SST-2") -> list:
+    return ["distill", "--teacher", teacher or r.good.classifier, "--student",
+            student or r.good.encoder, "--task", task, "--data", r.good.glue, "--output", r.out,
+            *extra]  # fmt: skip
+
+
+INT8 = {"method": "torch-dynamic-int8"}  # config.json's mark of a `bert quantize` model
+CLASSIFIER = lambda r: r.good.classifier  # noqa: E731 (the source of a row's edited copy)
 
 
 def embed(r: Row, data: Path | str, *extra, output: str = "out.parquet") -> list:
@@ -751,6 +765,50 @@ CASES = [
          "bert-sst2 version 7"),
     Case("promote-registration-off", "setting", lambda r: ["promote", "SST-2"],
          "BERT_REGISTERED_MODEL=none: name the model", env={"BERT_REGISTERED_MODEL": "none"}),
+    # ---- bert quantize (each refused before a model is loaded or a run opened)
+    Case("quantize-missing-model", "missing", lambda r: quantize(r, r.tmp / "nope"),
+         "nope: no such model folder"),
+    Case("quantize-pretrained-model", "model", lambda r: quantize(r, r.good.encoder),
+         "not a fine-tuned model"),
+    Case("quantize-already-int8", "model",
+         lambda r: quantize(r, r.model(lambda m: r.config(m, quantization=INT8), CLASSIFIER(r))),
+         "already an int8 model"),
+    Case("quantize-data-without-task", "model",
+         lambda r: quantize(r, r.model(lambda m: r.config(m, finetuning_task=None), CLASSIFIER(r)),
+                            "--data", r.good.glue), "no finetuning_task: --data needs the task"),
+    Case("quantize-output-inside-model", "setting",
+         lambda r: ["quantize", "--model", r.copy(r.good.classifier, "clf"),
+                    "--output", r.tmp / "clf" / "int8"], "lies inside --model"),
+    Case("quantize-data-folder-empty", "missing",
+         lambda r: quantize(r, r.good.classifier, "--data", r.folder("empty")),
+         "SST-2 train file not found"),
+    Case("predict-int8-on-gpu", "setting",
+         lambda r: predict(r, r.good.text, "--device", "cuda", model=r.model(
+             lambda m: r.config(m, quantization=INT8), CLASSIFIER(r))),
+         "runs on the CPU only, not --device cuda"),
+    # ---- bert distill (each refused before any data is read, a model loaded or a run opened)
+    Case("distill-token-task", "setting", lambda r: distill(r, task="conll2003"),
+         "bert distill supports the GLUE tasks"),
+    Case("distill-teacher-not-finetuned", "model", lambda r: distill(r, teacher=r.good.encoder),
+         "not a sequence classifier fine-tuned on SST-2"),
+    Case("distill-teacher-other-task", "model", lambda r: distill(r, teacher=pair_model(r)),
+         "--teacher was fine-tuned on 'MRPC' (2 labels), not on --task SST-2"),
+    Case("distill-student-other-vocab", "model",
+         lambda r: distill(r, student=r.model(swap_vocab_lines)),
+         "not the teacher's vocabulary (300 tokens vs 300, first difference at id 5)"),
+    Case("distill-student-cased", "model", lambda r: distill(r, student=r.model(
+             lambda m: r.file("model/tokenizer_config.json", '{"do_lower_case": false}'))),
+         "--student is cased, --teacher uncased"),
+    Case("distill-student-few-positions", "model",
+         lambda r: distill(r, student=tiny(r, max_position_embeddings=64)),
+         "--student has 64 positions, fewer than --max-seq-length 128"),
+    Case("distill-too-many-layers", "setting", lambda r: distill(r, "--student-layers", "3"),
+         "--student-layers must be 1..2"),
+    Case("distill-alpha-out-of-range", "setting", lambda r: distill(r, "--alpha", "1.5"),
+         "--alpha in [0, 1]"),
+    Case("distill-output-inside-teacher", "setting",
+         lambda r: distill(r, teacher=r.copy(r.good.classifier, "clf"))[:-2]
+         + ["--output", r.tmp / "clf" / "student"], "lies inside --teacher"),
     # ---- bert serve (each refused before a socket is bound or a model loaded)
     Case("serve-missing-model", "missing", lambda r: ["serve", r.tmp / "nope"],
          "nope: no such model folder"),

@@ -50,6 +50,14 @@ CASES = {
                  "rows.jsonl"], "--output", "--input", "is the same path as"),
     "embed": (["embed", "--model", "model", "--input", "rows.jsonl", "--output",
                "model/vectors.parquet"], "--output", "--model", "lies inside"),
+    "quantize": (["quantize", "--model", "model", "--output", "model/int8"], "--output",
+                 "--model", "lies inside"),
+    "distill-teacher": (["distill", "--teacher", "model", "--student", "vocab", "--task", "SST-2",
+                         "--data", "data", "--output", "model"], "--output", "--teacher",
+                        "is the same path as"),
+    "distill-data": (["distill", "--teacher", "model", "--student", "vocab", "--task", "SST-2",
+                      "--data", "data", "--output", "data/small"], "--output", "--data",
+                     "lies inside"),
 }  # fmt: skip
 
 

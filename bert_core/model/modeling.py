@@ -81,8 +81,12 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """The weights of a model folder: model.safetensors, else a legacy pytorch_model.bin.
 
     A damaged file is an error naming it, never a library traceback; a pickle that holds more
-    than tensors is refused (`weights_only`: a checkpoint from the internet must not run code).
+    than tensors is refused (`weights_only`: a checkpoint from the internet must not run code),
+    and so is an int8 model (`int8.check_trainable`: its weights are not for training).
     """
+    from bert_core.model import int8
+
+    int8.check_trainable(model_dir)
     if (model_dir / WEIGHTS_NAME).is_file():
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -190,6 +194,10 @@ class BertPreTrainedModel(nn.Module):
         model_dir = Path(model_dir)
         if not (model_dir / CONFIG_NAME).is_file():
             raise FileNotFoundError(f"{model_dir}: no {CONFIG_NAME} (not a BERT model folder)")
+        from bert_core.model import int8
+
+        if int8.quantization(model_dir) is not None:  # `bert quantize`'s: int8 Linears
+            return int8.load(cls, model_dir)
         config = BertConfig.from_json_file(model_dir / CONFIG_NAME, **config_overrides)
         model = cls(config)
         model.load_checkpoint_state(load_state_dict(model_dir), source=str(model_dir))

@@ -17,7 +17,7 @@ import torch
 
 from bert_core.errors import InputError, utf8_errors
 from bert_core.finetune.engine import load_tokenizer
-from bert_core.model import optim
+from bert_core.model import int8, optim
 from bert_core.model.config import CONFIG_NAME, BertConfig
 
 
@@ -84,7 +84,9 @@ class Predictor:
 
     def __init__(self, model_dir: str | Path, settings: Settings | None = None):
         self.model_dir, self.settings = Path(model_dir), settings or Settings()
-        self.device = optim.resolve_device(self.settings.device)
+        # an int8 model (`bert quantize`) runs on the CPU: "auto" picks it, another is refused
+        device = int8.device(model_dir, self.settings.device)
+        self.device = device or optim.resolve_device(self.settings.device)
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer.no_truncation()  # too long is cut or windowed by the task's code
         self.model = self.load_model().to(self.device).eval()

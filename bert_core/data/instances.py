@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bert_core import storage
+from bert_core import hub, storage
 from bert_core.data.instance_config import InstanceConfig
 from bert_core.data.instance_sampling import Vocab
 from bert_core.data.instance_shards import (
@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(args, InstanceConfig)
     cfg.validate()  # the settings, before any input is downloaded
     storage.check_apart({"--output": args.output}, {"--input": args.input, "--vocab": args.vocab})
+    if hub.is_named(args.vocab):  # a public checkpoint's vocabulary (and casing)
+        args.vocab = str(hub.resolve(args.vocab) / "vocab.txt")
     from bert_core.tracking import start_run
 
     with (

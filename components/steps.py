@@ -87,12 +87,15 @@ def clean(corpus: str, corpus_digest: str, cleaned: Output[Dataset]):
 
 
 @component
-def vocab(cleaned: Input[Dataset], vocab_size: int, wordpiece: Output[Dataset]):
-    """bert vocab: WordPiece vocab.txt + tokenizer.json."""
+def vocab(
+    cleaned: Input[Dataset], vocab_size: int, init_model: str, wordpiece: Output[Dataset]
+):
+    """bert vocab: WordPiece vocab.txt + tokenizer.json learned from the corpus, or with
+    `init_model` (not "none") that checkpoint's own vocabulary and casing."""
     from bert_core.cli import kfp_step
 
     argv = ["vocab", "--input", cleaned.path, "--output", wordpiece.path]
-    kfp_step([*argv, "--vocab-size", vocab_size])
+    kfp_step([*argv, "--vocab-size", vocab_size, "--init-model", init_model])
 
 
 @component
@@ -126,13 +129,17 @@ def pretrain(
     steps: int,
     batch_size: int,
     num_workers: int,
+    cpus_per_worker: int,
     learning_rate: float,
     use_gpu: bool,
     objective: str,
+    init_model: str,
     pretrained: Output[Model],
     metrics: Output[Metrics],
 ):
-    """bert pretrain (Ray Train); the model is logged and registered in MLflow.
+    """bert pretrain (Ray Train); the model is logged and registered in MLflow. `init_model`:
+    none (from scratch) or the public checkpoint whose pre-training continues (the vocab step
+    gave the instances its vocabulary).
 
     On a cluster the pod's RAY_ADDRESS is the RayCluster's dashboard (http://...:8265), so the
     command submits itself as a Ray job, follows it and copies the model back into `pretrained`
@@ -147,7 +154,9 @@ def pretrain(
     kfp_step(
         ["pretrain", "--instances", shards.path, "--output", pretrained.path, "--preset", preset]
         + ["--steps", steps, "--batch-size", batch_size, "--num-workers", num_workers]
+        + ["--cpus-per-worker", cpus_per_worker]
         + ["--learning-rate", learning_rate, "--objective", objective]
+        + ["--init-model", init_model]
         + (["--use-gpu"] if use_gpu else [])
         + (["--run-name", f"kfp-{kfp_run}"] if kfp_run else [])
     )

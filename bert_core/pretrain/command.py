@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +201,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from bert_core import tracking
 
     cfg.validate()
-    start_from = cfg.init_model or "random init"
+    start_from, named = cfg.init_model or "random init", cfg.init_model
     if cfg.init_model and hub.is_named(cfg.init_model):  # hf:ORG/NAME@REV, pypi:PACKAGE
         start_from, cfg.init_model = hub.identity(cfg.init_model), str(hub.resolve(cfg.init_model))
     storage = storage_path(cfg)
@@ -209,8 +209,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     preflight(tracking.tracking_uri(), [cfg.instances, storage, cfg.output])
     check_inputs(cfg)  # the vocabulary, --init-model, every shard: bert_core.pretrain.checks
     check_output(cfg.output)
-    if ray_jobs.dashboard_address():
-        return ray_jobs.run_as_job(cfg, storage)
+    if ray_jobs.dashboard_address():  # the job resolves a named checkpoint on the cluster
+        return ray_jobs.run_as_job(replace(cfg, init_model=named), storage)
     cfg.instances = _local(cfg.instances)
     cfg.output = _local(cfg.output)
     if cfg.init_model:
@@ -236,7 +236,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
             progress.close()
         if result.checkpoint is None:
             raise BertError(f"the run under {storage}/{cfg.run_name} produced no checkpoint")
-        summary = _finish(cfg, result.checkpoint, out, run.info.run_id)
+        summary = _finish(cfg, result.checkpoint, out, {"run_id": run.info.run_id,
+                                                       "start_from": start_from})
         if stop.signum is not None:  # the workers saved a checkpoint and stopped: say where
             where = f"checkpoint at step {summary['step']} saved in {storage}/{cfg.run_name}"
             raise Interrupted(stop.signum, f"{where}; the same command resumes from it")
@@ -292,18 +293,20 @@ def _output_folder(output: str) -> Iterator[Path]:
                 copy(Path(tmp) / name, f"{output.rstrip('/')}/{name}")
 
 
-def _finish(cfg: PretrainConfig, checkpoint, out: Path, run_id: str) -> dict[str, Any]:
+def _finish(cfg: PretrainConfig, checkpoint, out: Path, record: dict) -> dict[str, Any]:
     """Copy the final model out of the last checkpoint and write the metrics CSV into `out`.
-    The model names its run (`tracking.RUN_RECORD`), wherever it is copied: the registry
-    registers it from that run once the run FINISHED, and links each fine-tuned version to it
-    (`serve.registry.pretrained_source`; this layer never imports serve)."""
+    The model names its run and what its pre-training started from (`tracking.RUN_RECORD`:
+    `run_id`, `start_from` = "random init" or a public checkpoint's identity), wherever it is
+    copied: `bert finetune` tells "ours from scratch" from "continued pre-training" by it; the
+    registry registers it from that run once the run FINISHED, and links each fine-tuned version
+    to it (`serve.registry.pretrained_source`; this layer never imports serve)."""
     with checkpoint.as_directory() as d:
         state = load_state(d)
         finished = state["step"] >= cfg.steps and (Path(d) / "model").is_dir()
         if finished:
             with atomic_dir(out / "model") as tmp:
                 shutil.copytree(Path(d) / "model", tmp, dirs_exist_ok=True)
-                (tmp / RUN_RECORD).write_text(json.dumps({"run_id": run_id}) + "\n")
+                (tmp / RUN_RECORD).write_text(json.dumps(record) + "\n")
     write_metrics_csv(out / "pretrain_metrics.csv", state["history"])
     heldout = state.get("heldout_history", [])
     write_metrics_csv(out / "heldout_metrics.csv", heldout, HELDOUT_COLUMNS)

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bert_core import hub
 from bert_core import storage as st
 from bert_core.errors import BertError, Interrupted, atomic_dir
 from bert_core.pretrain.config import PretrainConfig
@@ -108,7 +109,7 @@ def job_config(cfg: PretrainConfig, storage: str) -> PretrainConfig:
     if not st.is_s3(cfg.instances):
         local = Path(cfg.instances).resolve()
         job.instances = _upload_instances(local, storage) if st.is_s3(storage) else str(local)
-    if cfg.init_model and not st.is_s3(cfg.init_model):
+    if cfg.init_model and not st.is_s3(cfg.init_model) and not hub.is_named(cfg.init_model):
         job.init_model = str(Path(cfg.init_model).resolve())  # a shared volume (docs/pretrain.md)
     return job
 

@@ -9,8 +9,10 @@ the paper's metric per task, MNLI as matched/mismatched) with the GLUE score add
 nine tasks are given, the score is the mean over those present and is marked partial.
 
 Systems: the rows of the table, as the paper compares BERT with its baselines and ablations. A
-folder's system is the `--system` given with its `--results` group, else its metrics.json's
-`init`: "BERT (ours)" for a pre-trained start, "random init" for `bert finetune --init random`
+folder's system is the `--system` given with its `--results` group, else what its metrics.json
+says it started from (`system_of`): "BERT (ours)" for our pre-training from scratch, "public
+checkpoint + continued pre-training" for `bert pretrain --init-model` on a public checkpoint,
+"public checkpoint" for one fine-tuned as it is, "random init" for `bert finetune --init random`
 (the control). So `--results ours/* control/*` alone gives the two rows; `--results A/*
 --system "BERT (ours)" --results B/* --system "no NSP"` names them. The control is the system
 whose results are all random-init; every other system gets a gain row over it: per task the
@@ -53,6 +55,10 @@ from bert_core.report.tables import (  # noqa: F401 (TABLE_ORDER: re-exported)
 
 SYSTEM_OF_INIT = {"pretrained": "BERT (ours)", "random": "random init"}
 CONTROL_INIT = "random"
+# a pre-trained start that is not ours from scratch (metrics.json's `start_from`)
+CONTINUED = "public checkpoint + continued pre-training"
+PUBLIC = "public checkpoint"
+ROWS = (SYSTEM_OF_INIT["pretrained"], CONTINUED, PUBLIC, SYSTEM_OF_INIT["random"])  # unnamed
 
 
 def _metrics_file(folder: str | Path) -> str:
@@ -146,6 +152,19 @@ def init_of(folder: str | Path) -> str:
     return str(init)
 
 
+def system_of(folder: str | Path, init: str) -> str:
+    """The row of an unnamed result: "random init" for the control; for a pre-trained start,
+    what the weights were (metrics.json's `start_from`, `bert finetune`'s `pretraining`): ours
+    from scratch ("BERT (ours)", also results written before the field existed), a public
+    checkpoint pre-trained further on the user's corpus, or one fine-tuned as it is."""
+    if init != "pretrained":
+        return SYSTEM_OF_INIT[init]
+    _, data = _read(folder)
+    if data.get("start_from", "random init") == "random init":
+        return SYSTEM_OF_INIT[init]
+    return CONTINUED if data.get("continued_pretraining") else PUBLIC
+
+
 def collect(folders: Sequence[str | Path]) -> dict:
     """One system's results: per-task metrics and scores, and the GLUE score."""
     tasks: dict[str, dict] = {}
@@ -179,8 +198,10 @@ Group = tuple[str | None, Sequence[str | Path]]  # (--system or None, its --resu
 
 
 def group_systems(groups: Sequence[Group]) -> dict[str, dict]:
-    """{system: {"folders", "init"}} in the order given; unnamed folders go to their init's
-    system. A named group must be of one init: a control mixed into a system is an error."""
+    """{system: {"folders", "init"}}: named ones in the order given, then the unnamed folders'
+    (`system_of`) in the order of ROWS, whatever order a shell's glob gave the folders in (the
+    first is the main system). A named group must be of one init: a control mixed into a
+    system is an error."""
     systems: dict[str, dict] = {}
     for name, folders in groups:
         inits = {str(f): init_of(f) for f in folders}
@@ -192,11 +213,14 @@ def group_systems(groups: Sequence[Group]) -> dict[str, dict]:
         for folder, init in inits.items():
             if init not in SYSTEM_OF_INIT:
                 raise InputError(_metrics_file(folder), f"unknown init {init!r}")
-            entry = systems.setdefault(name or SYSTEM_OF_INIT[init], {"folders": [], "init": init})
+            system = name or system_of(folder, init)
+            entry = systems.setdefault(system, {"folders": [], "init": init})
             entry["folders"].append(folder)
             if entry["init"] != init:
                 raise InputError(folder, f"system {name!r} mixes pretrained and random init")
-    return systems
+    named = {name for name, _ in groups}
+    rank = {name: (0, 0) if name in named else (1, ROWS.index(name)) for name in systems}
+    return dict(sorted(systems.items(), key=lambda kv: rank[kv[0]]))  # stable: named as given
 
 
 def gain(system: dict, control: dict, over: str) -> dict:

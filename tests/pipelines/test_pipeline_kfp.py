@@ -328,6 +328,19 @@ def test_one_fan_out_over_the_finetune_jobs_collected_into_evaluate():
         assert tasks[name]["cachingOptions"] == {}  # never cached: always fresh digests
 
 
+def test_one_parameter_starts_the_run_from_a_public_checkpoint():
+    """`pretrain_init_model` (params.yaml's `pretrain.init_model`; none on the form) reaches the
+    vocab step (the checkpoint's vocabulary instead of WordPiece) and pretrain (continued
+    pre-training) as an input, so it is part of both steps' cache keys; params.yaml's DVC-only
+    `public` branch is no run parameter."""
+    tasks = _container_tasks(_load(SPEC)[0])
+    for name in ("vocab", "pretrain"):
+        given = tasks[name]["inputs"]["parameters"]["init_model"]
+        assert given == {"componentInputParameter": "pipelinechannel--pretrain_init_model"}, name
+    assert DEFAULTS["pretrain_init_model"] == "none" and P["pretrain_init_model"] == "none"
+    assert not [k for k in PARAMETERS if k.startswith("public")]
+
+
 def test_pretrain_alone_is_retried_with_backoff():
     tasks = _container_tasks(_load(SPEC)[0])
     assert tasks["pretrain"]["retryPolicy"] == {

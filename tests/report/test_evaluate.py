@@ -221,7 +221,7 @@ def test_control_and_systems_are_rows_of_one_table_with_the_gain(tmp_path, mlflo
         assert cli.main(["evaluate", "--results", *b, *a, "--output", str(out)]) == 0
     results = json.loads((out / "glue_results.json").read_text())
     assert results["system"] == "BERT (ours)" and results["control"] == "random init"
-    assert list(results["systems"]) == ["random init", "BERT (ours)"]
+    assert list(results["systems"]) == ["BERT (ours)", "random init"]  # rows in ROWS' order
     assert results["glue_score"] == pytest.approx((90 + 75) / 2)  # the main system's, as before
     assert results["systems"]["random init"]["glue_score"] == pytest.approx((60 + 75 + 0) / 3)
     # gain over the tasks both have: SST-2 +30, MRPC (75 - 75) 0
@@ -231,8 +231,8 @@ def test_control_and_systems_are_rows_of_one_table_with_the_gain(tmp_path, mlflo
 
     table = (out / "glue_table.md").read_text().splitlines()
     assert table[2:5] == [
-        "| random init | - | - | - | 60.0 | 0.0 | - | 81.0 | - | - | 45.0 (3/9 tasks) |",
         "| BERT (ours) | - | - | - | 90.0 | - | - | 80.0 | - | - | 82.5 (2/9 tasks) |",
+        "| random init | - | - | - | 60.0 | 0.0 | - | 81.0 | - | - | 45.0 (3/9 tasks) |",
         # the paper's metric per task (MRPC: F1), the GLUE score over the tasks both have
         "| BERT (ours) gain over random init | - | - | - | +30.0 | - | - | -1.0 | - | - | +15.0 |",
     ]
@@ -266,3 +266,31 @@ def test_control_and_systems_are_rows_of_one_table_with_the_gain(tmp_path, mlflo
     with pytest.raises(SystemExit):  # argparse: "give one --system per --results, or none"
         cli.main(["evaluate", "--results", *a, "--results", *b, "--system", "only one",
                   "--output", str(tmp_path / "x")])  # fmt: skip
+
+
+def test_rows_are_named_by_what_the_pretraining_started_from(tmp_path):
+    """Unnamed results go to the row their metrics.json's `start_from` (`bert finetune`'s
+    `pretraining`) says: ours from scratch, a public checkpoint pre-trained further on the
+    corpus, one fine-tuned as it is; each gets its gain over the control. A result written
+    before the field existed is ours."""
+    starts = {
+        "scratch": {"start_from": "random init", "continued_pretraining": False},
+        "continued": {"start_from": "pypi:minilm==1", "continued_pretraining": True},
+        "public": {"start_from": "hf:org/bert@abc", "continued_pretraining": False},
+        "old": {},
+    }
+    folders = {}
+    for name, start in starts.items():
+        (d,) = _system(tmp_path / name, {"SST-2": {"accuracy": 0.5}}, "pretrained")
+        data = json.loads((tmp_path / d / "metrics.json").read_text())
+        (tmp_path / d / "metrics.json").write_text(json.dumps(data | start))
+        folders[name] = d
+    (control,) = _system(tmp_path / "control", {"SST-2": {"accuracy": 0.25}}, "random")
+    results = evaluate([folders["continued"], folders["public"], control], tmp_path / "a")
+    assert list(results["systems"]) == [
+        "public checkpoint + continued pre-training", "public checkpoint", "random init"
+    ]
+    gains = {n: r["gain"]["tasks"]["SST-2"] for n, r in results["systems"].items() if "gain" in r}
+    assert gains == {"public checkpoint + continued pre-training": 25, "public checkpoint": 25}
+    with pytest.raises(ValueError, match="SST-2 given twice"):  # ours, whichever way written
+        evaluate([folders["scratch"], folders["old"]], tmp_path / "b")

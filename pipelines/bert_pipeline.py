@@ -59,8 +59,9 @@ DATA = tuple(cluster.DATA)  # the data inputs: data_corpus, data_glue, data_toke
 
 
 # params.yaml's sections no run form has: `public` is `make run`'s comparison row (a branch per
-# public checkpoint); a Kubeflow run starts from a checkpoint with `pretrain_init_model`.
-DVC_ONLY = ("public",)
+# public checkpoint; a Kubeflow run starts from a checkpoint with `pretrain_init_model`), and
+# `compress` its distillation and int8 stages (not yet steps of this pipeline: docs/compress.md).
+DVC_ONLY = ("public", "compress")
 
 
 def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:

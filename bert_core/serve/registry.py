@@ -73,13 +73,25 @@ def log_finetuned(out: Path, result: dict) -> dict:
     too), and write `out/mlflow_model.json` (its URI, the run, and the registered model it is
     meant for: none for a random-init control, a measurement rather than a candidate for the
     task's model). Returns that record; nothing is registered yet."""
-    from bert_core.serve.mlflow_model import inference_settings, log_model
+    from bert_core.serve.mlflow_model import inference_settings
 
-    info = log_model(out / "model", inference_settings(result))
-    record: dict[str, Any] = {"model_uri": info.model_uri, "run_id": info.run_id}
+    registered: dict[str, Any] = {}
     name, alias = model_name(result["task"]), os.environ.get(ALIAS_ENV) or None
     if name is not None and result.get("init", "pretrained") != "random":
-        record |= {"registered_model": name, "alias": alias}
+        registered = {"registered_model": name, "alias": alias}
+    return write_record(out, inference_settings(result), registered)
+
+
+def write_record(out: Path, settings: dict, registered: dict | None = None) -> dict:
+    """Log `out/model` as an MLflow model in the open run (with its inference `settings`) and
+    write `out/mlflow_model.json`: its URI and run, and `registered` (the registered model it is
+    meant for, if any). The record every trained model's folder holds (`bert finetune`,
+    `bert distill`, `bert quantize`), so `bert predict` and `bert serve` find the MLflow model
+    of any of them the same way. Returns the record."""
+    from bert_core.serve.mlflow_model import log_model
+
+    info = log_model(out / "model", settings)
+    record = {"model_uri": info.model_uri, "run_id": info.run_id, **(registered or {})}
     (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
 

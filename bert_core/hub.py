@@ -103,6 +103,12 @@ def resolve(spec: str | os.PathLike) -> Path:
     return folder
 
 
+def location(spec: str | os.PathLike) -> str:
+    """Where a command reads a model from: a named checkpoint's local folder (`resolve`), a
+    folder or `s3://` URI as given (`Path` would fold an URI's `//`), for `storage.local_copy`."""
+    return str(resolve(spec)) if is_named(spec) else str(spec)
+
+
 def identity(spec: str | os.PathLike) -> str:
     """What a cache key should hold: `hf:ORG/NAME@REVISION` as is (the revision pins the bytes),
     `pypi:NAME==VERSION`, a folder's content digest (`storage.digest`)."""

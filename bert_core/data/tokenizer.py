@@ -278,8 +278,7 @@ def checkpoint_vocab(spec: str) -> tuple[Tokenizer, bool]:
     public BERT (`--init-model`). Its embeddings were trained on those ids, so a vocabulary
     learned from the user's corpus would make them meaningless; the casing (`lowercase`, as
     transformers reads it: absent means lower-cased) comes with it."""
-    folder = hub.resolve(spec) if hub.is_named(spec) else spec
-    vocab_uri = f"{str(folder).rstrip('/')}/vocab.txt"
+    vocab_uri = f"{hub.location(spec).rstrip('/')}/vocab.txt"
     with storage.local_copy(vocab_uri, siblings=(TOKENIZER_CONFIG,)) as vocab_file:
         vocab = read_vocab(vocab_file)
         lowercase = read_lowercase(vocab_file.parent) is not False

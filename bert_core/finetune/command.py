@@ -192,10 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(task).parse_args(argv)
     cfg = config_from_args(args, task.config_class)
     check_apart({"--output": args.output}, {"--data": args.data, "--model": args.model})
-    folder = hub.resolve(args.model) if hub.is_named(args.model) else args.model  # by name
     if getattr(args, "download", False):
         task.download(Path(args.data))
-    with local_copy(args.data) as data, local_copy(folder) as model:  # s3://: downloaded
+    with local_copy(args.data) as data, local_copy(hub.location(args.model)) as model:
         result = finetune(task, data, model, args.output, cfg, str(args.data), str(args.model))
     keys = ("task", "metrics", "best_epoch", "registered_model")
     print(json.dumps({k: result[k] for k in keys if k in result} | {"output": str(args.output)}))

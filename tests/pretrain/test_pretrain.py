@@ -432,7 +432,9 @@ def test_two_workers_learn_and_survive_a_worker_failure(
     assert model.config.vocab_size == len(read_vocab(instances / "vocab.txt"))
     assert read_lowercase(out / "model") is True  # the vocabulary's casing came along
     # and names its run, from which the registry registers it (serve.registry)
-    assert json.loads((out / "model" / RUN_RECORD).read_text()) == {"run_id": run.info.run_id}
+    # the model names its run, and that its pre-training started from random weights
+    record = json.loads((out / "model" / RUN_RECORD).read_text())
+    assert record == {"run_id": run.info.run_id, "start_from": "random init"}
 
 
 @pytest.mark.slow

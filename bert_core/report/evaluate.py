@@ -144,22 +144,21 @@ def _check_ranges(path: str, task: str, metrics: dict[str, float]) -> None:
             raise InputError(path, f"{task}: {name} {value:g} is outside [{low:g}, 1]{hint}")
 
 
-def init_of(folder: str | Path) -> str:
+def init_of(data: dict) -> str:
     """How the fine-tuned model started (`bert finetune --init`): metrics.json's `init`, or
     `config.init`; "pretrained" for results written before the option existed."""
-    _, data = _read(folder)
     init = data.get("init") or (data.get("config") or {}).get("init") or "pretrained"
     return str(init)
 
 
-def system_of(folder: str | Path, init: str) -> str:
-    """The row of an unnamed result: "random init" for the control; for a pre-trained start,
-    what the weights were (metrics.json's `start_from`, `bert finetune`'s `pretraining`): ours
-    from scratch ("BERT (ours)", also results written before the field existed), a public
-    checkpoint pre-trained further on the user's corpus, or one fine-tuned as it is."""
+def system_of(data: dict, init: str) -> str:
+    """The row of an unnamed result (metrics.json's content `data`): "random init" for the
+    control; for a pre-trained start, what the weights were (`start_from`, `bert finetune`'s
+    `pretraining`): ours from scratch ("BERT (ours)", also results written before the field
+    existed), a public checkpoint pre-trained further on the user's corpus, or one fine-tuned as
+    it is."""
     if init != "pretrained":
         return SYSTEM_OF_INIT[init]
-    _, data = _read(folder)
     if data.get("start_from", "random init") == "random init":
         return SYSTEM_OF_INIT[init]
     return CONTINUED if data.get("continued_pretraining") else PUBLIC
@@ -204,7 +203,8 @@ def group_systems(groups: Sequence[Group]) -> dict[str, dict]:
     system is an error."""
     systems: dict[str, dict] = {}
     for name, folders in groups:
-        inits = {str(f): init_of(f) for f in folders}
+        data = {str(f): _read(f)[1] for f in folders}  # each metrics.json read once here
+        inits = {f: init_of(d) for f, d in data.items()}
         if name is not None and len(set(inits.values())) > 1:
             raise InputError(
                 folders[0], f"--system {name!r} mixes --init {sorted(set(inits.values()))} "
@@ -213,7 +213,7 @@ def group_systems(groups: Sequence[Group]) -> dict[str, dict]:
         for folder, init in inits.items():
             if init not in SYSTEM_OF_INIT:
                 raise InputError(_metrics_file(folder), f"unknown init {init!r}")
-            system = name or system_of(folder, init)
+            system = name or system_of(data[folder], init)
             entry = systems.setdefault(system, {"folders": [], "init": init})
             entry["folders"].append(folder)
             if entry["init"] != init:

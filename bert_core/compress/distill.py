@@ -48,7 +48,7 @@ from bert_core import hub
 from bert_core.compress.distill_loss import Distiller
 from bert_core.compress.student import check_pair, make_student, pick_layers
 from bert_core.errors import BertError
-from bert_core.finetune.command import load_task, log_result
+from bert_core.finetune.command import load_task, log_result, run_result
 from bert_core.finetune.config import FinetuneConfig
 from bert_core.finetune.engine import fit, load_tokenizer, numeric, save_model
 from bert_core.finetune.tasks.glue import GlueFinetune, predict
@@ -141,19 +141,12 @@ def distill(task: GlueFinetune, data: Path, teacher: Path, student: Path, output
                                            f"distill {task.name}", mlflow.log_metrics)  # fmt: skip
         scored = {"teacher": dev_score(task, big, device, cfg),
                   "student": dev_score(task, small, device, cfg)}  # fmt: skip
-        result = {
-            "task": task.name, "init": cfg.init,
-            "metrics": numeric(best["metrics"]), "score": best["score"],
-            "best_epoch": best["epoch"], "epochs": history, "config": asdict(cfg),
-            **task.summary(best),
+        run = (small, best, history, train_seconds)
+        result = run_result(task, cfg, run, uris["student"], uris["data"], device) | {
             "teacher": {"model": uris["teacher"], **scored["teacher"]},
             "student": {"source": uris["student"], "layers": kept, **scored["student"]},
             "distillation": {"temperature": cfg.temperature, "alpha": cfg.alpha,
                              "teacher_logits_seconds": teacher_seconds},
-            "train_seconds": train_seconds,
-            "train_examples_per_second": task.num_train_examples * cfg.epochs / train_seconds,
-            "model": uris["student"], "score_metric": task.score_metric,
-            "data": uris["data"], "device": str(device),
         }  # fmt: skip
         save_model(task, small, tmp / "model")
         task.write_outputs(tmp, small, best["preds"], device, cfg)

@@ -98,27 +98,13 @@ def finetune(
             run, cfg, sweep = run_trials(task, model_dir, cfg, device, train)
         else:
             run, sweep = train(task, model_dir, cfg, device, mlflow.log_metrics), None
-        model, best, history, train_seconds = run
+        model, best, _, _ = run  # the rest goes into run_result
         test = task.evaluate_test(model, device, cfg)
-        result = {
-            "task": task.name,
-            "init": cfg.init,
-            "metrics": numeric(best["metrics"]),
-            "score": best["score"],
-            "best_epoch": best["epoch"],
-            "epochs": history,
-            "config": asdict(cfg),
+        result = run_result(task, cfg, run, model_uri, data_uri, device) | {
             **({"test_metrics": numeric(test)} if test else {}),
             **({"sweep": sweep} if sweep else {}),
-            **task.summary(best),
-            "train_seconds": train_seconds,
-            "train_examples_per_second": task.num_train_examples * cfg.epochs / train_seconds,
-            "model": model_uri,
             "pretrained_model": source,
             **start,
-            "score_metric": task.score_metric,
-            "data": data_uri,
-            "device": str(device),
         }
         if test:
             mlflow.log_metrics(named(test, "test"))
@@ -130,6 +116,30 @@ def finetune(
     if version is not None:
         result["registered_model"] = f"{version.name}/{version.version}"
     return result
+
+
+def run_result(task: FinetuneTask, cfg, run: tuple, model_uri: str, data_uri: str,
+               device) -> dict:  # fmt: skip
+    """What metrics.json holds for every trained model (`bert finetune`, `bert distill`): the
+    kept epoch's metrics and score, the history, the settings, the task's counts, the training
+    time and where model and data came from. `run`: `train`'s (model, best, history, seconds)."""
+    _, best, history, train_seconds = run
+    return {
+        "task": task.name,
+        "init": cfg.init,
+        "metrics": numeric(best["metrics"]),
+        "score": best["score"],
+        "best_epoch": best["epoch"],
+        "epochs": history,
+        "config": asdict(cfg),
+        **task.summary(best),
+        "train_seconds": train_seconds,
+        "train_examples_per_second": task.num_train_examples * cfg.epochs / train_seconds,
+        "model": model_uri,
+        "score_metric": task.score_metric,
+        "data": data_uri,
+        "device": str(device),
+    }
 
 
 def pretraining(model_dir: Path, model_uri: str) -> dict:

@@ -38,10 +38,10 @@ import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 from bert_core import storage
+from bert_core.data import workers
 from bert_core.data.documents import record_document, text_documents
 from bert_core.data.text_quality import JunkMeter
 from bert_core.errors import InputError
@@ -60,8 +60,6 @@ GUTENBERG_END = re.compile(
     r"|\*{3}\s*START: FULL LICENSE)",
     re.IGNORECASE,
 )
-# fork: workers start at once instead of re-importing the interpreter's modules.
-START_METHOD = "fork" if "fork" in get_all_start_methods() else "spawn"
 # Lines scanned for a START marker before deciding a text file has no Gutenberg header.
 HEADER_SCAN_LINES = 600
 
@@ -244,7 +242,7 @@ def clean_corpus(input_path: Path, output_dir: Path, cfg: CleanConfig) -> dict:
         try:
             tasks = [(f, cfg) for f in files]
             if cfg.num_workers > 1 and len(files) > 1:
-                pool = get_context(START_METHOD).Pool(min(cfg.num_workers, len(files)))
+                pool = workers.pool(min(cfg.num_workers, len(files)), __name__)
                 results: Iterable = pool.imap(_clean_file_task, tasks)
             else:
                 pool, results = None, map(_clean_file_task, tasks)

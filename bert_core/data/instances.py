@@ -25,12 +25,12 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
-from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 import numpy as np
 
 from bert_core import hub, storage
+from bert_core.data import workers
 from bert_core.data.instance_config import InstanceConfig
 from bert_core.data.instance_sampling import Vocab
 from bert_core.data.instance_shards import (
@@ -54,8 +54,6 @@ from bert_core.options import add_options, config_from_args
 __all__ = ["SCHEMA", "InstanceConfig", "create_instances", "main"]
 
 HELDOUT_DIR = "heldout"  # beside the training shards; `list_row_groups` does not look inside
-# fork: workers start in milliseconds instead of re-importing numpy/pyarrow/tokenizers.
-START_METHOD = "fork" if "fork" in get_all_start_methods() else "spawn"
 
 
 def _process_shard_task(args: tuple) -> tuple[dict, list[list[str]]]:
@@ -106,8 +104,7 @@ def check_inputs(input_dir: Path, vocab_file: Path, cfg: InstanceConfig) -> list
 def _mapper(num_workers: int, tasks: int) -> Iterator[Callable]:
     """`map` over worker processes (one core each), or in this process for one worker or task."""
     if num_workers > 1 and tasks > 1:
-        ctx = get_context(START_METHOD)
-        with ctx.Pool(min(num_workers, tasks), initializer=_worker_init) as pool:
+        with workers.pool(min(num_workers, tasks), __name__, _worker_init) as pool:
             yield functools.partial(pool.map, chunksize=1)
     else:
         yield lambda f, items: [f(x) for x in items]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import nullcontext
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from bert_core.model.modeling import num_parameters
 from bert_core.options import add_options, config_from_args, option, optional
 from bert_core.serve.predictor import read_config
 from bert_core.serve.registry import write_record
-from bert_core.storage import check_apart, output_dir
+from bert_core.storage import check_apart, exists, local_copy, output_dir
 
 HEADS = ("BertForSequenceClassification", "BertForTokenClassification",
          "BertForQuestionAnswering", "BertForMultipleChoice")  # fmt: skip
@@ -93,9 +94,9 @@ def score(task, model, tcfg) -> tuple[dict, float]:
     return metrics, value
 
 
-def quantize(cfg: QuantizeConfig, source: Path, settings: dict) -> dict:
-    """Quantize the model folder `source` into `cfg.output` (see the module doc); returns
-    metrics.json's content."""
+def quantize(cfg: QuantizeConfig, source: Path, settings: dict, data: Path | None) -> dict:
+    """Quantize the model folder `source` into `cfg.output` (see the module doc), scored on the
+    dev set in `data` (a local copy of --data) when given; returns metrics.json's content."""
     import mlflow
 
     from bert_core.finetune.engine import numeric
@@ -105,14 +106,14 @@ def quantize(cfg: QuantizeConfig, source: Path, settings: dict) -> dict:
     head = getattr(heads, head_class(config, source / CONFIG_NAME))
     task_name = config.get("finetuning_task")
     task = None
-    if cfg.data is not None:
+    if data is not None:
         if not task_name:
             raise InputError(source / CONFIG_NAME, "no finetuning_task: --data needs the task the "
                              "model was fine-tuned on")  # fmt: skip
         task = load_task(task_name)
-        if not Path(cfg.data).is_dir():
+        if not data.is_dir():
             raise FileNotFoundError(f"--data {cfg.data}: no such folder")
-        tcfg = prepare(task, Path(cfg.data), source, settings, cfg)
+        tcfg = prepare(task, data, source, settings, cfg)
     info = {"source": str(cfg.model)}
     params = {**asdict(cfg), "method": int8.METHOD, "task": task_name or ""}
     tags = {"bert.source_model": str(cfg.model), "bert.quantization": int8.METHOD}
@@ -150,10 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(build_parser().parse_args(sys.argv[1:] if argv is None else argv),
                            QuantizeConfig)  # fmt: skip
     check_apart({"--output": cfg.output}, {"--model": cfg.model, "--data": cfg.data})
-    with local_model(cfg.model) as (source, settings):
+    if cfg.data is not None and not exists(cfg.data):
+        raise FileNotFoundError(f"--data {cfg.data}: no such folder")
+    with (
+        local_copy(cfg.data) if cfg.data is not None else nullcontext() as data,  # s3:// too
+        local_model(cfg.model) as (source, settings),
+    ):
         if not (source / CONFIG_NAME).is_file():
             raise BertError(f"--model {cfg.model}: no {CONFIG_NAME} (not a model folder)")
-        result = quantize(cfg, source, settings)
+        result = quantize(cfg, source, settings, data)
     keys = ("task", "score", "fp32", "size_mb", "model_uri")
     print(json.dumps({k: result[k] for k in keys if k in result} | {"output": cfg.output}))
     return 0

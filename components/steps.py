@@ -87,9 +87,7 @@ def clean(corpus: str, corpus_digest: str, cleaned: Output[Dataset]):
 
 
 @component
-def vocab(
-    cleaned: Input[Dataset], vocab_size: int, init_model: str, wordpiece: Output[Dataset]
-):
+def vocab(cleaned: Input[Dataset], vocab_size: int, init_model: str, wordpiece: Output[Dataset]):
     """bert vocab: WordPiece vocab.txt + tokenizer.json learned from the corpus, or with
     `init_model` (not "none") that checkpoint's own vocabulary and casing."""
     from bert_core.cli import kfp_step
@@ -170,19 +168,23 @@ def finetune(
     job: dict,
     finetuned: Output[Model],
     metrics: Output[Metrics],
-):
+) -> str:
     """bert finetune, one job of the run's fine-tuning fan-out (`finetune_jobs`):
     `job["options"]` are its `bert finetune` options (task, data folder, local
     or s3://, init, epochs, lengths, `--lr-sweep` / `--restarts`: the paper's protocol, every
     trial a nested MLflow run, the best on dev kept); the model and output are this step's. The
     device is the pod's: cuda when it was given a GPU, else cpu (`--device auto`).
-    `job["data_digest"]`: the task data's digest, there for the cache key."""
+    `job["data_digest"]`: the task data's digest, there for the cache key. Returns the job's
+    name ("SST-2", "SST-2 (random init)", "conll2003"): the pipeline's condition for the
+    compression steps compares it with `compress_task` (a condition on the loop item's field
+    itself compiles wrong in kfp 2.17: to the constant 'Output-loop-item')."""
     from bert_core.cli import kfp_metrics, kfp_step
 
     model = ["--model", f"{pretrained.path}/model", "--output", finetuned.path]
     kfp_step(["finetune", *job["options"], *model])
     for name, value in kfp_metrics(f"{finetuned.path}/metrics.json").items():
         metrics.log_metric(name, value)
+    return job["name"]
 
 
 @component
@@ -203,6 +205,63 @@ def evaluate(
     kfp_step(["evaluate", "--results", *[r.path for r in results], "--output", glue.path])
     shutil.copyfile(f"{glue.path}/glue_table.md", table.path)
     for name, value in kfp_metrics(f"{glue.path}/glue_results.json").items():
+        metrics.log_metric(name, value)
+
+
+@component
+def distill(
+    teacher: Input[Model],
+    pretrained: Input[Model],
+    task: str,
+    data_glue: str,
+    data_digest: str,
+    student: str,
+    student_layers: int,
+    temperature: float,
+    alpha: float,
+    epochs: int,
+    batch_size: int,
+    learning_rate: float,
+    max_seq_length: int,
+    max_train_examples: int,
+    distilled: Output[Model],
+    metrics: Output[Metrics],
+):
+    """bert distill: a fine-tuned `task` model (`teacher`) taught to a student of
+    `student_layers` layers, started from `student`: "pretrained" is this run's pre-trained
+    model (DistilBERT's start: the teacher's own pre-training), else a checkpoint of the same
+    vocabulary. `data_digest`: the task data's, there for the cache key."""
+    from bert_core.cli import kfp_metrics, kfp_step
+
+    start = f"{pretrained.path}/model" if student == "pretrained" else student
+    kfp_step(
+        ["distill", "--teacher", teacher.path, "--task", task]
+        + ["--data", f"{data_glue.rstrip('/')}/{task}", "--output", distilled.path]
+        + ["--student", start, "--student-layers", student_layers]
+        + ["--temperature", temperature, "--alpha", alpha, "--epochs", epochs]
+        + ["--batch-size", batch_size, "--lr", learning_rate, "--device", "auto"]
+        + ["--max-seq-length", max_seq_length, "--max-train-examples", max_train_examples or "none"]
+    )
+    for name, value in kfp_metrics(f"{distilled.path}/metrics.json").items():
+        metrics.log_metric(name, value)
+
+
+@component
+def quantize(
+    model: Input[Model],
+    task: str,
+    data_glue: str,
+    data_digest: str,
+    quantized: Output[Model],
+    metrics: Output[Metrics],
+):
+    """bert quantize: the distilled student as a dynamic-int8 CPU model, scored on `task`'s dev
+    set beside its fp32 source."""
+    from bert_core.cli import kfp_metrics, kfp_step
+
+    data = f"{data_glue.rstrip('/')}/{task}"
+    kfp_step(["quantize", "--model", model.path, "--output", quantized.path, "--data", data])
+    for name, value in kfp_metrics(f"{quantized.path}/metrics.json").items():
         metrics.log_metric(name, value)
 
 

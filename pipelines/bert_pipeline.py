@@ -2,6 +2,7 @@
 
     pipeline-run -> finetune-jobs -> clean -> vocab -> instances -> pretrain
         -> finetune (ParallelFor over finetune-jobs' list) -> evaluate (all of them)
+           `-> distill -> quantize (in compress_task's iteration only; off by default)
     pipeline-end (the exit handler, after everything)
 
 One fan-out runs every fine-tuning: the GLUE tasks from the pre-trained model, the random-init
@@ -58,32 +59,34 @@ DESCRIPTION = "BERT: corpus -> WordPiece -> MLM/NSP -> pre-train -> GLUE (+ NER,
 DATA = tuple(cluster.DATA)  # the data inputs: data_corpus, data_glue, data_token
 
 
-# params.yaml's sections no run form has: `public` is `make run`'s comparison row (a branch per
-# public checkpoint; a Kubeflow run starts from a checkpoint with `pretrain_init_model`), and
-# `compress` its distillation and int8 stages (not yet steps of this pipeline: docs/compress.md).
-DVC_ONLY = ("public", "compress")
+# params.yaml's settings no run form has: `public` is `make run`'s comparison row (a branch per
+# public checkpoint; a Kubeflow run starts from a checkpoint with `pretrain_init_model`), and the
+# keys of `compress` that name DVC's branches (which tasks, which branch teaches, from which
+# checkpoint): a Kubeflow run distils its own fine-tuned model of `compress_task` into a student
+# started from `compress_student` (KFP_ONLY), its pre-trained model by default.
+DVC_ONLY = ("public", "data.output", "compress.tasks", "compress.teacher", "compress.student")
+KFP_ONLY = ("compress_task", "compress_student")
 
 
 def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:
-    """params.yaml flattened to pipeline parameter names (`section_key`, `data.output` and the
-    DVC_ONLY sections left out: under KFP the artifact store decides where outputs go)."""
+    """params.yaml flattened to pipeline parameter names (`section_key`), DVC_ONLY left out
+    (`data.output` too: under KFP the artifact store decides where outputs go)."""
     params = yaml.safe_load(path.read_text())
-    flat = {
+    return {
         f"{section}_{key}": value
         for section, values in params.items()
         if section not in DVC_ONLY
         for key, value in values.items()
+        if f"{section}.{key}" not in DVC_ONLY
     }
-    flat.pop("data_output")
-    return flat
 
 
 P = load_params()  # params.yaml's settings (DVC's), workstation data paths included
 DEFAULTS = cluster.SETTINGS  # the cluster's; the fine-tuning image is the one compiled in
 
 # The run form, one line per parameter: what the KFP UI shows beside each field. Grouped by the
-# name's first word (the UI lists parameters by name): cluster, data, finetune, instances (the
-# pre-training data), model, pretrain, vocab.
+# name's first word (the UI lists parameters by name): cluster, compress, data, finetune,
+# instances (the pre-training data), model, pretrain, vocab.
 PARAMETERS = {
     "data_corpus": "[data] Raw text to pre-train on: an s3:// file or prefix of .txt, .jsonl or "
     ".parquet files (upload it first: docs/cluster.md).",
@@ -141,6 +144,18 @@ PARAMETERS = {
     "training set; 0: all of it.",
     "finetune_token_max_eval_examples": "[fine-tuning] A seeded sample of each token-level dev "
     "set; 0: all of it.",
+    "compress_task": "[compression] none: no compression steps; or a task of finetune_tasks "
+    "whose fine-tuned model is distilled into a smaller student (distill) that is then made "
+    "int8 for CPUs (quantize), both scored on its dev set (docs/compress.md).",
+    "compress_student": "[compression] The student's start: pretrained (this run's pre-trained "
+    "model, DistilBERT's choice) or a checkpoint with the teacher's vocabulary (an s3:// prefix, "
+    "hf:ORG/NAME@REVISION).",
+    "compress_student_layers": "[compression] Layers the student keeps of its start, evenly "
+    "spaced (DistilBERT: 6 of BERT-Base's 12).",
+    "compress_temperature": "[compression] Softmax temperature of the teacher's soft targets "
+    "(Hinton et al.).",
+    "compress_alpha": "[compression] Weight of the teacher's soft targets in the student's loss "
+    "(1 - alpha on the labels).",
     "cluster_train_image": "[cluster] Image of the fine-tuning pods: the CUDA image for GPUs, "
     'the CPU image with cluster_finetune_gpus "0".',
     "cluster_finetune_gpus": "[cluster] GPUs per fine-tuning pod (nvidia.com/gpu), as text: "
@@ -152,8 +167,9 @@ PARAMETERS = {
 }
 
 # Parameters outside params.yaml, logged on the MLflow parent run as `kfp.<name>`: where the
-# fine-tuning ran. (The node selector and tolerations are placement, not results: not logged.)
-RUNTIME = ("cluster_train_image", "cluster_finetune_gpus")
+# fine-tuning ran, and what was compressed. (The node selector and tolerations are placement,
+# not results: not logged.)
+RUNTIME = ("cluster_train_image", "cluster_finetune_gpus", *KFP_ONLY)
 
 
 def section(settings: Mapping[str, Any], name: str, leave_out: Iterable[str] = ()) -> dict:
@@ -198,6 +214,8 @@ RESOURCES = {
     "pretrain": ("1", "2", "4G"),
     "finetune": ("4", "8", "16G"),
     "evaluate": ("1", "2", "2G"),
+    "distill": ("4", "8", "16G"),
+    "quantize": ("2", "4", "8G"),
     "pipeline-end": ("500m", "1", "1G"),
 }
 
@@ -271,6 +289,11 @@ def build_pipeline():
         finetune_token_max_seq_length: int = D["finetune_token_max_seq_length"],
         finetune_token_max_train_examples: int = D["finetune_token_max_train_examples"],
         finetune_token_max_eval_examples: int = D["finetune_token_max_eval_examples"],
+        compress_task: str = D["compress_task"],
+        compress_student: str = D["compress_student"],
+        compress_student_layers: int = D["compress_student_layers"],
+        compress_temperature: float = D["compress_temperature"],
+        compress_alpha: float = D["compress_alpha"],
         cluster_train_image: str = D["cluster_train_image"],
         cluster_finetune_gpus: str = D["cluster_finetune_gpus"],
         cluster_gpu_node_selector: dict = D["cluster_gpu_node_selector"],
@@ -312,10 +335,30 @@ def dag(dsl, steps, s: dict[str, Any]) -> None:
         with dsl.ParallelFor(jobs.output, name="finetune") as job:
             ft = pod(steps.finetune(pretrained=pre.outputs["pretrained"], job=job), "finetune")
             on_gpu_nodes(ft, s)
+            # the job named compress_task (a GLUE task, from pre-trained weights) teaches
+            with dsl.If(ft.outputs["Output"] == s["compress_task"], name="compress"):
+                compress(steps, s, pre, ft, job)
         # never cached: each run's MLflow parent gets its own table (and the exit handler
         # reads this step's run to tell a finished run, lineage.end_status)
         ev = steps.evaluate(results=dsl.Collected(ft.outputs["finetuned"]))
         pod(ev, "evaluate").set_caching_options(False)
+
+
+def compress(steps, s: dict[str, Any], pre, ft, job) -> None:
+    """distill -> quantize after the fine-tuning `ft` of `compress_task`: the student trains
+    where the fine-tunings do (`on_gpu_nodes`), the int8 model is for CPUs."""
+    glue = {"task": s["compress_task"], "data_glue": s["data_glue"]}
+    glue["data_digest"] = job.data_digest
+    options = section(s, "compress", leave_out=["task"])
+    options |= {k: s[f"finetune_{k}"] for k in DISTILL_FINETUNE}
+    teacher, start = ft.outputs["finetuned"], pre.outputs["pretrained"]
+    di = steps.distill(teacher=teacher, pretrained=start, **glue, **options)
+    on_gpu_nodes(pod(di, "distill"), s)
+    pod(steps.quantize(model=di.outputs["distilled"], **glue), "quantize")
+
+
+# the fine-tuning settings a student trains with (bert distill's, as dvc.yaml's stage passes them)
+DISTILL_FINETUNE = ("epochs", "batch_size", "learning_rate", "max_seq_length", "max_train_examples")
 
 
 def on_gpu_nodes(task, s: Mapping[str, Any]) -> None:

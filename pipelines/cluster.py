@@ -108,6 +108,11 @@ SETTINGS = {
     "finetune_token_max_seq_length": 384,
     "finetune_token_max_train_examples": 0,
     "finetune_token_max_eval_examples": 0,
+    "compress_task": "none",
+    "compress_student": "pretrained",
+    "compress_student_layers": 6,
+    "compress_temperature": 2.0,
+    "compress_alpha": 0.5,
     "cluster_train_image": CUDA_IMAGE,
     # text, not a number: the backend fills a GPU count only from a STRING parameter; a number
     # resolves to "" and the pod gets no GPU, without an error (driver/resolve.go,

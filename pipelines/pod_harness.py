@@ -24,6 +24,10 @@ and follows the backend's source (kubeflow/pipelines at the pinned tag; each rul
   cache key (cacheutils/cache.go GenerateCacheKey: input parameter values, input artifacts,
   output names and types, command, args, image); a `Cache` keeps the entries across runs, as the
   KFP database does;
+- trigger conditions (`dsl.If`) and parameter expression selectors (a loop item's field): the
+  driver's CEL over the task's resolved inputs (`pipelines/kfp_cel.py`, the SDK's grammar only);
+  an untriggered task's execution is created CANCELED and Argo skips it and what depends on it,
+  failing nothing; nothing settles its DAG afterwards unless a later launcher publishes there;
 - a `dsl.Collected` input from a loop that ran no iteration fails its consumer's driver
   (driver/resolve.go resolveUpstreamArtifacts: iteration_count 0 skips CollectInputs, and
   GetProducerTask then names an iteration that does not exist).
@@ -77,7 +81,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from pipelines import kfp_backend, pod_env
+from pipelines import kfp_backend, kfp_cel, pod_env
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUTS = "kfp_outputs"  # in a pod's folder: the executor's output metadata and parameter files
@@ -209,6 +213,7 @@ class Result:
     ok: bool
     outputs: Outputs
     execution: Execution | None
+    skipped: bool = False  # its trigger condition was false: not run, and no failure
 
 
 @dataclass
@@ -244,6 +249,15 @@ def load_spec(path: Path) -> tuple[dict, dict]:
         }
     }
     return json_format.MessageToDict(pipeline), platform
+
+
+def _select(selector: str, value: Any, path: str) -> Any:
+    try:
+        return kfp_cel.select(selector, value)
+    except kfp_cel.EvaluationError as e:
+        raise DriverError(f"{path}: {e}") from None
+    except kfp_cel.Unsupported as e:
+        raise HarnessError(f"{path}: {e}") from None
 
 
 def reject_workstation_paths(where: str, value: Any) -> None:
@@ -401,12 +415,10 @@ class Harness:
             for name in sorted(order.get_ready()):
                 spec = tasks[name]
                 policy = spec.get("triggerPolicy", {})
-                if "condition" in policy:
-                    raise HarnessError(f"{path}/{name}: trigger conditions are not modelled")
                 ready = all(d in results and results[d].ok for d in deps[name])
                 if ready or policy.get("strategy") == "ALL_UPSTREAM_TASKS_COMPLETED":
                     results[name] = self._task(name, spec, scope, results, f"{path}/{name}", dag)
-                    ok = ok and results[name].ok
+                    ok = ok and (results[name].ok or results[name].skipped)
                 order.done(name)
         return ok, self._dag_outputs(component["dag"].get("outputs", {}), results, path)
 
@@ -450,9 +462,12 @@ class Harness:
         try:
             params = self._parameters(spec, scope, results, path, dag)
             artifacts = self._artifacts(spec, scope, results, path)
+            runs = self._triggered(spec, params, path)
         except DriverError as e:
             self._driver_failed(spec, component, path, str(e))
             return Result(False, Outputs(), None)
+        if not runs:  # not triggered: created CANCELED (metadata/client.go), Argo skips it
+            return Result(False, Outputs(), dag.child(name, state=CANCELED), skipped=True)
         if "parameterIterator" in spec:
             return self._loop(name, spec, component, params, artifacts, path, dag)
         if "dag" in component:
@@ -460,6 +475,21 @@ class Harness:
             ok, outputs = self._dag(component, Scope(params, artifacts), path, execution)
             return Result(ok, outputs, execution)
         return self._container(name, spec, component, params, artifacts, path, dag, scope)
+
+    @staticmethod
+    def _triggered(spec: dict, params: dict[str, Any], path: str) -> bool:
+        """The driver's trigger condition over the task's resolved inputs (`kfp_cel.condition`;
+        driver/dag.go 84-91, container.go 88-95); a task without one always runs. Nothing
+        settles its DAG when it is not triggered: no launcher publishes (as on the backend)."""
+        condition = spec.get("triggerPolicy", {}).get("condition")
+        if not condition:
+            return True
+        try:
+            return kfp_cel.condition(condition, params)
+        except kfp_cel.EvaluationError as e:
+            raise DriverError(f"{path}: {e}") from None
+        except kfp_cel.Unsupported as e:
+            raise HarnessError(f"{path}: {e}") from None
 
     def _driver_failed(self, spec: dict, component: dict, path: str, why: str) -> None:
         """A container whose driver failed: recorded FAILED, with the driver's error as its
@@ -483,6 +513,8 @@ class Harness:
         for key, src in spec.get("inputs", {}).get("parameters", {}).items():
             if "componentInputParameter" in src:
                 values[key] = scope.parameters[src["componentInputParameter"]]
+                if "parameterExpressionSelector" in src:  # driver/resolve.go 145-165
+                    values[key] = _select(src["parameterExpressionSelector"], values[key], path)
             elif "taskOutputParameter" in src:
                 ref = src["taskOutputParameter"]
                 produced = results[ref["producerTask"]].outputs.parameters

@@ -40,6 +40,8 @@ from tests.pipeline_helpers import (
 BUCKET = cluster.BUCKET.removeprefix("s3://")
 # the settings of a small whole-DAG run (tests/pipeline_helpers.py), as pipeline parameters
 SMALL_ARGS = pipeline_args(GLUE_TASKS)
+# the compression branch on for SST-2: the tiny model's student keeps 1 of its 2 layers
+COMPRESS = {"compress_task": "SST-2", "compress_student_layers": 1}
 
 
 def _secret() -> dict[str, str]:
@@ -221,8 +223,8 @@ def cache():
 @pytest.fixture(scope="module")
 def pipeline_run(servers, ray_head, cache, shared_data, tmp_path_factory):
     """The compiled pipeline, run once by the harness on the cluster defaults (s3:// data) with
-    small settings, pre-training submitted to the Ray head's Jobs API; a GPU image named for the
-    fine-tuning tasks (resolved, not pulled)."""
+    small settings and the compression branch on for SST-2, pre-training submitted to the Ray
+    head's Jobs API; a GPU image named for the fine-tuning tasks (resolved, not pulled)."""
     harness = pod_harness.Harness(
         SPEC,
         _objects(servers, ray_head.url),
@@ -232,10 +234,11 @@ def pipeline_run(servers, ray_head, cache, shared_data, tmp_path_factory):
         cache=cache,
     )
     upload_data_slice(shared_data, harness.s3, BUCKET)
-    state = harness.run({**SMALL_ARGS, "cluster_train_image": "registry.example/bert-cuda:ci"})
+    state = harness.run({**SMALL_ARGS, **COMPRESS, "cluster_train_image": TRAIN_IMAGE})
     return harness, state, _logs(harness)
 
 
+TRAIN_IMAGE = "registry.example/bert-cuda:ci"
 IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "BERT_GIT_COMMIT": git_head(), "OMP_NUM_THREADS": "1"}
 BODY = "/exit-handler-1"
 LOOP = f"{BODY}/for-loop-2"  # the fine-tuning fan-out
@@ -276,13 +279,24 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head):
         (f"{BODY}/instances", "COMPLETE"),
         (f"{BODY}/pretrain", "COMPLETE"),
         (f"{LOOP}[0]/finetune", "COMPLETE"),
+        (f"{LOOP}[0]/condition-3/distill", "COMPLETE"),  # compress_task: SST-2's job only
+        (f"{LOOP}[0]/condition-3/quantize", "COMPLETE"),
         (f"{LOOP}[1]/finetune", "COMPLETE"),
         (f"{LOOP}[2]/finetune", "COMPLETE"),  # the random-init control
         (f"{BODY}/evaluate", "COMPLETE"),
         ("/pipeline-end", "COMPLETE"),
     ]
-    # every launcher settled its DAG: the exit handler was handed the body's state, COMPLETE
-    assert _end_state(harness) == "COMPLETE"
+    # the untriggered branches of iterations 1 and 2 were created CANCELED by their drivers
+    # after the iteration's last launcher published, so nothing settles those iterations, the
+    # loop or the body (metadata/client.go UpdateDAGExecutionsState runs in launchers only):
+    # the exit handler is handed RUNNING, and closes the run by evaluate's record
+    (body,) = [e for e in harness.dag.children if e.name == "exit-handler-1"]
+    (loop,) = [e for e in body.children if e.name == "for-loop-2"]
+    assert [i.state for i in loop.children] == ["COMPLETE", "RUNNING", "RUNNING"]
+    assert [[c.state for c in i.children] for i in loop.children] == [
+        ["COMPLETE", "COMPLETE"], ["COMPLETE", "CANCELED"], ["COMPLETE", "CANCELED"],
+    ]  # fmt: skip
+    assert _end_state(harness) == "RUNNING"
     by_path = {t.path: t for t in harness.tasks}
     for task in harness.tasks:
         # every pod: the ConfigMap and the Secret, the run id from the label; nothing else
@@ -293,8 +307,8 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head):
         assert not set(task.env) & set(cluster.AUTH_KEYS)
         pretrain = task.path.endswith("/pretrain")  # the one that submits Ray jobs
         assert ("RAY_AUTH_TOKEN" in task.env) == pretrain, task.path
-        finetune = task.path.endswith("/finetune")
-        assert task.image == ("registry.example/bert-cuda:ci" if finetune else cluster.IMAGE)
+        finetune = task.path.endswith(("/finetune", "/distill"))  # the trainings: GPU nodes
+        assert task.image == (TRAIN_IMAGE if finetune else cluster.IMAGE)
         assert (task.accelerator or {}).get("resourceCount") == ("0" if finetune else None)
         tolerations = cluster.GPU_TOLERATIONS if finetune else []
         assert task.placement == pod_env.Placement({}, tolerations), task.path
@@ -314,6 +328,14 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head):
     assert clean["corpus_digest"] == _digest(harness, f"{cluster.BUCKET}/data/corpus")
     assert jobs[0]["data_digest"] == _digest(harness, f"{cluster.BUCKET}/data/glue/SST-2")
     assert jobs[1]["data_digest"] == _digest(harness, f"{cluster.BUCKET}/data/glue/STS-B")
+    # the student: SST-2's fine-tuned model taught to 1 layer of the run's pre-trained model,
+    # keyed by the SST-2 data's digest (the loop item's field, through the selector); then int8
+    distill = by_path[f"{LOOP}[0]/condition-3/distill"].parameters
+    assert distill["task"] == "SST-2" and distill["student_layers"] == 1
+    assert distill["student"] == "pretrained"
+    assert distill["data_digest"] == jobs[0]["data_digest"]
+    quantize = by_path[f"{LOOP}[0]/condition-3/quantize"].parameters
+    assert quantize["data_digest"] == jobs[0]["data_digest"]
 
 
 @pytest.mark.slow
@@ -331,7 +353,7 @@ def test_a_rerun_is_cached_and_the_exit_handler_still_closes_the_run(
         SPEC, _objects(servers, ray_head.url), tmp_path, f"{cluster.BUCKET}/kfp",
         image_env=IMAGE_ENV, cache=cache,
     )  # fmt: skip
-    state = harness.run({**SMALL_ARGS, "cluster_train_image": "registry.example/bert-cuda:ci"})
+    state = harness.run({**SMALL_ARGS, **COMPRESS, "cluster_train_image": TRAIN_IMAGE})
     assert state == pod_harness.SUCCEEDED, _logs(harness)
     states = {t.path: t.state for t in harness.tasks}
     uncached = {f"{BODY}/pipeline-run", f"{BODY}/finetune-jobs", f"{BODY}/evaluate"}
@@ -339,6 +361,7 @@ def test_a_rerun_is_cached_and_the_exit_handler_still_closes_the_run(
     assert {p for p, s in states.items() if s == "CACHED"} == {
         f"{BODY}/clean", f"{BODY}/vocab", f"{BODY}/instances", f"{BODY}/pretrain",
         f"{LOOP}[0]/finetune", f"{LOOP}[1]/finetune", f"{LOOP}[2]/finetune",
+        f"{LOOP}[0]/condition-3/distill", f"{LOOP}[0]/condition-3/quantize",
     }  # fmt: skip
     keys = {t.path: t.cache_key for t in first.tasks}
     assert all(t.cache_key == keys[t.path] for t in harness.tasks if t.state == "CACHED")
@@ -380,7 +403,8 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     params = parent.data.params
     assert params["data.corpus"] == f"{cluster.BUCKET}/data/corpus"
     assert params["pretrain.steps"] == "20" and params["kfp.cluster_finetune_gpus"] == "0"
-    assert params["kfp.cluster_train_image"] == "registry.example/bert-cuda:ci"
+    assert params["kfp.cluster_train_image"] == TRAIN_IMAGE
+    assert params["kfp.compress_task"] == "SST-2" and params["compress.student_layers"] == "1"
     # the data inputs, with their content digests (mlflow.log_input's records)
     inputs = {d.dataset.name: d for d in parent.inputs.dataset_inputs}
     assert set(inputs) == {"corpus", "glue"}  # no token-level tasks: no token input
@@ -391,7 +415,7 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     steps = {r.data.tags["bert.step"]: r for r in lineage.child_runs(parent.info.run_id)}
     assert set(steps) == {
         "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B",
-        "finetune-SST-2-random", "evaluate",
+        "finetune-SST-2-random", "evaluate", "distill-SST-2", "quantize",
     }  # fmt: skip
     assert steps["finetune-SST-2-random"].data.params["init"] == "random"
     for run in steps.values():
@@ -423,6 +447,8 @@ def test_outputs_are_artifacts_in_the_bucket_under_the_pipeline_root(pipeline_ru
         "exit-handler-1/pretrain/pretrained/model/model.safetensors",
         "exit-handler-1/for-loop-2[1]/finetune/finetuned/metrics.json",
         "exit-handler-1/evaluate/table",
+        "exit-handler-1/for-loop-2[0]/condition-3/distill/distilled/model/model.safetensors",
+        "exit-handler-1/for-loop-2[0]/condition-3/quantize/quantized/metrics.json",
     ):
         assert key in keys, sorted(keys)[:50]
     body = harness.s3.get_object(Bucket=BUCKET, Key=f"{prefix}exit-handler-1/evaluate/table")

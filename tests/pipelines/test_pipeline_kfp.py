@@ -83,7 +83,7 @@ def test_the_run_form_has_the_clusters_defaults_and_a_description_for_every_para
     groups = {
         "cluster": "[cluster]", "data": "[data]", "vocab": "[pre-training data]",
         "instances": "[pre-training data]", "model": "[model]", "pretrain": "[pre-training]",
-        "finetune": "[fine-tuning]",
+        "finetune": "[fine-tuning]", "compress": "[compression]",
     }  # fmt: skip
     for name, param in inputs.items():
         assert param["description"] == PARAMETERS[name] and len(param["description"]) > 30, name
@@ -182,12 +182,13 @@ def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
     tasks = _container_tasks(spec)
     assert set(tasks) == {
         "pipeline-run", "finetune-jobs", "clean", "vocab", "instances", "pretrain", "finetune",
-        "evaluate", "pipeline-end",
+        "evaluate", "distill", "quantize", "pipeline-end",
     }  # fmt: skip
     assert set(env) == {t["executor"] for t in tasks.values()}
     for name, task in tasks.items():
         pod = env[task["executor"]]
-        placement = {"nodeSelector", "tolerations"} if name == "finetune" else set()
+        on_gpus = name in ("finetune", "distill")
+        placement = {"nodeSelector", "tolerations"} if on_gpus else set()
         assert set(pod) == {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv", *placement}, name
         (config,) = pod["configMapAsEnv"]
         assert config["configMapName"] == cluster.CONFIG_MAP and config["optional"] is False
@@ -223,10 +224,11 @@ def test_every_task_has_cpu_and_memory_requests_and_limits():
 
 
 def test_one_branch_the_training_image_gpus_and_gpu_nodes_are_run_time_parameters(tmp_path):
-    """No GPU/CPU branches: the fine-tuning tasks run the `cluster_train_image` image with
-    `cluster_finetune_gpus` GPUs, on the nodes `cluster_gpu_node_selector` picks, tolerating
-    `cluster_gpu_tolerations` (all filled by the backend per run); every other task, pretrain
-    included (its training runs on the RayCluster), runs the CPU image and asks for no GPU."""
+    """No GPU/CPU branches: the fine-tuning tasks (and distill, the student's training) run the
+    `cluster_train_image` image with `cluster_finetune_gpus` GPUs, on the nodes
+    `cluster_gpu_node_selector` picks, tolerating `cluster_gpu_tolerations` (all filled by the
+    backend per run); every other task, pretrain included (its training runs on the
+    RayCluster) and quantize (int8 is for CPUs), runs the CPU image and asks for no GPU."""
     spec, platform = _load(_compile(tmp_path, "--image", "reg.example/bert:1.2", "--train-image",
                                     "reg.example/bert-cuda:1.2"))  # fmt: skip
     executors = spec["deploymentSpec"]["executors"]
@@ -235,7 +237,7 @@ def test_one_branch_the_training_image_gpus_and_gpu_nodes_are_run_time_parameter
     for name, task in _container_tasks(spec).items():
         container = executors[task["executor"]]["container"]
         accelerator = container.get("resources", {}).get("accelerator")
-        if name == "finetune":
+        if name in ("finetune", "distill"):
             assert container["image"] == channel % "cluster_train_image"
             assert accelerator["resourceType"] == "nvidia.com/gpu"
             assert accelerator["resourceCount"] == channel % "cluster_finetune_gpus"
@@ -259,8 +261,6 @@ def test_one_branch_the_training_image_gpus_and_gpu_nodes_are_run_time_parameter
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert params["cluster_train_image"]["defaultValue"] == "reg.example/bert-cuda:1.2"
     assert params["cluster_gpu_tolerations"]["defaultValue"] == cluster.GPU_TOLERATIONS
-    dags = [c["dag"]["tasks"] for c in spec["components"].values() if "dag" in c]
-    assert not [t for d in dags for t in d.values() if "condition" in t.get("triggerPolicy", {})]
     assert _container_tasks(spec)["pretrain"]["inputs"]["parameters"]["use_gpu"] == {
         "componentInputParameter": "pipelinechannel--pretrain_use_gpu"
     }  # the Ray job's workers: GPUs of the RayCluster
@@ -341,6 +341,49 @@ def test_one_parameter_starts_the_run_from_a_public_checkpoint():
     assert not [k for k in PARAMETERS if k.startswith("public")]
 
 
+def test_compression_is_a_condition_in_each_fine_tuning_off_by_default():
+    """distill -> quantize run inside the fine-tuning loop under a trigger condition: the
+    iteration whose job name (the finetune step's output) is `compress_task`; "none", the
+    form's default, names no job. The teacher is that iteration's own model (no pick among the
+    collected outputs), the student starts from the run's pre-trained model by default, and the
+    task data's digest (the loop item's field, a parameterExpressionSelector) keys the cache."""
+    spec, _ = _load(SPEC)
+    loop = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]
+    (branch,) = [t for t in loop.values() if "triggerPolicy" in t]
+    assert branch["taskInfo"]["name"] == "compress" and branch["dependentTasks"] == ["finetune"]
+    assert branch["triggerPolicy"]["condition"] == (
+        "inputs.parameter_values['pipelinechannel--finetune-Output'] == "
+        "inputs.parameter_values['pipelinechannel--compress_task']"
+    )
+    assert branch["inputs"]["parameters"]["pipelinechannel--finetune-Output"] == {
+        "taskOutputParameter": {"outputParameterKey": "Output", "producerTask": "finetune"}
+    }
+    tasks = _container_tasks(spec)
+    distill, quantize = tasks["distill"]["inputs"], tasks["quantize"]["inputs"]
+    assert distill["artifacts"]["teacher"] == {
+        "componentInputArtifact": "pipelinechannel--finetune-finetuned"
+    }
+    assert distill["artifacts"]["pretrained"] == {
+        "componentInputArtifact": "pipelinechannel--pretrain-pretrained"
+    }
+    assert quantize["artifacts"]["model"]["taskOutputArtifact"]["producerTask"] == "distill"
+    for inputs in (distill, quantize):
+        assert inputs["parameters"]["data_digest"]["parameterExpressionSelector"] == (
+            'parseJson(string_value)["data_digest"]'
+        )
+        assert inputs["parameters"]["task"] == {
+            "componentInputParameter": "pipelinechannel--compress_task"
+        }
+    for key in ("student", "student_layers", "temperature", "alpha"):
+        channel = f"pipelinechannel--compress_{key}"
+        assert distill["parameters"][key] == {"componentInputParameter": channel}, key
+    assert DEFAULTS["compress_task"] == "none" and DEFAULTS["compress_student"] == "pretrained"
+    assert "compress_task" not in P and P["compress_student_layers"] == 2  # DVC's, for local
+    lists = {"finetune.tasks": ["SST-2"], "finetune.control_tasks": ["SST-2"]}
+    names = [job["name"] for job in finetune_jobs(_settings(**lists), lambda uri: "d")]
+    assert names == ["SST-2", "SST-2 (random init)"]  # the control is no teacher; none: no job
+
+
 def test_pretrain_alone_is_retried_with_backoff():
     tasks = _container_tasks(_load(SPEC)[0])
     assert tasks["pretrain"]["retryPolicy"] == {
@@ -409,6 +452,8 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
         "data_glue": str(shared_data / "glue"),
         "finetune_tasks": ["SST-2", "STS-B"],  # a fan-out of two keeps CI time down
         "finetune_control_tasks": ["SST-2"],  # and one random-init control
+        "compress_task": "STS-B",  # the compression branch, for one iteration: a regression
+        "compress_student_layers": 1,
         **{
             f"{section}_{key}": value
             for section, values in SMALL.items()
@@ -455,8 +500,11 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     steps = {r.data.tags["bert.step"]: r for r in lineage.child_runs(parent.info.run_id)}
     assert set(steps) == {
         "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B",
-        "finetune-SST-2-random", "evaluate",
+        "finetune-SST-2-random", "evaluate", "distill-STS-B", "quantize",
     }  # fmt: skip
+    assert steps["distill-STS-B"].data.params["student_layers"] == "1"
+    (student,) = (tmp_path / "root").glob("bert-pipeline-*/distill*/distilled/metrics.json")
+    assert json.loads(student.read_text())["student"]["layers"] == [0]  # 1 of 2: the first
     for run in steps.values():
         assert run.data.tags["kfp.run_id"] == kfp_run_id
         assert run.info.status == "FINISHED"

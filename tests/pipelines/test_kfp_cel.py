@@ -1,0 +1,104 @@
+"""The KFP driver's CEL, as far as the pod harness models it (`pipelines/kfp_cel.py`): the
+conditions and selectors the pinned SDK compiles evaluate as the driver's would, anything
+else is refused, and the harness runs a pipeline with branches as the backend does (an
+untriggered branch is CANCELED, fails nothing, and leaves its DAG unsettled)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from kfp import compiler
+
+from pipelines import kfp_cel, pod_env, pod_harness
+from pipelines.bert_pipeline import SPEC
+from tests.condition_pipeline import conditions
+from tests.pipeline_helpers import cluster_objects
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    path = tmp_path_factory.mktemp("conditions") / "conditions.yaml"
+    compiler.Compiler().compile(conditions, str(path))
+    return path
+
+
+def _conditions(path) -> dict[str, str]:
+    """Branch name -> its compiled trigger condition, over every DAG of the spec."""
+    (pipeline, *_) = yaml.safe_load_all(path.read_text())
+    dags = [c["dag"]["tasks"] for c in [pipeline["root"], *pipeline["components"].values()]
+            if "dag" in c]  # fmt: skip
+    branches = [t for d in dags for t in d.values() if "condition" in t.get("triggerPolicy", {})]
+    return {t["taskInfo"]["name"]: t["triggerPolicy"]["condition"] for t in branches}
+
+
+def test_each_condition_the_sdk_compiles_evaluates_as_python_would(spec):
+    """A parameter is a protobuf Value (a number is a double, which the SDK casts with int()
+    for an int parameter): each condition compared with the same test in Python."""
+    found = _conditions(spec)
+    assert set(found) == {"chosen", "int-gt", "float-le", "bool-eq", "str-ne"}
+    channel = "pipelinechannel--"
+    cases = [(3, 0.5, False, "a"), (2, 0.25, True, "b"), (10, 0.1, True, "")]
+    for steps, rate, flag, want in cases:
+        params = {f"{channel}steps": steps, f"{channel}rate": rate, f"{channel}flag": flag,
+                  f"{channel}want": want, f"{channel}named-Output": "a"}  # fmt: skip
+        expected = {"chosen": want == "a", "int-gt": steps > 2, "float-le": rate <= 0.25,
+                    "bool-eq": flag is True, "str-ne": want != "b"}  # fmt: skip
+        got = {name: kfp_cel.condition(text, params) for name, text in found.items()}
+        assert got == expected, (params, found)
+
+
+def test_the_pipelines_compression_branch_runs_for_the_named_job_only():
+    (condition,) = _conditions(SPEC).values()
+    task = {"pipelinechannel--compress_task": "SST-2"}
+    for job, runs in [("SST-2", True), ("SST-2 (random init)", False), ("STS-B", False)]:
+        params = task | {"pipelinechannel--finetune-Output": job}
+        assert kfp_cel.condition(condition, params) is runs
+    off = {"pipelinechannel--compress_task": "none", "pipelinechannel--finetune-Output": "SST-2"}
+    assert kfp_cel.condition(condition, off) is False
+
+
+def test_cel_errors_are_the_drivers_and_other_grammar_is_refused():
+    with pytest.raises(kfp_cel.EvaluationError, match="no such key"):
+        kfp_cel.condition("inputs.parameter_values['x'] == 'a'", {})
+    with pytest.raises(kfp_cel.EvaluationError, match="no such overload"):  # double == int
+        kfp_cel.condition("inputs.parameter_values['n'] == 2", {"n": 2})
+    assert kfp_cel.condition("int(inputs.parameter_values['n']) == 2", {"n": 2.0})
+    assert kfp_cel.condition("!(inputs.parameter_values['s'] == 'a') && true == true", {"s": "b"})
+    for text in ("size(inputs.parameter_values['l']) > 0", "inputs.parameter_values['s']"):
+        with pytest.raises(kfp_cel.Unsupported):
+            kfp_cel.condition(text, {"l": [], "s": "a"})
+    selector = 'parseJson(string_value)["tag"]'
+    assert kfp_cel.select(selector, {"tag": "x", "n": 1}) == "x"
+    assert kfp_cel.select(selector, '{"tag": "y"}') == "y"  # a string value: its text is JSON
+    with pytest.raises(kfp_cel.EvaluationError):
+        kfp_cel.select(selector, {"other": 1})
+    with pytest.raises(kfp_cel.Unsupported):
+        kfp_cel.select("string_value", "x")
+
+
+def test_the_harness_skips_untriggered_branches_as_the_backend_does(spec, tmp_path):
+    """want "a": iteration 0's branch runs (the selector gives its struct's `tag`), iteration
+    1's is created CANCELED and skipped; the run succeeds. Iteration 1 published nothing after
+    its branch was created, so it, the loop and the body stay RUNNING (only launchers settle a
+    DAG: metadata/client.go UpdateDAGExecutionsState), and the exit handler is handed RUNNING."""
+    objects = cluster_objects(pod_env.manifest_objects(), "http://127.0.0.1:1", "http://127.0.0.1:1")
+    harness = pod_harness.Harness(spec, objects, tmp_path, "s3://bert/kfp")
+    assert harness.run({"want": "a", "steps": 1, "flag": True}) == pod_harness.SUCCEEDED
+    ran = {t.path: t for t in harness.tasks}
+    chosen = [p for p in ran if p.startswith("/exit-handler-1/for-loop-2[")]
+    assert sorted(chosen) == [
+        "/exit-handler-1/for-loop-2[0]/condition-3/show",
+        "/exit-handler-1/for-loop-2[0]/named",
+        "/exit-handler-1/for-loop-2[1]/named",
+    ]
+    assert ran["/exit-handler-1/for-loop-2[0]/condition-3/show"].parameters == {"text": "first"}
+    top = sorted(p.split("/")[2] for p in ran if p.count("/") == 3 and "for-loop" not in p)
+    assert top == ["condition-6", "condition-7"]  # flag == true, want != "b"; not steps > 2
+    (body,) = [e for e in harness.dag.children if e.name == "exit-handler-1"]
+    states = {e.name: e.state for e in body.children}
+    assert states["condition-4"] == states["condition-5"] == "CANCELED"
+    (loop,) = [e for e in body.children if e.name == "for-loop-2"]
+    assert [i.state for i in loop.children] == ["COMPLETE", "RUNNING"]
+    assert [c.state for c in loop.children[1].children] == ["COMPLETE", "CANCELED"]
+    (end,) = [t for t in harness.tasks if "status" in t.parameters]
+    assert end.parameters["status"]["state"] == "RUNNING"

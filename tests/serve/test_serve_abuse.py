@@ -107,10 +107,13 @@ def server(tmp_path_factory, minilm_dir):
 
 
 def test_listens_on_loopback_unless_told(server):
-    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(server.proc.pid)
-                 .net_connections("inet") if c.status == psutil.CONN_LISTEN}  # fmt: skip
+    process = psutil.Process(server.proc.pid)
+    # psutil 5.9 (kserve's pin) names it connections(); 6.0 renamed it net_connections()
+    sockets = getattr(process, "net_connections", None) or process.connections
+    listening = {(c.laddr.ip, c.laddr.port) for c in sockets("inet")
+                 if c.status == psutil.CONN_LISTEN}  # fmt: skip
     assert listening == {("127.0.0.1", server.port)}
-    assert f"on http://127.0.0.1:{server.port} " in server.log.read_text()
+    assert f"on http://127.0.0.1:{server.port}, V2 as /v2/models/" in server.log.read_text()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # the route out: no packet sent
         try:
             s.connect(("10.255.255.255", 1))

@@ -1,13 +1,15 @@
-"""The limits `bert serve` puts in front of MLflow's scoring app: an ASGI middleware.
+"""The limits `bert serve` puts in front of its app (KServe's V2 routes and MLflow's scoring
+app): an ASGI middleware. Errors come in the shape of the route's protocol.
 
 - A body over `max_body_bytes` -> 413, whether the request declares it (Content-Length: refused
   before a byte of it is read) or streams it (chunked: counted as it arrives, refused at the
   first byte over). The body is read here, into memory, before the app sees it (as MLflow's app
   would read it, `await request.body()`), so a request holds at most `max_body_bytes`.
-- More than `max_concurrency` requests to /invocations in flight (read, queued or computing)
-  -> 503 with `Retry-After`, answered before the body is read: a flood is turned away at the
-  cost of parsing its headers, and memory stays under `max_concurrency` x `max_body_bytes`.
-  /ping, /health and /version are never refused, so a health check answers under any load.
+- More than `max_concurrency` requests to the model (/invocations, V2 infer, V1 predict) in
+  flight (read, queued or computing) -> 503 with `Retry-After`, answered before the body is
+  read: a flood is turned away at the cost of parsing its headers, and memory stays under
+  `max_concurrency` x `max_body_bytes`. /ping, /health, /version and V2's health and metadata
+  routes are never refused, so a health check answers under any load.
 - A body not received within `body_timeout` seconds -> 408 (a slow client holding a slot).
 
 Why not uvicorn's `limit_concurrency` (uvicorn/protocols/http/h11_impl.py): it counts open
@@ -31,7 +33,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-LIMITED = ("/invocations",)
+
+def limited(path: str) -> bool:
+    """A request that reaches the model: MLflow's /invocations, V2's /v2/models/NAME/infer,
+    KServe's V1 /v1/models/NAME:predict."""
+    return path == "/invocations" or path.endswith("/infer") or path.endswith(":predict")
 
 
 class _TooLarge(Exception):
@@ -47,38 +53,41 @@ class Limits:
     ):  # fmt: skip
         self.app, self.max_body_bytes, self.max_concurrency = app, max_body_bytes, max_concurrency
         self.body_timeout, self.retry_after = body_timeout, retry_after
-        self.in_flight = 0  # requests to LIMITED paths admitted and not yet answered
+        self.in_flight = 0  # requests to the model (`limited`) admitted and not yet answered
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":  # lifespan: the app's own startup and shutdown
             await self.app(scope, receive, send)
             return
+        # KServe's routes answer errors in its shape, MLflow's in MLflow's (`refuse`)
+        v2 = scope["path"].startswith(("/v1/", "/v2/"))
         declared = content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            await self.too_large(send, declared)
+            await self.too_large(send, v2, declared)
             return
-        limited = scope["path"] in LIMITED
-        if limited and self.in_flight >= self.max_concurrency:
+        to_model = limited(scope["path"])
+        if to_model and self.in_flight >= self.max_concurrency:
             message = (f"the server is at its limit of {self.max_concurrency} requests in flight "
                        f"(--max-concurrency); retry in {self.retry_after} s")  # fmt: skip
             retry = [(b"retry-after", str(self.retry_after).encode())]
-            await refuse(send, 503, "TEMPORARILY_UNAVAILABLE", message, retry)
+            await refuse(send, 503, "TEMPORARILY_UNAVAILABLE", message, retry, v2)
             return
-        self.in_flight += limited
+        self.in_flight += to_model
         try:
             try:
                 body = await asyncio.wait_for(self.read_body(receive), self.body_timeout)
             except _TooLarge:
-                await self.too_large(send)
+                await self.too_large(send, v2)
                 return
             except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
                 message = f"the request body did not arrive within {self.body_timeout:g} s"
-                await refuse(send, 408, "BAD_REQUEST", message, [(b"connection", b"close")])
+                close = [(b"connection", b"close")]
+                await refuse(send, 408, "BAD_REQUEST", message, close, v2)
                 return
             if body is not None:  # None: the client went away
                 await self.app(scope, replay(body, receive), send)
         finally:
-            self.in_flight -= limited
+            self.in_flight -= to_model
 
     async def read_body(self, receive) -> bytes | None:
         chunks, size = [], 0
@@ -94,11 +103,11 @@ class Limits:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def too_large(self, send, declared: int | None = None) -> None:
+    async def too_large(self, send, v2: bool, declared: int | None = None) -> None:
         size = "" if declared is None else f"{declared:,} bytes, "
         message = (f"the request body is {size}more than the server's limit of "
                    f"{self.max_body_bytes:,} bytes (--max-body-bytes)")  # fmt: skip
-        await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", message)
+        await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", message, (), v2)
 
 
 def content_length(scope) -> int | None:
@@ -123,8 +132,11 @@ def replay(body: bytes, receive):
     return receive_again
 
 
-async def refuse(send, status: int, code: str, message: str, headers=()) -> None:
-    body = json.dumps({"error_code": code, "message": message}).encode()
+async def refuse(send, status: int, code: str, message: str, headers=(), v2=False) -> None:
+    """An error answer: MLflow's body (`error_code`, `message`), or for KServe's routes
+    (`v2`) the Open Inference Protocol's (`error`)."""
+    error = {"error": message} if v2 else {"error_code": code, "message": message}
+    body = json.dumps(error).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": head + list(headers)})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,9 +1,17 @@
 """`bert serve MODEL`: one MLflow model behind an HTTP endpoint that holds up under load and abuse.
 
-The app is MLflow's own scoring app, `mlflow.pyfunc.scoring_server.init(model)`, the one
-`mlflow models serve` runs under uvicorn (mlflow/pyfunc/scoring_server/__init__.py and app.py,
-MLflow 3.17), so requests, answers, errors and the routes (/invocations, /ping, /health,
-/version) are exactly `mlflow models serve`'s. Around it:
+One server, two protocols over the same model:
+
+- the Open Inference (V2) protocol, as KServe serves it on the cluster: KServe's own routes and
+  data plane (`bert_core.serve.v2`: /v2/health/live, /v2/health/ready, /v2/models/NAME,
+  /v2/models/NAME/ready, /v2/models/NAME/infer, and KServe's V1 /v1/models/NAME:predict), NAME
+  being `--name`;
+- MLflow's scoring protocol: MLflow's own scoring app, `mlflow.pyfunc.scoring_server.init(model)`,
+  the one `mlflow models serve` runs under uvicorn (mlflow/pyfunc/scoring_server/__init__.py and
+  app.py, MLflow 3.17), mounted under KServe's, so requests, answers, errors and the routes
+  (/invocations, /ping, /health, /version) are exactly `mlflow models serve`'s.
+
+Around both:
 
 - `limits.Limits`, an ASGI middleware: a body over `--max-body-bytes` -> 413; more than
   `--max-concurrency` requests to /invocations in flight -> 503 with Retry-After; a body that
@@ -11,6 +19,7 @@ MLflow 3.17), so requests, answers, errors and the routes (/invocations, /ping, 
   `limit_concurrency`, which is kept as the backstop, `--max-connections`);
 - `batching.BatchedModel`: requests that arrive while the model is busy are answered together,
   one call of the model, up to `--max-batch-rows` rows;
+- `batching.BatchedModel` answers both protocols' requests from one queue;
 - uvicorn, one process, on a socket bound here first (so a port in use is a one-line error
   before the model loads), `127.0.0.1` unless `--host` says otherwise: the endpoint has no
   authentication, so it is reachable from this machine only until you choose otherwise.
@@ -56,29 +65,66 @@ log = logging.getLogger("uvicorn.error")  # uvicorn's own log: one stream, one f
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert serve", description=__doc__.split("\n")[0])
-    p.add_argument("model", metavar="MODEL",
-                   help="models:/<name>@<alias>, models:/<name>/<version>, "
-                   "runs:/<run>/model, an MLflow model folder or a `bert finetune` output")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 "
-                   "for every interface: the endpoint has no authentication)")
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="models:/<name>@<alias>, models:/<name>/<version>, "
+        "runs:/<run>/model, an MLflow model folder or a `bert finetune` output",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 "
+        "for every interface: the endpoint has no authentication)",
+    )
     p.add_argument("--port", type=int, default=5000, help="default 5000 (0: any free port)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="a larger request body gets 413 (default 1 MiB)")
-    p.add_argument("--max-concurrency", type=int, default=64,
-                   help="requests to /invocations in flight, read, queued or computing; more "
-                   "get 503 with Retry-After (default 64)")
-    p.add_argument("--max-connections", type=int, default=1024,
-                   help="open connections; more get uvicorn's 503 (default 1024)")
-    p.add_argument("--max-batch-rows", type=int, default=64,
-                   help="rows of concurrent requests answered in one call (default 64)")
-    p.add_argument("--max-chars", type=int,
-                   help="a longer text gets 422 (default: the model's, 20000 unless logged "
-                   "otherwise)")
-    p.add_argument("--timeout", type=int, default=60,
-                   help="seconds before an unanswered request gets 504 (default 60)")
-    p.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds for the request body to arrive, else 408 (default 30)")
+    p.add_argument(
+        "--name",
+        help="the model's name in the V2 paths, /v2/models/NAME/... "
+        "(default: the registered model's name of a models:/ URI, else 'bert')",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="a larger request body gets 413 (default 1 MiB)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=64,
+        help="requests to /invocations in flight, read, queued or computing; more "
+        "get 503 with Retry-After (default 64)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections; more get uvicorn's 503 (default 1024)",
+    )
+    p.add_argument(
+        "--max-batch-rows",
+        type=int,
+        default=64,
+        help="rows of concurrent requests answered in one call (default 64)",
+    )
+    p.add_argument(
+        "--max-chars",
+        type=int,
+        help="a longer text gets 422 (default: the model's, 20000 unless logged otherwise)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=int,
+        default=60,
+        help="seconds before an unanswered request gets 504 (default 60)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for the request body to arrive, else 408 (default 30)",
+    )
     return p  # fmt: skip
 
 
@@ -160,15 +206,29 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_app(model, args: argparse.Namespace):
-    """MLflow's scoring app over `model` (the batched model), inside the limits."""
+def model_name(args: argparse.Namespace) -> str:
+    """The V2 name: --name, else a models:/ URI's registered model, else "bert"."""
+    if args.name:
+        return args.name
+    if args.model.startswith("models:/"):
+        return args.model.removeprefix("models:/").split("/")[0].split("@")[0]
+    return "bert"
+
+
+def build_app(model, args: argparse.Namespace, meta):
+    """KServe's V2 app with MLflow's scoring app mounted beneath it, over `model` (the batched
+    model) and its MLflow signature (`meta`: the MLmodel), inside the limits."""
     from mlflow.pyfunc import scoring_server
 
     from bert_core.serve.limits import Limits
+    from bert_core.serve.v2 import V2Model, v2_app
 
+    if meta.signature is None:
+        raise BertError(f"{args.model}: no signature: the V2 protocol needs the model's columns")
     # init() reads MLflow's request timeout from the environment
     os.environ["MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"] = str(args.timeout)
-    app = scoring_server.init(model)
+    app = v2_app(V2Model(model_name(args), model, meta.signature))
+    app.mount("/", scoring_server.init(model))  # after KServe's routes: whatever they leave
     return Limits(app, args.max_body_bytes, args.max_concurrency, args.body_timeout)
 
 
@@ -214,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bert serve: warning: listening on {args.host}, reachable from other "
                       "machines; the endpoint has no authentication", file=sys.stderr)  # fmt: skip
             try:
-                run(build_app(model, args), sock, args, banner(args, kind))
+                run(build_app(model, args, meta), sock, args, banner(args, kind))
             finally:
                 log.info(f"bert serve: answered {model.answered:,} requests to the model in "
                          f"{model.calls:,} calls of it")  # fmt: skip
@@ -228,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
 def banner(args: argparse.Namespace, kind: str) -> str:
     host = f"[{args.host}]" if ":" in args.host else args.host
     return (
-        f"bert serve: {args.model} ({kind}) on http://{host}:PORT (CTRL+C to quit); limits: "
+        f"bert serve: {args.model} ({kind}) on http://{host}:PORT, V2 as "
+        f"/v2/models/{model_name(args)} and MLflow's /invocations (CTRL+C to quit); limits: "
         f"body {args.max_body_bytes:,} bytes, {args.max_concurrency} requests in flight, "
         f"batches of {args.max_batch_rows} rows, {args.timeout} s"
     )

@@ -251,9 +251,11 @@ def load_spec(path: Path) -> tuple[dict, dict]:
     return json_format.MessageToDict(pipeline), platform
 
 
-def _select(selector: str, value: Any, path: str) -> Any:
+def _cel(path: str, evaluate, *args) -> Any:
+    """A CEL evaluation (`kfp_cel`) as the driver meets it: what CEL fails on fails the driver
+    (DriverError); an expression outside the SDK's grammar is the harness's to refuse."""
     try:
-        return kfp_cel.select(selector, value)
+        return evaluate(*args)
     except kfp_cel.EvaluationError as e:
         raise DriverError(f"{path}: {e}") from None
     except kfp_cel.Unsupported as e:
@@ -482,14 +484,7 @@ class Harness:
         driver/dag.go 84-91, container.go 88-95); a task without one always runs. Nothing
         settles its DAG when it is not triggered: no launcher publishes (as on the backend)."""
         condition = spec.get("triggerPolicy", {}).get("condition")
-        if not condition:
-            return True
-        try:
-            return kfp_cel.condition(condition, params)
-        except kfp_cel.EvaluationError as e:
-            raise DriverError(f"{path}: {e}") from None
-        except kfp_cel.Unsupported as e:
-            raise HarnessError(f"{path}: {e}") from None
+        return _cel(path, kfp_cel.condition, condition, params) if condition else True
 
     def _driver_failed(self, spec: dict, component: dict, path: str, why: str) -> None:
         """A container whose driver failed: recorded FAILED, with the driver's error as its
@@ -514,7 +509,8 @@ class Harness:
             if "componentInputParameter" in src:
                 values[key] = scope.parameters[src["componentInputParameter"]]
                 if "parameterExpressionSelector" in src:  # driver/resolve.go 145-165
-                    values[key] = _select(src["parameterExpressionSelector"], values[key], path)
+                    selector = src["parameterExpressionSelector"]
+                    values[key] = _cel(path, kfp_cel.select, selector, values[key])
             elif "taskOutputParameter" in src:
                 ref = src["taskOutputParameter"]
                 produced = results[ref["producerTask"]].outputs.parameters

@@ -22,7 +22,7 @@ import pytest
 from bert_core import cli
 from bert_core.serve import mlflow_model as serving
 from bert_core.serve import registry
-from tests.serving_helpers import build, free_port, stop_server, wait_until_up
+from tests.serving_helpers import build, free_port, stop_server, strip_numbers, wait_until_up
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -104,18 +104,6 @@ def servers(tmp_path_factory, minilm_dir):
         finally:
             for proc, _ in procs:
                 stop_server(proc, timeout=15)
-
-
-def strip_numbers(value):
-    """Answers with every float replaced by pytest.approx: two processes may use different
-    thread counts, which moves the last bits of a float."""
-    if isinstance(value, float):
-        return pytest.approx(value, rel=1e-5, abs=1e-7)
-    if isinstance(value, dict):
-        return {k: strip_numbers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [strip_numbers(v) for v in value]
-    return value
 
 
 def test_each_kind_answers_as_bert_predict(servers, capsys):

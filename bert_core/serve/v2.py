@@ -4,13 +4,14 @@ A client written against the laptop must work against the cluster, where KServe 
 as an InferenceService. So the V2 routes (`/v2/health/live`, `/v2/health/ready`,
 `/v2/models/NAME`, `/v2/models/NAME/ready`, `/v2/models/NAME/infer`, and KServe's V1
 `/v1/models/NAME:predict`) are not ours: they are the `kserve` SDK's REST server and data plane
-(kserve 0.21, `kserve.protocol.rest`), the code a KServe custom predictor runs, with our model as
-a `kserve.Model` (`V2Model`). Its error bodies are KServe's (`{"error": "..."}`: 400 for input
-the model refuses, 404 for another model name).
+(kserve 0.20.0, `kserve.protocol.rest`, the newest release whose source, tag v0.20.0, we could
+read), the code a KServe custom predictor runs, with our model as a `kserve.Model` (`V2Model`).
+Its error bodies are KServe's (`{"error": "..."}`: 400 for input the model refuses, 404 for
+another model name).
 
 Why not KServe's MLflow runtime (MLServer with mlserver-mlflow): MLServer 1.7.1 requires
 fastapi < 0.116, which holds starlette at 0.46, under the fixes of CVE-2025-54121 (0.47.2) and
-CVE-2025-62727 (0.49.1); our lock's starlette is 1.10. The kserve SDK asks starlette >= 1.3.1;
+CVE-2025-62727 (0.49.1); our lock's starlette is 1.10. The kserve SDK asks starlette >= 1.0.1;
 its own pins (pandas < 3, psutil < 6) cost the lock a pandas 2.3 and a psutil 5.9.
 
 The tensors are the model's MLflow signature, a tensor per column (shape [rows]): every input

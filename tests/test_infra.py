@@ -1335,13 +1335,14 @@ def test_raycluster_fields_are_those_of_the_pinned_kuberay_crd(rendered):
 def test_versions_agree_with_the_lock_the_manifests_and_the_images(rendered, rendered_kfp):
     """infra/versions.yaml names the versions that work together; each entry says why. They are
     the lock's (constraints-cpu.txt) and the installed packages' for kfp, kfp-kubernetes,
-    kfp-pipeline-spec, ray and mlflow; the KFP backend is the SDK's release and its install
+    kfp-pipeline-spec, ray, mlflow and kserve (whose charts are installed at the same release);
+    the KFP backend is the SDK's release and its install
     commands use that ref; the RayCluster runs that Ray; the manifests' third-party images and
     the Dockerfiles' FROM lines are the ones named there; raycluster.yaml names the KubeRay
     operator version."""
     versions = _versions()
     assert all(entry.get("why") for entry in versions.values()), "every entry says why"
-    for key in ("kfp", "kfp-kubernetes", "kfp-pipeline-spec", "ray", "mlflow"):
+    for key in ("kfp", "kfp-kubernetes", "kfp-pipeline-spec", "ray", "mlflow", "kserve"):
         entry = versions[key]
         assert entry["version"] == _pin(entry["pypi"]), key
         assert importlib.metadata.version(entry["pypi"]) == entry["version"], key
@@ -1351,6 +1352,9 @@ def test_versions_agree_with_the_lock_the_manifests_and_the_images(rendered, ren
     assert len(urls) == 2 and all(f"?ref={backend['version']}" in c for c in urls)
     (ray,) = _by_kind(rendered, "RayCluster")
     assert ray["spec"]["rayVersion"] == versions["ray"]["version"]
+    kserve = versions["kserve"]["version"]
+    charts = [c for c in versions["kserve"]["install"] if "ghcr.io/kserve/charts" in c]
+    assert len(charts) == 2 and all(f"--version v{kserve}" in c for c in charts)
     kuberay = versions["kuberay-operator"]["version"]
     assert f"--version {kuberay}" in " ".join(versions["kuberay-operator"]["install"])
     assert f"KubeRay operator {kuberay}" in (K8S / "raycluster.yaml").read_text()
@@ -1361,3 +1365,176 @@ def test_versions_agree_with_the_lock_the_manifests_and_the_images(rendered, ren
         assert _parse(DOCKER / name).baseimage == versions["python"]["image"], name
     python = re.search(r":(\d+\.\d+)\.", versions["python"]["image"]).group(1)
     assert f"{sys.version_info[0]}.{sys.version_info[1]}" == python, "the lock's Python"
+
+
+# 9. KServe: the serving runtime and an InferenceService against the pinned release's CRDs
+
+KSERVE = K8S / "kserve"
+
+
+def _kserve_schemas() -> dict:
+    import gzip
+
+    return json.loads(gzip.decompress((KSERVE / "crd-schemas.json.gz").read_bytes()))
+
+
+def _strict(schema: dict) -> dict:
+    """A CRD's structural schema as JSON Schema with the API server's strict field validation
+    (`kubectl apply --validate=strict`): an object that lists its properties refuses any other
+    field (unless x-kubernetes-preserve-unknown-fields); `nullable` admits null;
+    x-kubernetes-int-or-string admits both."""
+    out = dict(schema)
+    if "properties" in schema:
+        out["properties"] = {k: _strict(v) for k, v in schema["properties"].items()}
+        if "additionalProperties" not in schema and not schema.get(
+            "x-kubernetes-preserve-unknown-fields"
+        ):
+            out["additionalProperties"] = False
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(key), dict):
+            out[key] = _strict(schema[key])
+    for key in ("anyOf", "allOf", "oneOf"):
+        if key in schema:
+            out[key] = [_strict(s) for s in schema[key]]
+    if schema.get("nullable") and "type" in schema:
+        out["type"] = [schema["type"], "null"]
+    if schema.get("x-kubernetes-int-or-string") and "anyOf" not in schema:
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    return out
+
+
+def crd_problems(obj: dict, schemas: dict) -> list[str]:
+    """Where `obj` breaks its kind's CRD schema (served version, strict fields)."""
+    import jsonschema
+
+    entry = schemas["kinds"].get(obj.get("kind"))
+    if entry is None or obj.get("apiVersion") != entry["apiVersion"]:
+        return [f"{obj.get('kind')} {obj.get('apiVersion')}: no such KServe kind and version"]
+    validator = jsonschema.Draft7Validator(_strict(entry["schema"]))
+    return sorted(
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in validator.iter_errors(obj)
+    )
+
+
+def _kserve_manifests() -> list[dict]:
+    return render(KSERVE) + [
+        d for f in sorted((KSERVE / "examples").glob("*.yaml"))
+        for d in yaml.safe_load_all(f.read_text()) if d
+    ]  # fmt: skip
+
+
+def test_kserve_manifests_validate_against_the_pinned_releases_crds():
+    """The ServingRuntime and the example InferenceService hold only fields of KServe
+    v0.20.0's CRDs (the schemas infra/scripts/kserve_schemas.py extracted at that tag), with
+    their types and enums; a misspelt field, a value outside an enum, a wrong type or a missing
+    required field is caught."""
+    schemas = _kserve_schemas()
+    assert schemas["version"] == _versions()["kserve"]["version"]
+    for kind, entry in schemas["kinds"].items():
+        assert entry["source"].startswith(
+            f"https://raw.githubusercontent.com/kserve/kserve/v{schemas['version']}/"
+        ), kind
+    docs = _kserve_manifests()
+    assert {d["kind"] for d in docs} == {"ServingRuntime", "InferenceService"}
+    for doc in docs:
+        assert crd_problems(doc, schemas) == [], doc["metadata"]["name"]
+    (isvc,) = _by_kind(docs, "InferenceService")
+    (runtime,) = _by_kind(docs, "ServingRuntime")
+    for broken, change in [
+        (isvc, lambda d: d["spec"]["predictor"].update(minReplica=0)),
+        (isvc, lambda d: d["spec"]["predictor"].update(scaleMetric="latency")),
+        (isvc, lambda d: d["spec"]["predictor"].update(maxReplicas="three")),
+        (isvc, lambda d: d["spec"].pop("predictor")),
+        (isvc, lambda d: d["spec"]["predictor"]["model"].update(storageURI="s3://x")),
+        (runtime, lambda d: d["spec"].pop("containers")),
+        (runtime, lambda d: d["spec"]["containers"][0].update(imagePullPolicy=7)),
+        (runtime, lambda d: d["spec"]["supportedModelFormats"][0].update(autoselect=True)),
+    ]:
+        copy_ = copy.deepcopy(broken)
+        change(copy_)
+        assert crd_problems(copy_, schemas), copy_["spec"]
+
+
+def test_the_runtime_serves_the_downloaded_model_with_bert_serve_on_kserves_port():
+    """KServe's storage initializer puts the storageUri's files in /mnt/models and routes to
+    port 8080; the runtime runs `bert serve` there, named as the InferenceService, on every
+    interface of the pod (KServe's ingress in front), as a non-root user, with limits."""
+    (runtime,) = [d for d in render(KSERVE) if d["kind"] == "ServingRuntime"]
+    (container,) = runtime["spec"]["containers"]
+    assert container["name"] == "kserve-container"  # the name KServe's pod builder looks for
+    argv = container["command"] + container["args"]
+    assert argv[:3] == ["bert", "serve", "/mnt/models"]
+    assert argv[argv.index("--name") + 1] == "{{.Name}}"
+    assert argv[argv.index("--port") + 1] == "8080" and argv[argv.index("--host") + 1] == "0.0.0.0"
+    assert container["ports"] == [{"containerPort": 8080, "protocol": "TCP"}]
+    assert set(runtime["spec"]["protocolVersions"]) == {"v2", "v1"}
+    assert container["image"] == "registry.example.com/bert/bert:0.1.0"
+    assert container["securityContext"]["runAsNonRoot"] is True
+    assert container["resources"]["limits"]["memory"] == container["resources"]["requests"][
+        "memory"
+    ]
+    from bert_core.serve import server
+
+    args = server.parse_args(container["args"])  # bert serve accepts exactly these
+    assert (args.model, args.port, args.host) == ("/mnt/models", 8080, "0.0.0.0")
+    (isvc,) = [d for d in _kserve_manifests() if d["kind"] == "InferenceService"]
+    model = isvc["spec"]["predictor"]["model"]
+    assert model["modelFormat"]["name"] == runtime["spec"]["supportedModelFormats"][0]["name"]
+    assert model["runtime"] == runtime["metadata"]["name"]
+    assert model["storageUri"].startswith(f"{cluster_bucket()}/mlflow/")
+
+
+def cluster_bucket() -> str:
+    from pipelines import cluster
+
+    return cluster.BUCKET
+
+
+def test_kserve_schema_script_reads_the_crds_strips_them_and_writes_a_stable_file(tmp_path):
+    """infra/scripts/kserve_schemas.py over HTTP (a local server standing in for GitHub's raw
+    files): the served version's schema, descriptions dropped, the official URL and the source's
+    sha256 recorded; the same input writes the same bytes."""
+    import hashlib
+    import http.server
+    import threading
+
+    sys.path.insert(0, str(ROOT / "infra" / "scripts"))
+    try:
+        import kserve_schemas
+    finally:
+        sys.path.pop(0)
+    crds = {}
+    for kind, (name, served) in kserve_schemas.CRDS.items():
+        crds[name] = yaml.safe_dump({
+            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "spec": {"names": {"kind": kind}, "versions": [
+                {"name": "v0old", "schema": {"openAPIV3Schema": {"type": "string"}}},
+                {"name": served, "schema": {"openAPIV3Schema": {
+                    "type": "object", "description": "dropped",
+                    "properties": {"spec": {"type": "object", "description": "dropped too"}},
+                }}},
+            ]},
+        }).encode()  # fmt: skip
+    (tmp_path / "crds").mkdir()
+    for name, body in crds.items():
+        (tmp_path / "crds" / name).write_bytes(body)
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(  # noqa: E731
+        *a, directory=str(tmp_path / "crds")
+    )
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        built = kserve_schemas.build(base, "9.9.9")
+    finally:
+        httpd.shutdown()
+    entry = built["kinds"]["ServingRuntime"]
+    assert entry["apiVersion"] == "serving.kserve.io/v1alpha1"
+    assert entry["schema"] == {"type": "object", "properties": {"spec": {"type": "object"}}}
+    name = kserve_schemas.CRDS["ServingRuntime"][0]
+    assert entry["sha256"] == hashlib.sha256(crds[name]).hexdigest()
+    assert entry["source"] == f"https://raw.githubusercontent.com/kserve/kserve/v9.9.9/config/crd/full/{name}"
+    one = kserve_schemas.write(built, tmp_path / "a.json.gz").read_bytes()
+    assert kserve_schemas.write(built, tmp_path / "b.json.gz").read_bytes() == one

@@ -55,6 +55,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "per-token or pooled vectors from chosen layers, to Parquet"),
     "serve": ("bert_core.serve.server",
               "an HTTP endpoint for a model, with limits (localhost unless told)"),
+    "deploy": ("bert_core.serve.deploy",
+               "a registered model's champion as a KServe InferenceService (canary on change)"),
     "quantize": ("bert_core.compress.quantize",
                  "a fine-tuned model as a dynamic-int8 CPU model, scored beside it"),
     "distill": ("bert_core.compress.distill",

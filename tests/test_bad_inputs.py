@@ -824,6 +824,13 @@ CASES = [
          "--max-body-bytes must be > 0, got 0"),
     Case("promote-no-registered-model", "missing", lambda r: ["promote", "MRPC"],
          "no registered model 'bert-mrpc' at sqlite:///"),
+    # ---- bert deploy (refused before any cluster is touched)
+    Case("deploy-no-registered-model", "missing",
+         lambda r: ["deploy", "--model", "bert-mrpc", "--dry-run"],
+         "bert-mrpc@champion: no such registered model or alias at sqlite:///"),
+    Case("deploy-min-over-max-replicas", "setting",
+         lambda r: ["deploy", "--model", "bert-sst2", "--min-replicas", "3", "--max-replicas", "2"],
+         "--min-replicas and --max-replicas: 0 <= min <= max"),
 ]  # fmt: skip
 
 QA = {"id": "q1", "question": "Who wrote it?", "answers": [{"text": "Ada", "answer_start": 0}]}

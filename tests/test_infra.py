@@ -36,6 +36,8 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
+from tests.kserve_schema import crd_problems, kserve_schemas
+
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "infra" / "k8s"
 DOCKER = ROOT / "infra" / "docker"
@@ -1372,52 +1374,6 @@ def test_versions_agree_with_the_lock_the_manifests_and_the_images(rendered, ren
 KSERVE = K8S / "kserve"
 
 
-def _kserve_schemas() -> dict:
-    import gzip
-
-    return json.loads(gzip.decompress((KSERVE / "crd-schemas.json.gz").read_bytes()))
-
-
-def _strict(schema: dict) -> dict:
-    """A CRD's structural schema as JSON Schema with the API server's strict field validation
-    (`kubectl apply --validate=strict`): an object that lists its properties refuses any other
-    field (unless x-kubernetes-preserve-unknown-fields); `nullable` admits null;
-    x-kubernetes-int-or-string admits both."""
-    out = dict(schema)
-    if "properties" in schema:
-        out["properties"] = {k: _strict(v) for k, v in schema["properties"].items()}
-        if "additionalProperties" not in schema and not schema.get(
-            "x-kubernetes-preserve-unknown-fields"
-        ):
-            out["additionalProperties"] = False
-    for key in ("items", "additionalProperties", "not"):
-        if isinstance(schema.get(key), dict):
-            out[key] = _strict(schema[key])
-    for key in ("anyOf", "allOf", "oneOf"):
-        if key in schema:
-            out[key] = [_strict(s) for s in schema[key]]
-    if schema.get("nullable") and "type" in schema:
-        out["type"] = [schema["type"], "null"]
-    if schema.get("x-kubernetes-int-or-string") and "anyOf" not in schema:
-        out.pop("type", None)
-        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-    return out
-
-
-def crd_problems(obj: dict, schemas: dict) -> list[str]:
-    """Where `obj` breaks its kind's CRD schema (served version, strict fields)."""
-    import jsonschema
-
-    entry = schemas["kinds"].get(obj.get("kind"))
-    if entry is None or obj.get("apiVersion") != entry["apiVersion"]:
-        return [f"{obj.get('kind')} {obj.get('apiVersion')}: no such KServe kind and version"]
-    validator = jsonschema.Draft7Validator(_strict(entry["schema"]))
-    return sorted(
-        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-        for e in validator.iter_errors(obj)
-    )
-
-
 def _kserve_manifests() -> list[dict]:
     return render(KSERVE) + [
         d for f in sorted((KSERVE / "examples").glob("*.yaml"))
@@ -1430,7 +1386,7 @@ def test_kserve_manifests_validate_against_the_pinned_releases_crds():
     v0.20.0's CRDs (the schemas infra/scripts/kserve_schemas.py extracted at that tag), with
     their types and enums; a misspelt field, a value outside an enum, a wrong type or a missing
     required field is caught."""
-    schemas = _kserve_schemas()
+    schemas = kserve_schemas()
     assert schemas["version"] == _versions()["kserve"]["version"]
     for kind, entry in schemas["kinds"].items():
         assert entry["source"].startswith(

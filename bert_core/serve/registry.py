@@ -142,10 +142,10 @@ def _first_champion(client, name: str, version: str, score: float) -> None:
     """`champion` on `version` when the model has none yet (its first version), so a task's
     model is servable from its first run; afterwards only `promote` moves it. Two first
     versions registered at once: the alias ends on one, and only that one says it is champion."""
-    if _by_alias(client, name, CHAMPION) is not None:
+    if by_alias(client, name, CHAMPION) is not None:
         return
     client.set_registered_model_alias(name, CHAMPION, version)
-    if str(_by_alias(client, name, CHAMPION).version) == str(version):
+    if str(by_alias(client, name, CHAMPION).version) == str(version):
         reason = "champion: " + FIRST.format(score)
         client.set_model_version_tag(name, version, PROMOTION_TAG, reason)
 
@@ -263,7 +263,7 @@ def _register_run(client, name: str, model_dir: Path, run):
     return first
 
 
-def _by_alias(client, name: str, alias: str):
+def by_alias(client, name: str, alias: str):
     from mlflow.exceptions import MlflowException
 
     try:
@@ -294,7 +294,7 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
             "it (or name another with --registered-model)"
         ) from None
     if version is None:
-        chosen = _by_alias(client, name, CANDIDATE)
+        chosen = by_alias(client, name, CANDIDATE)
         if chosen is None:
             raise ValueError(f"{name} has no {CANDIDATE!r} version: name the VERSION")
     else:
@@ -302,7 +302,7 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
             chosen = client.get_model_version(name, str(version))
         except MlflowException as e:  # no such model or version: the user's to fix
             raise BertError(f"{name} version {version}: {e.message}") from None
-    score, champion = _score(chosen), _by_alias(client, name, CHAMPION)
+    score, champion = _score(chosen), by_alias(client, name, CHAMPION)
     if champion is not None and str(champion.version) == str(chosen.version):
         return {"registered_model": name, "version": int(chosen.version), "dev_score": score,
                 "champion": int(chosen.version), "promoted": False,

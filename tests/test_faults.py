@@ -528,7 +528,11 @@ def test_pretrain_stopped_by_a_signal_saves_a_checkpoint_and_the_rerun_resumes_f
         assert run.proc.wait(timeout=180) == 128 + sig, run.text()[-3000:]
         text = run.text()
         last = [line for line in text.splitlines() if line.startswith("bert pretrain:")]
-        assert "Traceback" not in text and len(last) == 1, text[-3000:]
+        # no traceback from our code (the command, its Ray workers); Ray Train's own controller
+        # may log one it recovers from (Ray 2.60's autoscaling coordinator timing out a
+        # `ray.get` when the machine is busy: seen once in a fresh-clone run)
+        ours = [line for line in text.splitlines() if "(TrainController pid=" not in line]
+        assert "Traceback" not in "\n".join(ours) and len(last) == 1, text[-3000:]
         found = re.fullmatch(
             rf"bert pretrain: interrupted \({sig.name}\): checkpoint at step (\d+) saved in "
             rf"{re.escape(str(output))}/ray/pretrain; the same command resumes from it",

@@ -47,6 +47,7 @@ ENV_FILES = {
     "env/ray-auth.env": "env/ray-auth.env.example",
     "postgres.env": "postgres.env.example",
     "minio-root.env": "minio-root.env.example",
+    "serve-s3.env": "serve-s3.env.example",
 }
 VERSIONS = ROOT / "infra" / "versions.yaml"
 
@@ -94,6 +95,8 @@ def render_fallback(directory: Path, namespace: str | None = None) -> list[dict]
             data |= _read_env(directory / env_file)
         encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
         meta = {"name": gen["name"]}
+        if gen.get("options", {}).get("annotations"):
+            meta["annotations"] = dict(gen["options"]["annotations"])
         docs.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta})
         docs[-1]["data"] = encoded
     for gen in kust.get("configMapGenerator", []):
@@ -169,6 +172,7 @@ def test_kustomization_renders_the_services(rendered):
         ("Secret", "bert-s3"), ("Secret", "bert-postgres"), ("ConfigMap", "bert-pipeline-env"),
         ("Secret", "bert-ray-auth"), ("Secret", "bert-minio-root"),
         ("ConfigMap", "bert-minio-policy"), ("NetworkPolicy", "default-deny"),
+        ("Secret", "bert-serve-s3"), ("ServiceAccount", "bert-serve"),
     } <= names  # fmt: skip
     assert {d["metadata"].get("namespace") for d in rendered if d["kind"] != "Namespace"} == {
         "bert"
@@ -183,6 +187,9 @@ def test_fallback_renderer_agrees_with_kubectl(k8s_copy, rendered):
     assert ids(render_fallback(k8s_copy)) == ids(rendered)
     images = lambda docs: sorted(c["image"] for d in docs for c in _containers(d))  # noqa: E731
     assert images(render_fallback(k8s_copy)) == images(rendered)
+    notes = lambda docs: {d["metadata"]["name"]: d["metadata"].get("annotations")  # noqa: E731
+                          for d in docs if d["kind"] == "Secret"}  # fmt: skip
+    assert notes(render_fallback(k8s_copy)) == notes(rendered)
 
 
 def test_builtin_resources_validate_against_kubernetes_schemas(rendered):
@@ -777,32 +784,61 @@ def _run_setup_script(tmp_path: Path, docs: list[dict], env: dict[str, str]):
     return run, recorded
 
 
+def _setup_job_env(rendered: list[dict]) -> dict[str, str]:
+    """The Job's environment as Kubernetes makes it, with fresh keys: each variable the Job
+    takes from a Secret's key (the Secrets' own keys checked), MC_HOST_root as $(VAR) expands."""
+    _, mc = _setup_job(rendered)
+    values = {
+        ("bert-minio-root", "MINIO_ROOT_USER"): "bert-root",
+        ("bert-minio-root", "MINIO_ROOT_PASSWORD"): secrets.token_hex(20),
+        ("bert-s3", "AWS_ACCESS_KEY_ID"): "bert-pipeline",
+        ("bert-s3", "AWS_SECRET_ACCESS_KEY"): secrets.token_hex(20),
+        ("bert-serve-s3", "AWS_ACCESS_KEY_ID"): "bert-serve",
+        ("bert-serve-s3", "AWS_SECRET_ACCESS_KEY"): secrets.token_hex(20),
+    }  # fmt: skip
+    env = {}
+    for var in mc["env"]:
+        ref = var.get("valueFrom", {}).get("secretKeyRef")
+        if ref:
+            assert ref["key"] in _object(rendered, "Secret", ref["name"])["data"], ref
+            env[var["name"]] = values[(ref["name"], ref["key"])]
+    env["MC_HOST_root"] = f"http://bert-root:{env['MINIO_ROOT_PASSWORD']}@minio:9000"
+    return env
+
+
 def test_minio_setup_job_passes_no_key_on_a_command_line(tmp_path, rendered):
     """Run as Kubernetes would (the env the Job's env entries make), the script asks mc for the
-    bucket, the policy from the mounted file, the user (keys on stdin) and the attachment, in
-    that order, and no process gets a secret key or password in its argv; it refuses bert-s3
-    holding MinIO's root account."""
-    env = {
-        "MINIO_ROOT_USER": "bert-root", "MINIO_ROOT_PASSWORD": secrets.token_hex(20),
-        "AWS_ACCESS_KEY_ID": "bert-pipeline", "AWS_SECRET_ACCESS_KEY": secrets.token_hex(20),
-    }  # fmt: skip
-    env["MC_HOST_root"] = f"http://bert-root:{env['MINIO_ROOT_PASSWORD']}@minio:9000"
+    bucket, the pipeline's policy from the mounted file, its user (keys on stdin) and the
+    attachment, then the same for KServe's read-only serve user (policy bert-serve-readonly,
+    keys of bert-serve-s3 on stdin), in that order, and no process gets a secret key or password
+    in its argv; it refuses bert-s3 holding MinIO's root account, and bert-serve-s3 holding the
+    root account or the pipeline's user, before calling mc at all."""
+    env = _setup_job_env(rendered)
+    assert {"SERVE_ACCESS_KEY_ID", "SERVE_SECRET_ACCESS_KEY"} <= set(env)
     run, calls = _run_setup_script(tmp_path, rendered, env)
     assert run.returncode == 0, run.stderr
     argvs = [c["argv"] for c in calls]
     _, mc = _setup_job(rendered)
-    policy_file = f"{mc['volumeMounts'][0]['mountPath']}/minio-policy.json"
+    policy_dir = mc["volumeMounts"][0]["mountPath"]
     assert argvs[1:] == [
         ["mb", "--ignore-existing", "root/bert"],
-        ["admin", "policy", "create", "root", "bert-readwrite", policy_file],
+        ["admin", "policy", "create", "root", "bert-readwrite", f"{policy_dir}/minio-policy.json"],
         ["admin", "user", "add", "root"],
         ["admin", "policy", "attach", "root", "bert-readwrite", "--user", "bert-pipeline"],
-    ]
+        ["admin", "policy", "create", "root", "bert-serve-readonly",
+         f"{policy_dir}/minio-policy-serve.json"],
+        ["admin", "user", "add", "root"],
+        ["admin", "policy", "attach", "root", "bert-serve-readonly", "--user", "bert-serve"],
+    ]  # fmt: skip
     assert argvs[0][:2] == ["admin", "info"]
-    (user_add,) = [c for c in calls if c["argv"][:3] == ["admin", "user", "add"]]
-    assert user_add["stdin"] == f"{env['AWS_ACCESS_KEY_ID']}\n{env['AWS_SECRET_ACCESS_KEY']}\n"
+    user_adds = [c["stdin"] for c in calls if c["argv"][:3] == ["admin", "user", "add"]]
+    assert user_adds == [
+        f"{env['AWS_ACCESS_KEY_ID']}\n{env['AWS_SECRET_ACCESS_KEY']}\n",
+        f"{env['SERVE_ACCESS_KEY_ID']}\n{env['SERVE_SECRET_ACCESS_KEY']}\n",
+    ]
     for call in calls:
-        for value in (env["MINIO_ROOT_PASSWORD"], env["AWS_SECRET_ACCESS_KEY"]):
+        for value in (env["MINIO_ROOT_PASSWORD"], env["AWS_SECRET_ACCESS_KEY"],
+                      env["SERVE_SECRET_ACCESS_KEY"]):  # fmt: skip
             assert value not in " ".join(call["argv"]), call
 
     # The same check catches a script that passes the key as an argument.
@@ -815,11 +851,17 @@ def test_minio_setup_job_passes_no_key_on_a_command_line(tmp_path, rendered):
     leaky = _broken(rendered, "Job", "minio-create-bucket", leak)
     _, leaked = _run_setup_script(tmp_path / "leaky", leaky, env)
     assert any(env["AWS_SECRET_ACCESS_KEY"] in " ".join(c["argv"]) for c in leaked)
-    # bert-s3 must be a user of its own, never the root account.
-    (tmp_path / "root").mkdir()
-    same = env | {"AWS_ACCESS_KEY_ID": env["MINIO_ROOT_USER"]}
-    run, calls = _run_setup_script(tmp_path / "root", rendered, same)
-    assert run.returncode == 2 and not calls and "root account" in run.stderr
+    # bert-s3 must be a user of its own, never the root account; bert-serve-s3 neither the root
+    # account nor the pipeline's user (whose secret and policies it would change).
+    for where, reused in [
+        ("root", {"AWS_ACCESS_KEY_ID": env["MINIO_ROOT_USER"]}),
+        ("serve-root", {"SERVE_ACCESS_KEY_ID": env["MINIO_ROOT_USER"]}),
+        ("serve-pipeline", {"SERVE_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"]}),
+    ]:
+        (tmp_path / where).mkdir()
+        run, calls = _run_setup_script(tmp_path / where, rendered, env | reused)
+        assert run.returncode == 2 and not calls, (where, run.stderr)
+        assert "root account" in run.stderr, where
 
 
 # 3. NetworkPolicies
@@ -830,6 +872,27 @@ def test_minio_setup_job_passes_no_key_on_a_command_line(tmp_path, rendered):
 # (backend/src/apiserver/template/argo_template.go, SetPodMetadataLabels(pipeline/runid)).
 KFP_POD_LABELS = {"pipelines.kubeflow.org/v2_component": "true", "pipeline/runid": "r-1"}
 KFP_NAMESPACE = "kubeflow"  # a standalone KFP install runs its pipeline pods there
+# A KServe predictor pod of ours (namespace bert), labelled as KServe v0.20.0 labels it:
+# serving.kserve.io/inferenceservice=<name>, component=predictor
+# (pkg/controller/v1beta1/inferenceservice/components/predictor.go buildObjectMeta), with the
+# InferenceService's own labels (`bert deploy` writes bert.*) and Knative's revision labels.
+PREDICTOR_LABELS = {
+    "serving.kserve.io/inferenceservice": "bert-sst2", "component": "predictor",
+    "bert.registered-model": "bert-sst2", "serving.knative.dev/service": "bert-sst2-predictor",
+    "serving.knative.dev/revision": "bert-sst2-predictor-00001",
+}  # fmt: skip
+# What routes requests to it in Serverless mode (KServe's own install: Knative Serving in
+# knative-serving, Istio's ingress gateway in istio-system; networkpolicies.yaml says more), and
+# lookalikes that must be refused.
+SERVING_PODS = {
+    "activator": ("knative-serving", {"app": "activator", "role": "activator"}),
+    "kn-autoscaler": ("knative-serving", {"app": "autoscaler"}),
+    "kn-controller": ("knative-serving", {"app": "controller"}),
+    "istio-gateway": ("istio-system", {"app": "istio-ingressgateway", "istio": "ingressgateway"}),
+    "istiod": ("istio-system", {"app": "istiod"}),
+    "fake-activator": ("default", {"app": "activator"}),
+    "fake-predictor": ("default", PREDICTOR_LABELS),
+}
 
 
 def _pods(docs: list[dict]) -> dict[str, tuple[str, dict[str, str]]]:
@@ -940,6 +1003,10 @@ EXPECTED_PATHS = {
     ("ray-worker-gpu", "minio", 9000), ("ray-worker-gpu", "mlflow", 5000),
     ("mlflow", "postgres", 5432), ("mlflow", "minio", 9000),
     ("minio-create-bucket", "minio", 9000),
+    # KServe: the predictor's storage initializer reads the model; Knative's activator and the
+    # Istio gateway send requests to queue-proxy, Knative's autoscaler scrapes its metrics
+    ("predictor", "minio", 9000), ("activator", "predictor", 8012),
+    ("istio-gateway", "predictor", 8012), ("kn-autoscaler", "predictor", 9090),
     # the autoscaler sidecar to the Kubernetes API (any address: see networkpolicies.yaml)
     ("ray-head", "kube-apiserver", 443), ("ray-head", "kube-apiserver", 6443),
     ("ray-head", "internet", 443),
@@ -951,8 +1018,9 @@ EXPECTED_PATHS = {
 def _reachability(docs: list[dict]) -> tuple[set, dict]:
     policies = _by_kind(docs, "NetworkPolicy")
     pods = _pods(docs)
-    ours = set(pods)
-    pods |= {
+    ours = set(pods) | {"predictor"}  # and the pod KServe makes in namespace bert
+    pods |= SERVING_PODS | {
+        "predictor": ("bert", PREDICTOR_LABELS),
         "pipeline-pod": (KFP_NAMESPACE, KFP_POD_LABELS),
         "kfp-ui": (KFP_NAMESPACE, {"app": "ml-pipeline-ui"}),  # a kubeflow pod, not a step
         "impostor": ("default", KFP_POD_LABELS),  # the pipeline's labels, another namespace
@@ -968,6 +1036,9 @@ def _reachability(docs: list[dict]) -> tuple[set, dict]:
         "ray-head": [6379, 8265, 10001, 52365, 23456], "ray-worker-gpu": [52365, 23456],
         "minio-create-bucket": [8080], "debug": [8080], "pipeline-pod": [8080], "kfp-ui": [3000],
         "impostor": [8080], "kube-apiserver": [443, 6443], "internet": [80, 443],
+        # queue-proxy (8012 HTTP/1, 8013 HTTP/2, 8022 admin, 9090/9091 metrics), bert serve
+        "predictor": [8012, 8013, 8022, 8080, 9090, 9091], "fake-predictor": [8012],
+        "activator": [8012], "kn-autoscaler": [8080], "istio-gateway": [8080],
     }  # fmt: skip
     allowed, dns = set(), {}
     endpoints = {**pods, **ips}
@@ -992,7 +1063,10 @@ def test_network_policies_deny_by_default_and_allow_only_what_the_pipeline_needs
     namespace kubeflow: kubeflow/pipelines 2.17.0, backend/src/v2/compiler/argocompiler/argo.go):
     exactly EXPECTED_PATHS are open; DNS (port 53) is open to every pod of namespace bert; a
     pod of another namespace with the pipeline's labels, another kubeflow pod and a pod started
-    by hand in namespace bert reach nothing; nothing but MLflow reaches PostgreSQL."""
+    by hand in namespace bert reach nothing; nothing but MLflow reaches PostgreSQL. A KServe
+    predictor pod (labels as KServe v0.20.0 sets them) reaches MinIO and nothing else, and only
+    Knative's activator and autoscaler and the Istio ingress gateway reach it, on queue-proxy's
+    ports (tests of section 10 say more)."""
     allowed, dns = _reachability(rendered)
     assert allowed == EXPECTED_PATHS, (
         f"open but not expected: {sorted(allowed - EXPECTED_PATHS)}; "
@@ -1392,7 +1466,7 @@ def test_kserve_manifests_validate_against_the_pinned_releases_crds():
         assert entry["source"].startswith(
             f"https://raw.githubusercontent.com/kserve/kserve/v{schemas['version']}/"
         ), kind
-    docs = _kserve_manifests()
+    docs = [d for d in _kserve_manifests() if d["apiVersion"].startswith("serving.kserve.io/")]
     assert {d["kind"] for d in docs} == {"ServingRuntime", "InferenceService"}
     for doc in docs:
         assert crd_problems(doc, schemas) == [], doc["metadata"]["name"]
@@ -1494,3 +1568,383 @@ def test_kserve_schema_script_reads_the_crds_strips_them_and_writes_a_stable_fil
     assert entry["source"] == f"https://raw.githubusercontent.com/kserve/kserve/v9.9.9/config/crd/full/{name}"
     one = kserve_schemas.write(built, tmp_path / "a.json.gz").read_bytes()
     assert kserve_schemas.write(built, tmp_path / "b.json.gz").read_bytes() == one
+
+
+# 10. KServe on the cluster: the serve user, its Secret and service account, the predictor
+#     pods' network, the deploy step's RBAC
+
+
+def _as_list(value) -> list:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _wildcard(pattern: str, value: str) -> bool:
+    """IAM's wildcards: `*` any run of characters, `?` one character."""
+    regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+    return re.fullmatch(regex, value) is not None
+
+
+def s3_allowed(policy: dict, action: str, resource: str, context: dict[str, str]) -> bool:
+    """One request under one user policy, as MinIO (and AWS IAM) decide it: allowed when some
+    Allow statement matches the action, the resource and every condition, and no Deny matches.
+    A condition on a key the request does not carry fails (MinIO's string condition functions
+    match only values the request has). `context`: the request's condition keys, e.g.
+    {"s3:prefix": ...} for a listing. Operators other than StringLike / StringEquals are not
+    modelled."""
+
+    def matches(st: dict) -> bool:
+        if {"NotAction", "NotResource", "Principal", "NotPrincipal"} & set(st):
+            raise AssertionError(f"statement not modelled: {st}")
+        if not any(_wildcard(a, action) for a in _as_list(st["Action"])):
+            return False
+        if not any(_wildcard(r, resource) for r in _as_list(st["Resource"])):
+            return False
+        for op, pairs in st.get("Condition", {}).items():
+            if op not in ("StringLike", "StringEquals"):
+                raise AssertionError(f"condition not modelled: {op}")
+            for key, values in pairs.items():
+                have = context.get(key)
+                same = _wildcard if op == "StringLike" else str.__eq__
+                if have is None or not any(same(v, have) for v in _as_list(values)):
+                    return False
+        return True
+
+    statements = policy["Statement"]
+    if any(matches(st) for st in statements if st["Effect"] == "Deny"):
+        return False
+    return any(matches(st) for st in statements if st["Effect"] == "Allow")
+
+
+def storage_initializer_requests(uri: str) -> list[tuple[str, str, dict[str, str]]]:
+    """The S3 requests KServe v0.20.0's storage initializer makes for an s3:// storageUri, as
+    MinIO authorizes them (python/storage/kserve_storage/kserve_storage.py, Storage._download_s3:
+    head_bucket, then bucket.objects.filter(Prefix=path), then download_file of each object).
+    MinIO authorizes HeadBucket as s3:ListBucket (cmd/bucket-handlers.go HeadBucketHandler:
+    policy.ListBucketAction), and the request has no `prefix`, so it carries no s3:prefix; a
+    listing is s3:ListBucket with s3:prefix; a download (HEAD and ranged GETs) s3:GetObject."""
+    bucket, _, path = uri.removeprefix("s3://").partition("/")
+    return [
+        ("s3:ListBucket", f"arn:aws:s3:::{bucket}", {}),
+        ("s3:ListBucket", f"arn:aws:s3:::{bucket}", {"s3:prefix": path}),
+        ("s3:GetObject", f"arn:aws:s3:::{bucket}/{path}/MLmodel", {}),
+        ("s3:GetObject", f"arn:aws:s3:::{bucket}/{path}/data/model/model.safetensors", {}),
+    ]
+
+
+S3_ACTIONS = BUCKET_ACTIONS | OBJECT_ACTIONS | {
+    "s3:CreateBucket", "s3:DeleteBucket", "s3:PutBucketPolicy", "s3:GetBucketPolicy",
+    "s3:DeleteObjectVersion", "s3:PutObjectTagging", "s3:GetObjectTagging",
+}  # fmt: skip
+
+
+def check_serve_policy(policy: dict, storage_uri: str) -> None:
+    """KServe's serve user may download the models under s3://bert/mlflow/ (every request of
+    the storage initializer for `storage_uri` is allowed) and do nothing else: of every S3
+    action on the bucket, the other buckets and objects under every prefix of ours, only
+    s3:ListBucket on the bucket and s3:GetObject under mlflow/ are allowed."""
+    for action, resource, context in storage_initializer_requests(storage_uri):
+        assert s3_allowed(policy, action, resource, context), (action, resource, context)
+    resources = ["arn:aws:s3:::bert", "arn:aws:s3:::other"] + [
+        f"arn:aws:s3:::{bucket}/{prefix}/x"
+        for bucket in ("bert", "other")
+        for prefix in ("mlflow/1/models/m-1/artifacts", "data", "dvc", "kfp", "ray", "mlflow-old")
+    ]  # fmt: skip
+    granted = {
+        (action, resource) for action in S3_ACTIONS for resource in resources
+        for context in ({}, {"s3:prefix": "mlflow/"}, {"s3:prefix": "data/"})
+        if s3_allowed(policy, action, resource, context)
+    }  # fmt: skip
+    assert granted == {
+        ("s3:ListBucket", "arn:aws:s3:::bert"),
+        ("s3:GetObject", "arn:aws:s3:::bert/mlflow/1/models/m-1/artifacts/x"),
+    }, granted
+
+
+@pytest.fixture(scope="module")
+def example_isvc() -> dict:
+    (isvc,) = [d for d in _kserve_manifests() if d["kind"] == "InferenceService"]
+    return isvc
+
+
+def test_kserve_serve_user_reads_only_the_mlflow_models(rendered, example_isvc):
+    """The policy of KServe's MinIO user (minio-policy-serve.json, in the ConfigMap the setup
+    Job mounts; the Job creates it as bert-serve-readonly: the script test above) lets the
+    storage initializer download a registered model (s3:GetObject under mlflow/) and nothing
+    else: no Put/Delete anywhere, no object outside mlflow/, no other bucket. Its s3:ListBucket
+    has no s3:prefix condition: the storage initializer's first request, HeadBucket, is
+    authorized as s3:ListBucket without a prefix, so a condition on mlflow/* would refuse it and
+    every download with it; the listing shows key names of the bucket, never their contents."""
+    policy_cm = _object(rendered, "ConfigMap", "bert-minio-policy")
+    serve = json.loads(policy_cm["data"]["minio-policy-serve.json"])
+    assert serve == json.loads((K8S / "minio-policy-serve.json").read_text())
+    storage = example_isvc["spec"]["predictor"]["model"]["storageUri"]
+    assert storage.startswith("s3://bert/mlflow/")
+    check_serve_policy(serve, storage)
+    # Negative controls: the pipeline's read-write policy, and each way of widening this one.
+    with pytest.raises(AssertionError):
+        check_serve_policy(json.loads(policy_cm["data"]["minio-policy.json"]), storage)
+    prefixed = copy.deepcopy(serve)  # listing limited to mlflow/*: HeadBucket refused
+    prefixed["Statement"][0]["Condition"] = {"StringLike": {"s3:prefix": ["mlflow/*"]}}
+    assert not s3_allowed(prefixed, "s3:ListBucket", "arn:aws:s3:::bert", {})
+    for change in (
+        lambda p: p["Statement"][1]["Action"].append("s3:PutObject"),
+        lambda p: p["Statement"][1]["Action"].append("s3:DeleteObject"),
+        lambda p: p["Statement"][1].update(Resource=["arn:aws:s3:::bert/*"]),
+        lambda p: p["Statement"][1].update(Action=["s3:*"]),
+        lambda p: p["Statement"][0].update(Resource=["arn:aws:s3:::*"]),
+        lambda p: p["Statement"].pop(1),
+        lambda p: p["Statement"][0].update(Condition=prefixed["Statement"][0]["Condition"]),
+    ):
+        broken = copy.deepcopy(serve)
+        change(broken)
+        with pytest.raises(AssertionError):
+            check_serve_policy(broken, storage)
+
+
+# The annotations KServe v0.20.0 reads on an S3 Secret (pkg/credentials/s3/s3_secret.go:
+# serving.kserve.io/ + these), and the variables pkg/credentials/s3/utils.go BuildS3EnvVars
+# makes of them; s3-endpoint and s3-usehttps make S3_ENDPOINT, S3_USE_HTTPS, AWS_ENDPOINT_URL.
+KSERVE_S3_ANNOTATIONS = {
+    "s3-endpoint": None, "s3-usehttps": None, "s3-verifyssl": "S3_VERIFY_SSL",
+    "s3-region": "AWS_DEFAULT_REGION", "s3-usevirtualbucket": "S3_USER_VIRTUAL_BUCKET",
+    "s3-useaccelerate": "S3_USE_ACCELERATE", "s3-useanoncredential": "awsAnonymousCredential",
+    "s3-cabundle": "AWS_CA_BUNDLE", "s3-cabundle-configmap": "AWS_CA_BUNDLE_CONFIGMAP",
+}  # fmt: skip
+# The Secret keys it takes as the S3 keys: the `credentials.s3` entry of the
+# inferenceservice-config its charts install (s3AccessKeyIDName, s3SecretAccessKeyName:
+# config/configmap/inferenceservice.yaml, charts/kserve-resources/values.yaml).
+KSERVE_S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def kserve_s3_env(service_account: dict, docs: list[dict]) -> dict[str, str]:
+    """The storage initializer's S3 variables for a predictor running as `service_account`, as
+    KServe v0.20.0 builds them (pkg/credentials/service_account_credentials.go: each Secret the
+    service account lists, taken as S3 credentials when it has the key AWS_SECRET_ACCESS_KEY;
+    pkg/credentials/s3/s3_secret.go BuildSecretEnvs: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
+    from those keys; pkg/credentials/s3/utils.go: the annotations, the endpoint's scheme from
+    s3-usehttps, https unless it is "0"). Values, not references: the Secret's, decoded."""
+    env: dict[str, str] = {}
+    for ref in service_account.get("secrets", []):
+        (secret,) = [d for d in _by_kind(docs, "Secret") if d["metadata"]["name"] == ref["name"]]
+        data, notes = _decoded(secret), secret["metadata"].get("annotations", {})
+        if KSERVE_S3_KEYS[1] not in data:
+            continue
+        env |= {key: data[key] for key in KSERVE_S3_KEYS}
+        kserve = {k.removeprefix("serving.kserve.io/"): v for k, v in notes.items()
+                  if k.startswith("serving.kserve.io/")}  # fmt: skip
+        if unknown := set(kserve) - set(KSERVE_S3_ANNOTATIONS):
+            raise AssertionError(f"annotations KServe does not read: {sorted(unknown)}")
+        if endpoint := kserve.get("s3-endpoint", "").strip():
+            scheme, sep, host = endpoint.partition("://")
+            if sep:  # a scheme in the endpoint decides, whatever s3-usehttps says
+                use = {"https": "1", "http": "0"}[scheme.lower()]
+            else:
+                use, host = kserve.get("s3-usehttps", ""), endpoint
+            url = f"{'http' if use == '0' else 'https'}://{host}"
+            env |= {"S3_ENDPOINT": host, "AWS_ENDPOINT_URL": url}
+            if use:
+                env["S3_USE_HTTPS"] = use
+        env |= {var: kserve[note] for note, var in KSERVE_S3_ANNOTATIONS.items()
+                if var and note in kserve}  # fmt: skip
+    return env
+
+
+def check_serve_credentials(docs: list[dict], isvc: dict) -> None:
+    """The InferenceService's service account (namespace bert) lists bert-serve-s3 and no other
+    Secret, mounts no API token; from it KServe gives the storage initializer the serve user's
+    keys and the in-cluster MinIO over plain HTTP, the same endpoint and region as the pipeline
+    pods' ConfigMap."""
+    from pipelines import cluster
+
+    name = isvc["spec"]["predictor"]["serviceAccountName"]
+    sa = _object(docs, "ServiceAccount", name)
+    assert sa["metadata"]["namespace"] == isvc["metadata"]["namespace"] == "bert"
+    assert sa.get("secrets") == [{"name": "bert-serve-s3"}], sa.get("secrets")
+    assert sa.get("automountServiceAccountToken") is False
+    env = kserve_s3_env(sa, docs)
+    serve = _decoded(_object(docs, "Secret", "bert-serve-s3"))
+    assert {k: env.get(k) for k in KSERVE_S3_KEYS} == {k: serve[k] for k in KSERVE_S3_KEYS}
+    config = _object(docs, "ConfigMap", cluster.CONFIG_MAP)["data"]
+    minio = "http://minio.bert.svc.cluster.local:9000"
+    assert env["AWS_ENDPOINT_URL"] == config["AWS_ENDPOINT_URL"] == minio
+    assert env["S3_USE_HTTPS"] == "0" and env["S3_ENDPOINT"] == "minio.bert.svc.cluster.local:9000"
+    assert env["AWS_DEFAULT_REGION"] == config["AWS_DEFAULT_REGION"]
+
+
+def test_kserve_service_account_gives_the_storage_initializer_the_read_only_user(
+    rendered, rendered_kfp, k8s_copy, example_isvc
+):
+    """`kubectl apply -k infra/k8s` makes the ServiceAccount bert-serve (the example's and
+    `bert deploy`'s default) listing the Secret bert-serve-s3, generated from the git-ignored
+    serve-s3.env with KServe's annotations: endpoint minio.bert.svc.cluster.local:9000, plain
+    HTTP, the pipeline's region. Only the setup Job reads that Secret among our workloads; it is
+    not in namespace kubeflow. A misspelt annotation, https, another Secret or none is caught."""
+    check_serve_credentials(rendered, example_isvc)
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    (gen,) = [g for g in kust["secretGenerator"] if g["name"] == "bert-serve-s3"]
+    assert gen["envs"] == ["serve-s3.env"]
+    assert set(_read_env(K8S / "serve-s3.env.example")) == set(KSERVE_S3_KEYS)
+    assert _secret_users(rendered, "bert-serve-s3") == {("Job", "minio-create-bucket")}
+    assert not [d for d in rendered_kfp if d["metadata"]["name"] in ("bert-serve-s3", "bert-serve")]
+    serve, pipeline = (_read_env(k8s_copy / f) for f in ("serve-s3.env", "env/s3.env"))
+    assert serve["AWS_ACCESS_KEY_ID"] != pipeline["AWS_ACCESS_KEY_ID"]  # the examples too
+    notes = lambda d: d["metadata"]["annotations"]  # noqa: E731
+    for kind, name, change in [
+        ("Secret", "bert-serve-s3", lambda d: notes(d).update({
+            "serving.kserve.io/s3-use-https": notes(d).pop("serving.kserve.io/s3-usehttps")})),
+        ("Secret", "bert-serve-s3", lambda d: notes(d).update(
+            {"serving.kserve.io/s3-usehttps": "1"})),
+        ("Secret", "bert-serve-s3", lambda d: notes(d).pop("serving.kserve.io/s3-endpoint")),
+        ("Secret", "bert-serve-s3", lambda d: d["data"].update(
+            awsSecretAccessKey=d["data"].pop("AWS_SECRET_ACCESS_KEY"))),
+        ("ServiceAccount", "bert-serve", lambda d: d.pop("secrets")),
+        ("ServiceAccount", "bert-serve", lambda d: d.update(secrets=[{"name": "bert-s3"}])),
+        ("ServiceAccount", "bert-serve", lambda d: d.pop("automountServiceAccountToken")),
+    ]:  # fmt: skip
+        with pytest.raises((AssertionError, KeyError)):
+            check_serve_credentials(_broken(rendered, kind, name, change), example_isvc)
+
+
+def test_kserve_predictor_pods_reach_minio_and_only_knative_and_istio_reach_them(rendered):
+    """A pod labelled as KServe v0.20.0 labels a predictor (serving.kserve.io/inferenceservice,
+    component=predictor) in namespace bert may reach MinIO :9000 (its storage initializer) and
+    nothing else; Knative's activator (8012) and autoscaler (9090) and the Istio ingress gateway
+    (8012) reach it, on those ports only; a plain pod of namespace bert, a pipeline pod, istiod
+    and lookalikes in another namespace do not. Removing a policy or loosening a selector is
+    caught."""
+    pods = _pods(rendered) | SERVING_PODS | {
+        "predictor": ("bert", PREDICTOR_LABELS),
+        "no-isvc-label": ("bert", {"component": "predictor"}),
+        "debug": ("bert", {"app": "debug"}),
+        "pipeline-pod": (KFP_NAMESPACE, KFP_POD_LABELS),
+    }
+    internet = ipaddress.IPv4Address("93.184.216.34")
+
+    def reach(docs: list[dict]) -> set[tuple[str, str, int]]:
+        nps = _by_kind(docs, "NetworkPolicy")
+        paths = {("predictor", dst, port) for dst, port in
+                 [("minio", 9000), ("mlflow", 5000), ("postgres", 5432), ("ray-head", 8265)]
+                 if connection_allowed(nps, pods["predictor"], pods[dst], port)}  # fmt: skip
+        if connection_allowed(nps, pods["predictor"], internet, 443):
+            paths.add(("predictor", "internet", 443))
+        if connection_allowed(nps, pods["no-isvc-label"], pods["minio"], 9000):
+            paths.add(("no-isvc-label", "minio", 9000))
+        for src in [*SERVING_PODS, "debug", "pipeline-pod", "minio", "mlflow"]:
+            for port in (8012, 8013, 8022, 8080, 9090, 9091):
+                if connection_allowed(nps, pods[src], pods["predictor"], port):
+                    paths.add((src, "predictor", port))
+        return paths
+
+    assert reach(rendered) == {
+        ("predictor", "minio", 9000), ("activator", "predictor", 8012),
+        ("istio-gateway", "predictor", 8012), ("kn-autoscaler", "predictor", 9090),
+    }  # fmt: skip
+    # Negative controls.
+    no_egress = [d for d in rendered if d["metadata"]["name"] != "kserve-predictor-egress"]
+    assert ("predictor", "minio", 9000) not in reach(no_egress)  # default-deny: no download
+    open_egress = _broken(rendered, "NetworkPolicy", "kserve-predictor-egress",
+                          lambda p: p["spec"].update(egress=[{}]))  # fmt: skip
+    assert ("predictor", "internet", 443) in reach(open_egress)
+
+    def drop_predictor_peer(policy: dict) -> None:
+        peers = policy["spec"]["ingress"][0]["from"]
+        peers[:] = [p for p in peers if "component" not in p.get("podSelector", {}).get(
+            "matchLabels", {})]  # fmt: skip
+
+    closed = _broken(rendered, "NetworkPolicy", "minio-ingress", drop_predictor_peer)
+    assert ("predictor", "minio", 9000) not in reach(closed)
+
+    def any_namespace(policy: dict) -> None:
+        for rule in policy["spec"]["ingress"]:
+            for peer in rule["from"]:
+                peer["namespaceSelector"] = {}
+
+    loose = _broken(rendered, "NetworkPolicy", "kserve-predictor-ingress", any_namespace)
+    assert ("fake-activator", "predictor", 8012) in reach(loose)
+    no_ingress = [d for d in rendered if d["metadata"]["name"] != "kserve-predictor-ingress"]
+    assert ("debug", "predictor", 8080) not in reach(no_ingress)  # default-deny still holds
+    all_ports = _broken(rendered, "NetworkPolicy", "kserve-predictor-ingress",
+                        lambda p: [r.pop("ports") for r in p["spec"]["ingress"]])  # fmt: skip
+    assert ("activator", "predictor", 8080) in reach(all_ports)
+
+
+# The service account KFP runs every pipeline pod as: a standalone KFP 2.17.0 install names it
+# pipeline-runner (kubeflow/pipelines 2.17.0: manifests/kustomize/base/pipeline/
+# pipeline-runner-sa.yaml; backend/src/apiserver/common/const.go
+# DefaultPipelineRunnerServiceAccount), in namespace kubeflow.
+KFP_RUNNER = ("kubeflow", "pipeline-runner")
+RBAC_VERBS = ("get", "list", "watch", "create", "update", "patch", "delete", "deletecollection")
+
+
+def rbac_allowed(docs: list[dict], account: tuple[str, str], verb: str, group: str,
+                 resource: str, namespace: str) -> bool:  # fmt: skip
+    """RBAC (rbac.authorization.k8s.io/v1) over the Roles and RoleBindings of `docs`: a
+    RoleBinding in `namespace` naming the service account (namespace, name) binds a Role of that
+    namespace with a rule granting the verb on the group's resource (`*` matches all).
+    ClusterRoles, groups and users are not modelled."""
+    roles = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in _by_kind(docs, "Role")}
+    for binding in _by_kind(docs, "RoleBinding"):
+        if binding["metadata"]["namespace"] != namespace:
+            continue
+        if binding["roleRef"]["kind"] != "Role":
+            raise AssertionError(f"roleRef not modelled: {binding['roleRef']}")
+        names = {(s.get("namespace"), s["name"]) for s in binding["subjects"]
+                 if s["kind"] == "ServiceAccount"}  # fmt: skip
+        role = roles.get((namespace, binding["roleRef"]["name"]))
+        if account not in names or role is None:
+            continue
+        for rule in role["rules"]:
+            if all(want in rule.get(key, []) or "*" in rule.get(key, [])
+                   for key, want in (("verbs", verb), ("apiGroups", group),
+                                     ("resources", resource))):  # fmt: skip
+                return True
+    return False
+
+
+def rbac_grants(docs: list[dict]) -> set[tuple]:
+    """Everything the RBAC of `docs` grants, over the accounts, verbs, resources and namespaces
+    that matter here."""
+    accounts = [KFP_RUNNER, ("kubeflow", "default"), ("bert", "pipeline-runner"),
+                ("bert", "bert-serve")]  # fmt: skip
+    resources = [
+        ("serving.kserve.io", "inferenceservices"), ("serving.kserve.io", "servingruntimes"),
+        ("", "pods"), ("", "secrets"), ("serving.knative.dev", "services"),
+    ]  # fmt: skip
+    return {
+        (acct, verb, group, res, ns)
+        for acct in accounts for verb in RBAC_VERBS for group, res in resources
+        for ns in ("bert", "kubeflow", "default")
+        if rbac_allowed(docs, acct, verb, group, res, ns)
+    }  # fmt: skip
+
+
+def test_the_pipeline_runner_may_get_create_and_patch_inferenceservices_in_bert_only():
+    """`kubectl apply -k infra/k8s/kserve` binds KFP's pipeline-runner (namespace kubeflow) to a
+    Role in namespace bert that allows get, create and patch on inferenceservices
+    (serving.kserve.io) and nothing else: what the deploy step's server-side apply needs (the
+    API server authorizes an apply that creates as `create`, kubernetes apiserver
+    pkg/endpoints/handlers/patch.go), no delete, list or watch, no other resource, namespace or
+    account. Both objects are valid rbac.authorization.k8s.io/v1 (strict schema)."""
+    docs = render(KSERVE)
+    rbac = [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    assert {(d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in rbac} == {
+        ("Role", "bert-deploy", "bert"), ("RoleBinding", "bert-deploy", "bert")}  # fmt: skip
+    for doc in rbac:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    (binding,) = _by_kind(docs, "RoleBinding")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": KFP_RUNNER[1], "namespace": KFP_RUNNER[0]}]  # fmt: skip
+    assert rbac_grants(docs) == {
+        (KFP_RUNNER, verb, "serving.kserve.io", "inferenceservices", "bert")
+        for verb in ("get", "create", "patch")
+    }
+    for kind, change in [
+        ("Role", lambda d: d["rules"][0]["verbs"].append("delete")),
+        ("Role", lambda d: d["rules"][0].update(verbs=["*"])),
+        ("Role", lambda d: d["rules"][0].update(resources=["*"])),
+        ("Role", lambda d: d["rules"][0]["verbs"].remove("create")),
+        ("RoleBinding", lambda d: d["subjects"][0].update(namespace="bert")),
+        ("RoleBinding", lambda d: d["subjects"].append(
+            {"kind": "ServiceAccount", "name": "default", "namespace": "kubeflow"})),
+    ]:  # fmt: skip
+        assert rbac_grants(_broken(docs, kind, "bert-deploy", change)) != rbac_grants(docs), kind

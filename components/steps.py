@@ -175,9 +175,10 @@ def finetune(
     trial a nested MLflow run, the best on dev kept); the model and output are this step's. The
     device is the pod's: cuda when it was given a GPU, else cpu (`--device auto`).
     `job["data_digest"]`: the task data's digest, there for the cache key. Returns the job's
-    name ("SST-2", "SST-2 (random init)", "conll2003"): the pipeline's condition for the
-    compression steps compares it with `compress_task` (a condition on the loop item's field
-    itself compiles wrong in kfp 2.17: to the constant 'Output-loop-item')."""
+    name ("SST-2", "SST-2 (random init)", "conll2003"): the pipeline's conditions for the
+    compression and release steps compare it with `compress_task` and `deploy_task` (a
+    condition on the loop item's field itself compiles wrong in kfp 2.17: to the constant
+    'Output-loop-item')."""
     from bert_core.cli import kfp_metrics, kfp_step
 
     model = ["--model", f"{pretrained.path}/model", "--output", finetuned.path]
@@ -263,6 +264,26 @@ def quantize(
     kfp_step(["quantize", "--model", model.path, "--output", quantized.path, "--data", data])
     for name, value in kfp_metrics(f"{quantized.path}/metrics.json").items():
         metrics.log_metric(name, value)
+
+
+@component
+def promote(finetuned: Input[Model], task: str):
+    """bert promote: the version this `finetuned` output registered becomes `task`'s champion
+    when its dev score beats the champion's (the registry's rule; the decision is the version's
+    `bert.promotion` tag)."""
+    from bert_core.cli import kfp_step
+
+    kfp_step(["promote", task, finetuned.path])
+
+
+@component
+def deploy(task: str):
+    """bert deploy: `task`'s champion as a KServe InferenceService in namespace bert (a canary
+    beside the running version when the champion changed; `bert promote --full-traffic` ends it).
+    The pod's service account needs the Role in infra/k8s/kserve."""
+    from bert_core.cli import kfp_step
+
+    kfp_step(["deploy", "--task", task])
 
 
 @component

@@ -3,6 +3,7 @@
     pipeline-run -> finetune-jobs -> clean -> vocab -> instances -> pretrain
         -> finetune (ParallelFor over finetune-jobs' list) -> evaluate (all of them)
            `-> distill -> quantize (in compress_task's iteration only; off by default)
+           `-> promote -> deploy (in deploy_task's iteration only; off by default)
     pipeline-end (the exit handler, after everything)
 
 One fan-out runs every fine-tuning: the GLUE tasks from the pre-trained model, the random-init
@@ -65,7 +66,7 @@ DATA = tuple(cluster.DATA)  # the data inputs: data_corpus, data_glue, data_toke
 # checkpoint): a Kubeflow run distils its own fine-tuned model of `compress_task` into a student
 # started from `compress_student` (KFP_ONLY), its pre-trained model by default.
 DVC_ONLY = ("public", "data.output", "compress.tasks", "compress.teacher", "compress.student")
-KFP_ONLY = ("compress_task", "compress_student")
+KFP_ONLY = ("compress_task", "compress_student", "deploy_task")
 
 
 def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:
@@ -85,8 +86,8 @@ P = load_params()  # params.yaml's settings (DVC's), workstation data paths incl
 DEFAULTS = cluster.SETTINGS  # the cluster's; the fine-tuning image is the one compiled in
 
 # The run form, one line per parameter: what the KFP UI shows beside each field. Grouped by the
-# name's first word (the UI lists parameters by name): cluster, compress, data, finetune,
-# instances (the pre-training data), model, pretrain, vocab.
+# name's first word (the UI lists parameters by name): cluster, compress, data, deploy (serving),
+# finetune, instances (the pre-training data), model, pretrain, vocab.
 PARAMETERS = {
     "data_corpus": "[data] Raw text to pre-train on: an s3:// file or prefix of .txt, .jsonl or "
     ".parquet files (upload it first: docs/cluster.md).",
@@ -156,6 +157,10 @@ PARAMETERS = {
     "(Hinton et al.).",
     "compress_alpha": "[compression] Weight of the teacher's soft targets in the student's loss "
     "(1 - alpha on the labels).",
+    "deploy_task": "[serving] none: nothing deployed; or a task of finetune_tasks: this run's "
+    "fine-tuned model becomes its champion if its dev score beats the champion's (promote), and "
+    "the champion is served as a KServe InferenceService in namespace bert, a canary beside the "
+    "running version when it changed (deploy; docs/serving.md).",
     "cluster_train_image": "[cluster] Image of the fine-tuning pods: the CUDA image for GPUs, "
     'the CPU image with cluster_finetune_gpus "0".',
     "cluster_finetune_gpus": "[cluster] GPUs per fine-tuning pod (nvidia.com/gpu), as text: "
@@ -216,6 +221,8 @@ RESOURCES = {
     "evaluate": ("1", "2", "2G"),
     "distill": ("4", "8", "16G"),
     "quantize": ("2", "4", "8G"),
+    "promote": ("250m", "1", "1G"),
+    "deploy": ("250m", "1", "1G"),
     "pipeline-end": ("500m", "1", "1G"),
 }
 
@@ -294,6 +301,7 @@ def build_pipeline():
         compress_student_layers: int = D["compress_student_layers"],
         compress_temperature: float = D["compress_temperature"],
         compress_alpha: float = D["compress_alpha"],
+        deploy_task: str = D["deploy_task"],
         cluster_train_image: str = D["cluster_train_image"],
         cluster_finetune_gpus: str = D["cluster_finetune_gpus"],
         cluster_gpu_node_selector: dict = D["cluster_gpu_node_selector"],
@@ -338,6 +346,9 @@ def dag(dsl, steps, s: dict[str, Any]) -> None:
             # the job named compress_task (a GLUE task, from pre-trained weights) teaches
             with dsl.If(ft.outputs["Output"] == s["compress_task"], name="compress"):
                 compress(steps, s, pre, ft, job)
+            # and the job named deploy_task is released: promoted if better, then served
+            with dsl.If(ft.outputs["Output"] == s["deploy_task"], name="deploy"):
+                release(steps, s, ft)
         # never cached: each run's MLflow parent gets its own table (and the exit handler
         # reads this step's run to tell a finished run, lineage.end_status)
         ev = steps.evaluate(results=dsl.Collected(ft.outputs["finetuned"]))
@@ -355,6 +366,16 @@ def compress(steps, s: dict[str, Any], pre, ft, job) -> None:
     di = steps.distill(teacher=teacher, pretrained=start, **glue, **options)
     on_gpu_nodes(pod(di, "distill"), s)
     pod(steps.quantize(model=di.outputs["distilled"], **glue), "quantize")
+
+
+def release(steps, s: dict[str, Any], ft) -> None:
+    """promote -> deploy after the fine-tuning `ft` of `deploy_task`: the registry's rule decides
+    whether this run's model becomes the champion, then the champion is served. Never cached:
+    both act on the registry and the cluster as they are now."""
+    pr = pod(steps.promote(finetuned=ft.outputs["finetuned"], task=s["deploy_task"]), "promote")
+    de = pod(steps.deploy(task=s["deploy_task"]).after(pr), "deploy")
+    for task in (pr, de):
+        task.set_caching_options(False)
 
 
 # the fine-tuning settings a student trains with (bert distill's, as dvc.yaml's stage passes them)

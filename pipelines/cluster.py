@@ -113,6 +113,7 @@ SETTINGS = {
     "compress_student_layers": 6,
     "compress_temperature": 2.0,
     "compress_alpha": 0.5,
+    "deploy_task": "none",
     "cluster_train_image": CUDA_IMAGE,
     # text, not a number: the backend fills a GPU count only from a STRING parameter; a number
     # resolves to "" and the pod gets no GPU, without an error (driver/resolve.go,

@@ -37,7 +37,6 @@ why each champion is one. Serving and batch inference then name the alias, never
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -278,6 +277,27 @@ def _score(version) -> float:
     return float(version.tags[SCORE_TAG])
 
 
+def version_of(out: Path, name: str) -> str:
+    """The version of `name` registered from the fine-tuning output folder `out`: its record
+    names the run (`mlflow_model.json`), the registry has the version that run made. How a
+    pipeline promotes the model it just trained, whatever the `candidate` alias says since."""
+    from mlflow import MlflowClient
+
+    path = out / RECORD
+    if not path.is_file():
+        raise FileNotFoundError(f"{out}: no {RECORD} (not a `bert finetune` output folder)")
+    record = json.loads(path.read_text())
+    if record.get("registered_model") != name:
+        raise ValueError(f"{path}: its model is registered as "
+                         f"{record.get('registered_model')!r}, not {name!r}")  # fmt: skip
+    found = MlflowClient(tracking_uri()).search_model_versions(f"run_id='{record['run_id']}'")
+    versions = [v.version for v in found if v.name == name]
+    if not versions:
+        raise BertError(f"{path}: run {record['run_id']} registered no version of {name} "
+                        "(its step did not finish?)")  # fmt: skip
+    return str(versions[0])
+
+
 def promote(name: str, version: str | int | None = None, force: bool = False) -> dict:
     """Move `champion` to `version` (default: the `candidate`) when its dev score beats the
     champion's, or with `force`; the decision becomes the version's `bert.promotion` tag."""
@@ -322,21 +342,3 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
     now = chosen if promoted else champion
     return {"registered_model": name, "version": int(chosen.version), "dev_score": score,
             "champion": int(now.version), "promoted": promoted, "reason": reason}  # fmt: skip
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bert promote", description=__doc__.split("\n")[0])
-    p.add_argument("task", help="the task (SST-2, conll2003, ...): its registered model")
-    p.add_argument("version", nargs="?", help=f"the version (default: the {CANDIDATE!r} alias)")
-    p.add_argument("--registered-model", help=f"the name (default: {NAME_ENV} or bert-{{task}})")
-    p.add_argument("--force", action="store_true", help="make it champion whatever its score")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    name = args.registered_model or model_name(args.task)
-    if name is None:
-        raise ValueError(f"{NAME_ENV}=none: name the model with --registered-model")
-    print(json.dumps(promote(name, args.version, args.force)))
-    return 0

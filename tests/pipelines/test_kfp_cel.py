@@ -47,13 +47,15 @@ def test_each_condition_the_sdk_compiles_evaluates_as_python_would(spec):
         assert got == expected, (params, found)
 
 
-def test_the_pipelines_compression_branch_runs_for_the_named_job_only():
-    (condition,) = _conditions(SPEC).values()
-    task = {"pipelinechannel--compress_task": "SST-2"}
+@pytest.mark.parametrize("branch, parameter", [("compress", "compress_task"),
+                                               ("deploy", "deploy_task")])  # fmt: skip
+def test_the_pipelines_branches_run_for_the_named_job_only(branch, parameter):
+    condition = _conditions(SPEC)[branch]
+    task = {f"pipelinechannel--{parameter}": "SST-2"}
     for job, runs in [("SST-2", True), ("SST-2 (random init)", False), ("STS-B", False)]:
         params = task | {"pipelinechannel--finetune-Output": job}
         assert kfp_cel.condition(condition, params) is runs
-    off = {"pipelinechannel--compress_task": "none", "pipelinechannel--finetune-Output": "SST-2"}
+    off = {f"pipelinechannel--{parameter}": "none", "pipelinechannel--finetune-Output": "SST-2"}
     assert kfp_cel.condition(condition, off) is False
 
 

@@ -83,7 +83,7 @@ def test_the_run_form_has_the_clusters_defaults_and_a_description_for_every_para
     groups = {
         "cluster": "[cluster]", "data": "[data]", "vocab": "[pre-training data]",
         "instances": "[pre-training data]", "model": "[model]", "pretrain": "[pre-training]",
-        "finetune": "[fine-tuning]", "compress": "[compression]",
+        "finetune": "[fine-tuning]", "compress": "[compression]", "deploy": "[serving]",
     }  # fmt: skip
     for name, param in inputs.items():
         assert param["description"] == PARAMETERS[name] and len(param["description"]) > 30, name
@@ -182,7 +182,7 @@ def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
     tasks = _container_tasks(spec)
     assert set(tasks) == {
         "pipeline-run", "finetune-jobs", "clean", "vocab", "instances", "pretrain", "finetune",
-        "evaluate", "distill", "quantize", "pipeline-end",
+        "evaluate", "distill", "quantize", "promote", "deploy", "pipeline-end",
     }  # fmt: skip
     assert set(env) == {t["executor"] for t in tasks.values()}
     for name, task in tasks.items():
@@ -341,6 +341,34 @@ def test_one_parameter_starts_the_run_from_a_public_checkpoint():
     assert not [k for k in PARAMETERS if k.startswith("public")]
 
 
+def test_release_is_a_condition_in_each_fine_tuning_off_by_default():
+    """promote -> deploy run in the iteration whose job is `deploy_task` ("none" by default:
+    no job), promote on that iteration's own fine-tuned model (the version it registered, not
+    whatever `candidate` names by then), deploy after it; neither cached (they act on the
+    registry and the cluster as they are), each with its pod's resources."""
+    spec, _ = _load(SPEC)
+    loop = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]
+    (branch,) = [t for t in loop.values() if t["taskInfo"]["name"] == "deploy"]
+    assert branch["dependentTasks"] == ["finetune"]
+    assert branch["triggerPolicy"]["condition"] == (
+        "inputs.parameter_values['pipelinechannel--finetune-Output'] == "
+        "inputs.parameter_values['pipelinechannel--deploy_task']"
+    )
+    tasks = _container_tasks(spec)
+    promote, deploy = tasks["promote"], tasks["deploy"]
+    assert promote["inputs"]["artifacts"]["finetuned"] == {
+        "componentInputArtifact": "pipelinechannel--finetune-finetuned"
+    }
+    for task in (promote, deploy):
+        assert task["inputs"]["parameters"]["task"] == {
+            "componentInputParameter": "pipelinechannel--deploy_task"
+        }
+        assert task["cachingOptions"] == {}  # enableCache false is left out of the spec
+    assert deploy["dependentTasks"] == ["promote"]
+    assert DEFAULTS["deploy_task"] == "none" and "deploy_task" not in P
+    assert RESOURCES["promote"] and RESOURCES["deploy"]
+
+
 def test_compression_is_a_condition_in_each_fine_tuning_off_by_default():
     """distill -> quantize run inside the fine-tuning loop under a trigger condition: the
     iteration whose job name (the finetune step's output) is `compress_task`; "none", the
@@ -349,8 +377,8 @@ def test_compression_is_a_condition_in_each_fine_tuning_off_by_default():
     task data's digest (the loop item's field, a parameterExpressionSelector) keys the cache."""
     spec, _ = _load(SPEC)
     loop = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]
-    (branch,) = [t for t in loop.values() if "triggerPolicy" in t]
-    assert branch["taskInfo"]["name"] == "compress" and branch["dependentTasks"] == ["finetune"]
+    (branch,) = [t for t in loop.values() if t["taskInfo"]["name"] == "compress"]
+    assert branch["dependentTasks"] == ["finetune"]
     assert branch["triggerPolicy"]["condition"] == (
         "inputs.parameter_values['pipelinechannel--finetune-Output'] == "
         "inputs.parameter_values['pipelinechannel--compress_task']"
@@ -399,11 +427,13 @@ def test_caching_is_on_and_the_run_id_reaches_steps_outside_the_cache_key():
     run-specific, and reads the run id from its pod's `pipeline/runid` label instead (see the
     platform spec test). Four small tasks are never cached: the first opens the MLflow parent
     run with the settings, the second lists the fine-tunings with fresh digests, evaluate writes
-    the run's table on the parent, the exit handler closes it."""
+    the run's table on the parent, the exit handler closes it; nor are promote and deploy, which
+    act on the registry and the cluster as they are."""
     spec, _ = _load(SPEC)
     named = _container_tasks(spec)
     uncached = {name for name, t in named.items() if t["cachingOptions"] != {"enableCache": True}}
-    assert uncached == {"pipeline-run", "finetune-jobs", "evaluate", "pipeline-end"}
+    assert uncached == {"pipeline-run", "finetune-jobs", "evaluate", "pipeline-end", "promote",
+                        "deploy"}  # fmt: skip
     assert all(named[name]["cachingOptions"] == {} for name in uncached)
     root = spec["root"]["dag"]["tasks"]
     assert root["pipeline-end"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"

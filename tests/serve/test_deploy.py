@@ -1,9 +1,14 @@
-"""`bert deploy`: the InferenceService written from the registry (the alias's version, its
-artifacts in the bucket), field by field and against KServe v0.20.0's CRD; a canary when it
-replaces a running service with other artifacts, none after --promote; refusals before any
-cluster is touched. Applying it, and KServe acting on it, only a cluster shows."""
+"""`bert deploy` and `bert promote`: the InferenceService written from the registry (the
+alias's version, its artifacts in the bucket), field by field and against KServe v0.20.0's CRD;
+a canary when it replaces a running service with other artifacts, kept by a re-deploy, ended by
+`bert promote --full-traffic`; the requests the real Kubernetes client sends, to an API server
+that follows the API's rules (tests/kube_api.py); `bert promote TASK FOLDER` naming the version
+a fine-tuning made; refusals before any cluster is touched. KServe acting on it, admission and
+RBAC only a cluster shows."""
 
 from __future__ import annotations
+
+import json
 
 import mlflow
 import pytest
@@ -13,6 +18,7 @@ from mlflow import MlflowClient
 from bert_core import cli
 from bert_core.serve.deploy import DeployConfig, inference_service
 from tests.kserve_schema import crd_problems, kserve_schemas
+from tests.kube_api import KubeApi
 
 SOURCE = "s3://bert/mlflow/1/models/m-0123abcd/artifacts"
 
@@ -40,7 +46,7 @@ def registry(tmp_path_factory):
 
 def test_dry_run_prints_the_champions_service_field_by_field(registry, capsys, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")  # --dry-run needs no kubectl and calls none
-    argv = ["deploy", "--model", "bert-sst2", "--dry-run", "--max-replicas", "4", "--gpus", "1"]
+    argv = ["deploy", "--task", "SST-2", "--dry-run", "--max-replicas", "4", "--gpus", "1"]
     assert cli.main(argv) == 0
     isvc = yaml.safe_load(capsys.readouterr().out)
     assert (isvc["apiVersion"], isvc["kind"]) == ("serving.kserve.io/v1beta1", "InferenceService")
@@ -64,7 +70,34 @@ def test_dry_run_prints_the_champions_service_field_by_field(registry, capsys, m
     assert crd_problems(isvc, kserve_schemas()) == []
 
 
-def test_a_new_version_replacing_a_running_one_is_a_canary_until_promoted():
+def test_a_proxied_artifact_uri_is_served_from_the_bucket_behind_the_server(tmp_path, capsys,
+                                                                          monkeypatch):  # fmt: skip
+    """The cluster's MLflow server proxies artifacts, so the registry answers mlflow-artifacts:/
+    URIs (what a real `mlflow server --artifacts-destination` returns for a logged model's
+    version); the InferenceService gets the same path under the destination, in the bucket."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(uri)
+    client.create_registered_model("bert-sst2")
+    client.create_model_version("bert-sst2", "mlflow-artifacts:/0/models/m-42/artifacts")
+    client.set_registered_model_alias("bert-sst2", "champion", "1")
+    monkeypatch.setenv("BERT_BUCKET", "s3://bert")  # the ConfigMap's, in a pipeline pod
+    assert cli.main(["deploy", "--task", "SST-2", "--dry-run"]) == 0
+    isvc = yaml.safe_load(capsys.readouterr().out)
+    assert isvc["spec"]["predictor"]["model"]["storageUri"] == (
+        "s3://bert/mlflow/0/models/m-42/artifacts"
+    )
+    argv = ["deploy", "--task", "SST-2", "--dry-run", "--artifacts-destination", "s3://b/x/"]
+    assert cli.main(argv) == 0
+    isvc = yaml.safe_load(capsys.readouterr().out)
+    assert isvc["spec"]["predictor"]["model"]["storageUri"] == "s3://b/x/0/models/m-42/artifacts"
+    monkeypatch.delenv("BERT_BUCKET")
+    assert cli.main(["deploy", "--task", "SST-2", "--dry-run"]) == 2
+    assert "--artifacts-destination" in capsys.readouterr().err
+
+
+def test_a_new_version_replacing_a_running_one_is_a_canary_a_redeploy_keeps():
     cfg = DeployConfig(model="bert-sst2", canary_percent=20)
     running = inference_service(DeployConfig(model="bert-sst2"), "1", SOURCE, None)
     newer = "s3://bert/mlflow/1/models/m-4567/artifacts"
@@ -73,10 +106,118 @@ def test_a_new_version_replacing_a_running_one_is_a_canary_until_promoted():
     assert canary["metadata"]["labels"]["bert.model-version"] == "2"
     same = inference_service(cfg, "1", SOURCE, running)  # re-deploying changes nothing
     assert "canaryTrafficPercent" not in same["spec"]["predictor"]
-    promoted = inference_service(DeployConfig(model="bert-sst2", promote=True), "2", newer, canary)
-    assert "canaryTrafficPercent" not in promoted["spec"]["predictor"]  # all traffic: latest
-    for manifest in (canary, same, promoted):
+    # a pipeline re-run deploying the canary's version again leaves the split as it is
+    again = inference_service(DeployConfig(model="bert-sst2"), "2", newer, canary)
+    assert again["spec"]["predictor"]["canaryTrafficPercent"] == 20
+    for manifest in (canary, same, again):
         assert crd_problems(manifest, kserve_schemas()) == []
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    """An API server (tests/kube_api.py) and a kubeconfig naming it; a fresh registry with
+    bert-sst2 version 1 (champion, dev score 0.8) in the bucket."""
+    api = KubeApi()
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path)))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(uri)
+    client.create_registered_model("bert-sst2")
+    client.create_model_version("bert-sst2", SOURCE, tags={"bert.dev_score": "0.8"})
+    client.set_registered_model_alias("bert-sst2", "champion", "1")
+    mlflow.set_tracking_uri(uri)
+    yield api, client
+    api.close()
+
+
+def finetuned_folder(client: MlflowClient, folder, score: str) -> str:
+    """A fine-tuning output's record (`mlflow_model.json`) and the version its run registered:
+    what `bert finetune` leaves, minus the model."""
+    run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
+    source = f"s3://bert/mlflow/0/models/m-{run.info.run_id[:8]}/artifacts"
+    client.create_model_version("bert-sst2", source, run_id=run.info.run_id,
+                                tags={"bert.dev_score": score})  # fmt: skip
+    folder.mkdir()
+    record = {"model_uri": f"models:/m-{run.info.run_id[:8]}", "run_id": run.info.run_id,
+              "registered_model": "bert-sst2", "alias": None}  # fmt: skip
+    (folder / "mlflow_model.json").write_text(json.dumps(record))
+    return source
+
+
+def test_deploy_promote_and_full_traffic_through_the_kubernetes_client(cluster, tmp_path, capsys):
+    """The release as the pipeline's deploy branch makes it: first deploy; a better fine-tuning
+    promoted by its output folder; its deploy a canary; a re-deploy keeps the split;
+    --full-traffic ends it. Each request as the Kubernetes API takes it."""
+    api, client = cluster
+    assert cli.main(["deploy", "--task", "SST-2"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first == {"inference_service": "bert-sst2", "version": "1", "storage_uri": SOURCE,
+                     "canary_percent": None}  # fmt: skip
+    get, apply = api.requests[:2]
+    assert (get["method"], apply["method"]) == ("GET", "PATCH")
+    isvcs = "/apis/serving.kserve.io/v1beta1/namespaces/bert/inferenceservices"
+    assert apply["path"] == f"{isvcs}/bert-sst2"
+    assert apply["content_type"] == "application/apply-patch+yaml"
+    assert apply["query"] == {"fieldManager": "bert-deploy", "force": "true"}
+    live = api.objects[("bert", "bert-sst2")]
+    assert live["spec"]["predictor"]["model"]["storageUri"] == SOURCE
+    assert live["metadata"]["generation"] == 1
+
+    newer = finetuned_folder(client, tmp_path / "SST-2", "0.9")
+    assert cli.main(["promote", "SST-2", str(tmp_path / "SST-2")]) == 0
+    decision = json.loads(capsys.readouterr().out)
+    assert (decision["version"], decision["champion"], decision["promoted"]) == (2, 2, True)
+    assert cli.main(["deploy", "--task", "SST-2", "--canary-percent", "25"]) == 0
+    assert json.loads(capsys.readouterr().out)["canary_percent"] == 25
+    predictor = api.objects[("bert", "bert-sst2")]["spec"]["predictor"]
+    assert (predictor["model"]["storageUri"], predictor["canaryTrafficPercent"]) == (newer, 25)
+    assert api.objects[("bert", "bert-sst2")]["metadata"]["labels"]["bert.model-version"] == "2"
+
+    assert cli.main(["deploy", "--task", "SST-2"]) == 0  # a re-run: the split stays
+    assert api.objects[("bert", "bert-sst2")]["spec"]["predictor"]["canaryTrafficPercent"] == 25
+    capsys.readouterr()
+
+    assert cli.main(["promote", "SST-2", "--full-traffic"]) == 0
+    ended = json.loads(capsys.readouterr().out)
+    assert ended == {"inference_service": "bert-sst2", "version": "2", "full_traffic": True,
+                     "changed": True, "canary_percent_before": 25}  # fmt: skip
+    patch = api.requests[-1]
+    assert (patch["method"], patch["content_type"]) == ("PATCH", "application/json-patch+json")
+    path = "/spec/predictor/canaryTrafficPercent"
+    assert json.loads(patch["body"]) == [{"op": "test", "value": 25, "path": path},
+                                         {"op": "remove", "path": path}]  # fmt: skip
+    live = api.objects[("bert", "bert-sst2")]
+    assert "canaryTrafficPercent" not in live["spec"]["predictor"]
+    assert live["spec"]["predictor"]["model"]["storageUri"] == newer
+    assert crd_problems(live, kserve_schemas()) == []
+    assert cli.main(["promote", "SST-2", "--full-traffic"]) == 0  # nothing left to move
+    assert json.loads(capsys.readouterr().out)["changed"] is False
+    # the registry is as the promotion left it: --full-traffic does not touch it
+    assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "2"
+
+
+def test_a_worse_fine_tuning_is_not_promoted_and_the_service_is_unchanged(cluster, tmp_path,
+                                                                          capsys):  # fmt: skip
+    api, client = cluster
+    assert cli.main(["deploy", "--task", "SST-2"]) == 0
+    finetuned_folder(client, tmp_path / "SST-2", "0.7")
+    assert cli.main(["promote", "SST-2", str(tmp_path / "SST-2")]) == 0
+    assert "not promoted" in capsys.readouterr().out.splitlines()[-1]
+    before = api.objects[("bert", "bert-sst2")]
+    assert cli.main(["deploy", "--task", "SST-2"]) == 0
+    after = api.objects[("bert", "bert-sst2")]
+    assert after["spec"] == before["spec"] and after["metadata"]["generation"] == 1
+
+
+def test_the_api_servers_refusal_is_one_line_exit_2(cluster, capsys, monkeypatch):
+    api, _ = cluster
+    api.token = "another-token"  # the kubeconfig's token no longer valid
+    assert cli.main(["deploy", "--task", "SST-2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "bert deploy: error: GET inferenceservice bert/bert-sst2: 401 Unauthorized", err
+    assert api.objects == {}
 
 
 @pytest.mark.parametrize(
@@ -87,11 +228,12 @@ def test_a_new_version_replacing_a_running_one_is_a_canary_until_promoted():
         (["--model", "bert-sst2", "--alias", "local", "--dry-run"], "not in a bucket"),
         (["--model", "bert-sst2", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas"),
         (["--model", "bert-sst2", "--canary-percent", "100"], "--canary-percent"),
-        (["--model", "bert-sst2"], "kubectl not found"),  # PATH without it
+        (["--model", "bert-sst2", "--task", "SST-2"], "one of them"),
+        (["--model", "bert-sst2"], "no Kubernetes cluster to deploy to"),  # no kubeconfig
     ],
 )
 def test_refused_before_any_cluster_is_touched(registry, capsys, monkeypatch, argv, message):
-    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("KUBECONFIG", str(registry / "no-such-kubeconfig"))
     assert cli.main(["deploy", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err

@@ -124,6 +124,10 @@ def instances(
 def pretrain(
     shards: Input[Dataset],
     preset: str,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    intermediate_size: int,
     steps: int,
     batch_size: int,
     num_workers: int,
@@ -135,7 +139,8 @@ def pretrain(
     pretrained: Output[Model],
     metrics: Output[Metrics],
 ):
-    """bert pretrain (Ray Train); the model is logged and registered in MLflow. `init_model`:
+    """bert pretrain (Ray Train); the model is logged and registered in MLflow. The shape:
+    `preset`, each of the numbers in its place when not 0. `init_model`:
     none (from scratch) or the public checkpoint whose pre-training continues (the vocab step
     gave the instances its vocabulary).
 
@@ -151,6 +156,8 @@ def pretrain(
     kfp_run = os.environ.get("KFP_RUN_ID", "")  # the pod's env, not an input: see above
     kfp_step(
         ["pretrain", "--instances", shards.path, "--output", pretrained.path, "--preset", preset]
+        + ["--num-layers", num_layers, "--hidden-size", hidden_size, "--num-heads", num_heads]
+        + ["--intermediate-size", intermediate_size]
         + ["--steps", steps, "--batch-size", batch_size, "--num-workers", num_workers]
         + ["--cpus-per-worker", cpus_per_worker]
         + ["--learning-rate", learning_rate, "--objective", objective]

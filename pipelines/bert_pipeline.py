@@ -106,7 +106,13 @@ PARAMETERS = {
     "instances_masking_recipe": "[pre-training data] [MASK]/random/unchanged split of the "
     "masked tokens in %: 80/10/10 is the paper's; its Table 8 ablates e.g. 100/0/0.",
     "model_preset": "[model] Size: tiny, mini, small, medium, base (BERT-Base, 110M) or large "
-    "(BERT-Large, 340M).",
+    "(BERT-Large, 340M): named shapes (L/H/A) that the model_* numbers below override.",
+    "model_num_layers": "[model] Transformer layers L; 0: the preset's (the paper's Table 6: 3, "
+    "6, 12, 24).",
+    "model_hidden_size": "[model] Hidden size H; 0: the preset's (Table 6: 768, 1024).",
+    "model_num_heads": "[model] Attention heads A, a divisor of H; 0: the preset's (Table 6: 12, "
+    "16).",
+    "model_intermediate_size": "[model] Feed-forward size; 0: 4H, the paper's.",
     "pretrain_steps": "[pre-training] Optimizer steps (the paper: 1,000,000; a trial run: a few "
     "thousand).",
     "pretrain_batch_size": "[pre-training] Sequences per step over all workers (the paper: 256).",
@@ -274,6 +280,10 @@ def build_pipeline():
         instances_random_seed: int = D["instances_random_seed"],
         instances_masking_recipe: str = D["instances_masking_recipe"],
         model_preset: str = D["model_preset"],
+        model_num_layers: int = D["model_num_layers"],
+        model_hidden_size: int = D["model_hidden_size"],
+        model_num_heads: int = D["model_num_heads"],
+        model_intermediate_size: int = D["model_intermediate_size"],
         pretrain_steps: int = D["pretrain_steps"],
         pretrain_batch_size: int = D["pretrain_batch_size"],
         pretrain_num_workers: int = D["pretrain_num_workers"],
@@ -336,7 +346,7 @@ def dag(dsl, steps, s: dict[str, Any]) -> None:
             **section(s, "instances"),
         )
         pod(ins, "instances")
-        pretrain = {"preset": s["model_preset"], **section(s, "pretrain")}
+        pretrain = {**section(s, "model"), **section(s, "pretrain")}  # the shape and the run
         pre = steps.pretrain(shards=ins.outputs["shards"], **pretrain)
         ray_auth = (cluster.RAY_AUTH_SECRET, cluster.RAY_AUTH_KEYS)
         pod(pre, "pretrain", secrets=[ray_auth]).set_retry(**PRETRAIN_RETRY)

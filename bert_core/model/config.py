@@ -21,7 +21,8 @@ VOCAB_NAME = "vocab.txt"
 # files that travel with the vocabulary (casing and special tokens for tokenizers)
 TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
-# (layers, hidden, heads); intermediate size is 4 x hidden as in the paper
+# Named shortcuts for a shape, (layers L, hidden H, heads A); the feed-forward size is 4H as in
+# the paper. The names are Turc et al.'s (2019) BERT miniatures, base and large the paper's.
 PRESETS: dict[str, tuple[int, int, int]] = {
     "tiny": (2, 128, 2),
     "mini": (4, 256, 4),
@@ -96,16 +97,7 @@ class BertConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> BertConfig:
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-        layers, hidden, heads = PRESETS[name]
-        base = dict(
-            num_hidden_layers=layers,
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            intermediate_size=4 * hidden,
-        )
-        return cls(**{**base, **overrides})
+        return cls(**{**shape(name), **overrides})
 
     @classmethod
     def from_dict(cls, d: dict, **overrides) -> BertConfig:
@@ -147,6 +139,24 @@ class BertConfig:
         if task is not None:
             d["finetuning_task"] = task
         return d
+
+
+def shape(preset: str, layers: int = 0, hidden: int = 0, heads: int = 0,
+          intermediate: int = 0) -> dict[str, int]:  # fmt: skip
+    """BertConfig's size fields: the preset's (L, H, A) with each of `layers`, `hidden`, `heads`
+    that is not 0 in its place, and the feed-forward size `intermediate`, else 4H (the paper's
+    rule, so `hidden=1024` alone gives 4096). How Table 6's grid is swept: one preset, three
+    numbers."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    L, H, A = PRESETS[preset]  # the paper's names
+    H = hidden or H
+    return {
+        "num_hidden_layers": layers or L,
+        "hidden_size": H,
+        "num_attention_heads": heads or A,
+        "intermediate_size": intermediate or 4 * H,
+    }
 
 
 def _generic_labels(num_labels: int) -> dict[int, str]:

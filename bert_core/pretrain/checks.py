@@ -56,7 +56,7 @@ def check_inputs(cfg: PretrainConfig) -> int:
     else:
         from bert_core.model.config import BertConfig
 
-        config, model = BertConfig.from_preset(cfg.preset), f"the {cfg.preset} preset"
+        config, model = BertConfig(**cfg.shape()), f"the {cfg.preset} preset"
     check_seq_length(cfg.instances, config.max_position_embeddings, model)
     limits = {"input_ids": len(vocab), "masked_lm_ids": len(vocab),
               "token_type_ids": config.type_vocab_size,

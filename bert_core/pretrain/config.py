@@ -27,7 +27,12 @@ class PretrainConfig:
 
     instances: str = option(MISSING, "folder of shard-*.parquet and vocab.txt (or s3://)")
     output: str = option(MISSING, "run folder: model/, pretrain_metrics.csv")
-    preset: str = option("tiny", "model size: tiny/mini/small/medium/base/large")
+    preset: str = option("tiny", "model size: tiny/mini/small/medium/base/large (L/H/A: "
+                         "2/128/2, 4/256/4, 4/512/8, 8/512/8, 12/768/12, 24/1024/16)")  # fmt: skip
+    num_layers: int = option(0, "Transformer layers L; 0: the preset's")
+    hidden_size: int = option(0, "hidden size H; 0: the preset's")
+    num_heads: int = option(0, "attention heads A (must divide H); 0: the preset's")
+    intermediate_size: int = option(0, "feed-forward size; 0: 4H, the paper's")
     steps: int = option(1000, "optimizer steps in the whole run")
     batch_size: int = option(
         256, "global batch: sequences per optimizer step, all workers and accumulation together"
@@ -84,6 +89,13 @@ class PretrainConfig:
     def __post_init__(self):
         self.adam_betas = tuple(float(b) for b in self.adam_betas)  # argparse gives a list
 
+    def shape(self) -> dict[str, int]:
+        """The model's size fields: --preset's, each shape option given in its place."""
+        from bert_core.model.config import shape
+
+        return shape(self.preset, self.num_layers, self.hidden_size, self.num_heads,
+                     self.intermediate_size)  # fmt: skip
+
     @property
     def micro_batch(self) -> int:
         return self.batch_size // (self.num_workers * self.grad_accum)
@@ -121,10 +133,23 @@ class PretrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise BertError(f"--{name.replace('_', '-')} must be >= 1")
-        from bert_core.model.config import PRESETS
+        from bert_core.model.config import PRESETS, BertConfig
 
         if self.preset not in PRESETS:
             raise BertError(f"--preset must be one of {', '.join(PRESETS)}, not {self.preset!r}")
+        sizes = {"--num-layers": self.num_layers, "--hidden-size": self.hidden_size,
+                 "--num-heads": self.num_heads,
+                 "--intermediate-size": self.intermediate_size}  # fmt: skip
+        if min(sizes.values()) < 0:
+            raise BertError(f"{', '.join(sizes)} must be >= 1, or 0 for the preset's")
+        given = [name for name, value in sizes.items() if value]
+        if given and self.init_model:
+            raise BertError(f"{', '.join(given)}: --init-model {self.init_model} has its own "
+                            "shape (its config.json); leave them 0")  # fmt: skip
+        try:
+            BertConfig(**self.shape())
+        except ValueError as e:  # heads that do not divide the hidden size
+            raise BertError(f"--hidden-size / --num-heads: {e}") from None
         if self.objective not in OBJECTIVES:
             raise BertError(f"--objective must be one of {', '.join(OBJECTIVES)}")
         if self.optimizer not in OPTIMIZERS:

@@ -62,9 +62,7 @@ def build_model(cfg: PretrainConfig, vocab_size: int) -> torch.nn.Module:
         }
     if cfg.init_model:
         return BertForPreTraining.from_pretrained(cfg.init_model, **overrides)
-    return BertForPreTraining(
-        BertConfig.from_preset(cfg.preset, vocab_size=vocab_size, **overrides)
-    )
+    return BertForPreTraining(BertConfig(**cfg.shape(), vocab_size=vocab_size, **overrides))
 
 
 @dataclass

@@ -23,6 +23,9 @@ from bert_core.tracking import tracking_uri
 # the settings that usually explain a difference in GLUE score
 SETTINGS = (
     "model.preset",
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_heads",
     "pretrain.steps",
     "pretrain.batch_size",
     "pretrain.learning_rate",

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from bert_core.model.config import PRESETS
+from bert_core.model.config import PRESETS, shape
 from bert_core.model.heads import BertForSequenceClassification
 from bert_core.model.modeling import BertConfig, BertForPreTraining, BertModel
 
@@ -53,6 +53,21 @@ def test_presets_and_config_errors() -> None:
         BertConfig(hidden_size=100, num_attention_heads=3)
     with pytest.raises(ValueError, match="unknown preset"):
         BertConfig.from_preset("huge")
+
+
+def test_a_shape_replaces_the_presets_numbers_and_the_feed_forward_follows_4h() -> None:
+    """Table 6's grid from one preset: each number given replaces the preset's, the
+    feed-forward size is 4H unless given (so H alone moves it), 0 keeps the preset's."""
+    assert shape("base") == {"num_hidden_layers": 12, "hidden_size": 768,
+                             "num_attention_heads": 12, "intermediate_size": 3072}  # fmt: skip
+    assert shape("base", layers=6) == shape("base") | {"num_hidden_layers": 6}
+    assert shape("base", hidden=1024, heads=16) == {"num_hidden_layers": 12, "hidden_size": 1024,
+                                                    "num_attention_heads": 16,
+                                                    "intermediate_size": 4096}  # fmt: skip
+    assert shape("tiny", intermediate=300)["intermediate_size"] == 300
+    assert BertConfig.from_preset("mini") == BertConfig(**shape("mini"))
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        shape("huge", layers=3)
 
 
 def test_bad_inputs_name_the_numbers() -> None:

@@ -172,6 +172,27 @@ def test_optimizer_excludes_layernorm_and_bias_from_weight_decay(instances, tmp_
         replace(cfg, optimizer="lamb").validate()
 
 
+def test_the_shape_options_build_that_model_and_refuse_what_cannot_be_built():
+    """`--num-layers/--hidden-size/--num-heads/--intermediate-size` in place of the preset's
+    numbers (4H unless the feed-forward size is given); refused before any compute when the
+    heads do not divide the width, a number is negative, or a checkpoint brings its own shape."""
+    cfg = PretrainConfig(instances="i", output="o", preset="tiny", num_layers=3, hidden_size=96,
+                         num_heads=4)  # fmt: skip
+    cfg.validate()
+    config = build_model(cfg, vocab_size=100).config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (3, 96, 4)
+    assert (config.intermediate_size, config.vocab_size) == (384, 100)
+    assert build_model(replace(cfg, intermediate_size=200), 100).config.intermediate_size == 200
+    with pytest.raises(BertError, match="--hidden-size / --num-heads: hidden_size 96 is not "
+                       "divisible by num_attention_heads 5"):  # fmt: skip
+        replace(cfg, num_heads=5).validate()
+    with pytest.raises(BertError, match="must be >= 1, or 0 for the preset's"):
+        replace(cfg, num_layers=-1).validate()
+    with pytest.raises(BertError, match="--num-layers, --hidden-size, --num-heads: --init-model m "
+                       "has its own shape"):  # fmt: skip
+        replace(cfg, init_model="m").validate()
+
+
 # the options of `bert pretrain` before the CLI was generated from PretrainConfig (DVC and KFP
 # call these): each keeps its name and its default
 OPTIONS = {

@@ -3,6 +3,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export PYTHONPATH := $(CURDIR)
+# MLflow's usage reports off: offline (CI has no network) their background thread fails and
+# removes an environment variable while requests read the environment, failing a request now
+# and then (infra/k8s/env/pipeline-env.yaml says more). Set it to false to send them.
+export MLFLOW_DISABLE_TELEMETRY ?= true
 
 .PHONY: venv run test lint bench clean
 

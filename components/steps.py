@@ -136,6 +136,7 @@ def pretrain(
     use_gpu: bool,
     objective: str,
     init_model: str,
+    export_every: int,
     pretrained: Output[Model],
     metrics: Output[Metrics],
 ):
@@ -161,7 +162,7 @@ def pretrain(
         + ["--steps", steps, "--batch-size", batch_size, "--num-workers", num_workers]
         + ["--cpus-per-worker", cpus_per_worker]
         + ["--learning-rate", learning_rate, "--objective", objective]
-        + ["--init-model", init_model]
+        + ["--init-model", init_model, "--export-every", export_every]
         + (["--use-gpu"] if use_gpu else [])
         + (["--run-name", f"kfp-{kfp_run}"] if kfp_run else [])
     )

@@ -115,6 +115,8 @@ PARAMETERS = {
     "model_intermediate_size": "[model] Feed-forward size; 0: 4H, the paper's.",
     "pretrain_steps": "[pre-training] Optimizer steps (the paper: 1,000,000; a trial run: a few "
     "thousand).",
+    "pretrain_export_every": "[pre-training] A loadable model every this many steps, in the "
+    "pretrained output's exports/step-N, to fine-tune from each (the paper's Figure 2); 0: none.",
     "pretrain_batch_size": "[pre-training] Sequences per step over all workers (the paper: 256).",
     "pretrain_num_workers": "[pre-training] Ray Train workers (one GPU each with pretrain_use_gpu)"
     "; the batch size must divide by it.",
@@ -292,6 +294,7 @@ def build_pipeline():
         pretrain_use_gpu: bool = D["pretrain_use_gpu"],
         pretrain_objective: str = D["pretrain_objective"],
         pretrain_init_model: str = D["pretrain_init_model"],
+        pretrain_export_every: int = D["pretrain_export_every"],
         finetune_tasks: list = D["finetune_tasks"],
         finetune_epochs: int = D["finetune_epochs"],
         finetune_batch_size: int = D["finetune_batch_size"],

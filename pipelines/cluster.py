@@ -28,6 +28,7 @@ CONFIG_KEYS = (
     "BERT_BUCKET",  # s3://bert: data, DVC remote, MLflow artifacts, Ray checkpoints
     "BERT_RAY_STORAGE",  # s3://bert/ray: `bert pretrain --storage-path` default
     "RAY_AUTH_MODE",  # token: the Ray Jobs API refuses a request without the token below
+    "MLFLOW_DISABLE_TELEMETRY",  # true: no usage reports (see pipeline-env.yaml)
 )
 
 # The Secret `bert-s3` (generated from infra/k8s/env/s3.env): S3 credentials, required.
@@ -91,6 +92,7 @@ SETTINGS = {
     "model_num_heads": 0,
     "model_intermediate_size": 0,
     "pretrain_steps": 1_000_000,
+    "pretrain_export_every": 0,
     "pretrain_batch_size": 256,
     "pretrain_num_workers": 4,
     "pretrain_cpus_per_worker": 8,

@@ -45,7 +45,7 @@ from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.checks import check_inputs, check_output
 from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
 from bert_core.pretrain.state import HELDOUT_COLUMNS, load_state, write_metrics_csv
-from bert_core.storage import check_apart, copy, filesystem, is_s3, preflight
+from bert_core.storage import check_apart, copy, exists, filesystem, is_s3, preflight
 from bert_core.tracking import RUN_RECORD
 
 __all__ = ["PretrainConfig", "build_parser", "init_local_ray", "main", "pretrain", "storage_path"]
@@ -94,6 +94,12 @@ def storage_path(cfg: PretrainConfig) -> str:
     path = cfg.storage_path or (f"{base}/{cfg.run_name}" if base else None)
     path = path or f"{cfg.output.rstrip('/')}/ray"
     return path if "://" in path else str(Path(path).resolve())
+
+
+def exports_path(storage: str, cfg: PretrainConfig) -> str:
+    """Where the workers export models (--export-every): beside Ray's checkpoints of the run, on
+    storage every worker reaches (a bucket on a cluster); `_finish` copies them to OUTPUT."""
+    return f"{storage.rstrip('/')}/{cfg.run_name}/exports"
 
 
 def _local(path: str) -> str:
@@ -229,6 +235,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 "mlflow_tracking_uri": tracking.tracking_uri(),
                 "progress": progress.queue,
                 "control": progress.control,
+                "exports": exports_path(storage, cfg),
             }
             with _stop_on_signals(progress.control) as stop:
                 result = _fit_in_thread(_trainer(cfg, storage, loop_config))
@@ -238,6 +245,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
             raise BertError(f"the run under {storage}/{cfg.run_name} produced no checkpoint")
         summary = _finish(cfg, result.checkpoint, out, {"run_id": run.info.run_id,
                                                        "start_from": start_from})
+        if exists(exports := exports_path(storage, cfg)):  # --export-every/-steps' models
+            copy(exports, out / "exports")
         if stop.signum is not None:  # the workers saved a checkpoint and stopped: say where
             where = f"checkpoint at step {summary['step']} saved in {storage}/{cfg.run_name}"
             raise Interrupted(stop.signum, f"{where}; the same command resumes from it")
@@ -288,7 +297,7 @@ def _output_folder(output: str) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="bert-pretrain-out-") as tmp:
         yield Path(tmp)
-        for name in ("model", "pretrain_metrics.csv"):
+        for name in ("model", "pretrain_metrics.csv", "heldout_metrics.csv", "exports"):
             if (Path(tmp) / name).exists():
                 copy(Path(tmp) / name, f"{output.rstrip('/')}/{name}")
 

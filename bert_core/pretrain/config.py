@@ -79,6 +79,10 @@ class PretrainConfig:
     log_every: int = option(50, "metrics (MLflow, CSV, progress bar) every this many steps")
     checkpoint_every: int = option(500, "Ray checkpoint every this many steps (and at the end)")
     keep_checkpoints: int = option(3, "Ray checkpoints kept")
+    export_every: int = option(
+        0, "also a loadable model every this many steps, OUTPUT/exports/step-N (Hugging Face "
+        "layout; kept, unlike checkpoints): fine-tune from each for the paper's Figure 2; 0: none")
+    export_steps: tuple[int, ...] = option((), "and at these steps (comma list)")
     max_failures: int = option(3, "worker restarts before giving up")
     storage_path: str | None = option(None, "Ray checkpoints (default OUTPUT/ray; s3:// allowed)")
     run_name: str = option("pretrain", "Ray run name: the same storage path and name resume")
@@ -88,6 +92,7 @@ class PretrainConfig:
 
     def __post_init__(self):
         self.adam_betas = tuple(float(b) for b in self.adam_betas)  # argparse gives a list
+        self.export_steps = tuple(int(s) for s in self.export_steps)  # JSON (Ray) gives a list
 
     def shape(self) -> dict[str, int]:
         """The model's size fields: --preset's, each shape option given in its place."""
@@ -95,6 +100,12 @@ class PretrainConfig:
 
         return shape(self.preset, self.num_layers, self.hidden_size, self.num_heads,
                      self.intermediate_size)  # fmt: skip
+
+    def exports_at(self, step: int) -> bool:
+        """Is a model exported after this step (--export-every, --export-steps)?"""
+        return bool(self.export_every and step % self.export_every == 0) or (
+            step in self.export_steps
+        )
 
     @property
     def micro_batch(self) -> int:
@@ -129,6 +140,10 @@ class PretrainConfig:
                 f"--batch-size {self.batch_size} is not divisible by --num-workers x "
                 f"--grad-accum = {self.num_workers * self.grad_accum}"
             )
+        if [s for s in self.export_steps if not 1 <= s <= self.steps]:
+            raise BertError(f"--export-steps must be within 1..--steps ({self.steps})")
+        if self.export_every < 0:
+            raise BertError("--export-every must be >= 1, or 0 for none")
         for name in ("log_every", "checkpoint_every", "eval_every", "eval_sequences"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -247,7 +247,7 @@ def fetch_outputs(job_output: str, output: str, steps: int) -> dict[str, Any]:
         if st.exists(f"{job_output}/model"):
             with atomic_dir(Path(output) / "model") as tmp:
                 st.copy(f"{job_output}/model", tmp)
-        for name in ("pretrain_metrics.csv", "heldout_metrics.csv"):
+        for name in ("pretrain_metrics.csv", "heldout_metrics.csv", "exports"):
             if st.exists(f"{job_output}/{name}"):
                 st.copy(f"{job_output}/{name}", Path(output) / name)
     fs, csv_path = st.filesystem(f"{output}/pretrain_metrics.csv")

@@ -9,8 +9,9 @@ final model in the Hugging Face layout (`model/`).
 from __future__ import annotations
 
 import csv
+import json
 import random
-import shutil
+import tempfile
 import threading
 import time
 from dataclasses import asdict
@@ -23,7 +24,7 @@ import torch
 
 from bert_core.errors import atomic_file
 from bert_core.pretrain.config import PretrainConfig
-from bert_core.storage import filesystem, is_s3
+from bert_core.storage import filesystem, is_s3, output_dir
 
 CSV_COLUMNS = (
     "step",
@@ -135,13 +136,35 @@ def save_checkpoint(
         "config": asdict(cfg),
     }
     torch.save(state, directory / "state.pt")
-    if not final:
-        return
-    vocab_file: str | Path = cfg.vocab_file
-    if is_s3(vocab_file):  # save_pretrained copies local files: the vocabulary's folder
-        vocab_file = fetch_tokenizer_files(cfg.instances, directory / "tokenizer")
-    model.save_pretrained(directory / "model", vocab_file=vocab_file)
-    shutil.rmtree(directory / "tokenizer", ignore_errors=True)
+    if final:
+        save_model(directory / "model", cfg, model)
+
+
+def save_model(directory: Path, cfg: PretrainConfig, model: torch.nn.Module) -> None:
+    """`model` as a loadable folder (Hugging Face layout) with the instances' vocab.txt and
+    tokenizer settings (casing) beside it: the final model, and each export."""
+    with tempfile.TemporaryDirectory(prefix="bert-tokenizer-") as tmp:
+        vocab_file: str | Path = cfg.vocab_file
+        if is_s3(vocab_file):  # save_pretrained copies local files: the vocabulary's folder
+            vocab_file = fetch_tokenizer_files(cfg.instances, Path(tmp))
+        model.save_pretrained(directory, vocab_file=vocab_file)
+
+
+def export_model(exports: str, cfg: PretrainConfig, model: torch.nn.Module, step: int) -> None:
+    """The model after `step` as `exports/step-N` (rank 0, local or s3://): kept beside
+    the checkpoints (which are pruned), copied into OUTPUT/exports when the run ends. A restart
+    that passes the step again writes the same folder again (resumed runs are bit for bit)."""
+    with output_dir(f"{exports.rstrip('/')}/{export_name(step)}") as tmp:
+        save_model(tmp, cfg, model)
+        (tmp / EXPORT_RECORD).write_text(json.dumps({"step": step}) + "\n")
+
+
+EXPORT_RECORD = "pretrain_step.json"  # in an export: the step it was taken after
+
+
+def export_name(step: int) -> str:
+    """`step-N`, unpadded: what a DVC stage names from a params.yaml list of steps."""
+    return f"step-{step}"
 
 
 def fetch_tokenizer_files(instances: str, folder: Path) -> Path:

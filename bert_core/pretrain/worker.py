@@ -40,6 +40,7 @@ from bert_core.pretrain.state import (
     CSV_COLUMNS,
     Meter,
     MetricSink,
+    export_model,
     flops_per_token,
     gather_objects,
     load_state,
@@ -243,7 +244,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     heldout = HeldOutEval.load(cfg, rank, world, pad_id=training.stream.pad_id)
     if heldout is None and rank == 0:
         print(f"[pretrain] no held-out instances in {cfg.heldout}: no held-out evaluation")
-    _train(cfg, training, device, rank, world, sink, heldout, loop_config.get("control"))
+    _train(cfg, training, device, rank, world, sink, heldout, loop_config.get("control"),
+           exports=loop_config.get("exports"))  # fmt: skip
     if sink is not None:
         sink.close()
 
@@ -257,11 +259,13 @@ def _train(
     sink: MetricSink | None,
     heldout: HeldOutEval | None = None,
     control=None,
+    exports: str | None = None,
 ) -> None:
     """Steps until --steps (or --stop-after): metrics every --log-every steps and with every
     checkpoint, held-out evaluation at the start and every --eval-every steps and at the end, a
     checkpoint every --checkpoint-every steps and at the end, and at the step the driver asks
-    to stop (`control`: SIGTERM or SIGINT on the driver)."""
+    to stop (`control`: SIGTERM or SIGINT on the driver); a model exported into `exports` by
+    rank 0 at the steps --export-every / --export-steps name."""
     batches = prefetch(t.stream)
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
     peak = peak_flops(cfg, device)
@@ -272,6 +276,8 @@ def _train(
     while t.step < end:
         lr = train_step(t.model, batches, t.optimizer, t.scheduler, cfg, device, meter, world > 1)
         t.step += 1
+        if exports and rank == 0 and cfg.exports_at(t.step):
+            export_model(exports, cfg, t.core, t.step)
         _maybe_inject_failure(cfg, t.step)
         if heldout is not None and (t.step % cfg.eval_interval == 0 or t.step == end):
             _evaluate(t, heldout, device, sink)

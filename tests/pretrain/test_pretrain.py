@@ -208,6 +208,19 @@ OPTIONS = {
 }  # fmt: skip
 
 
+def test_exports_are_at_the_steps_asked_and_refused_outside_the_run():
+    cfg = PretrainConfig(instances="i", output="o", steps=10, export_every=4, export_steps=(1, 9))
+    cfg.validate()
+    assert [s for s in range(1, 11) if cfg.exports_at(s)] == [1, 4, 8, 9]
+    assert not any(PretrainConfig(instances="i", output="o").exports_at(s) for s in range(1, 9))
+    with pytest.raises(BertError, match="--export-steps must be within 1..--steps"):
+        replace(cfg, export_steps=(11,)).validate()
+    with pytest.raises(BertError, match="--export-every must be >= 1, or 0 for none"):
+        replace(cfg, export_every=-1).validate()
+    assert parse_args(["--instances", "i", "--output", "o", "--export-steps", "3,5"]
+                      ).export_steps == (3, 5)  # fmt: skip
+
+
 def test_cli_is_generated_from_the_config():
     parser = build_parser()
     actions = {a.option_strings[0]: a for a in parser._actions if a.dest != "help"}
@@ -486,8 +499,11 @@ def test_heldout_accuracy_beats_the_most_frequent_token(tmp_path_factory, shared
 
 @pytest.mark.slow
 def test_stop_and_resume_equals_one_go(ray_cluster, instances, tmp_path, mlflow_uri):
-    """K steps in one go == K/2, stop, restart the same command (resumes by itself), K/2 more."""
-    kw = dict(steps=8, num_workers=2, checkpoint_every=4, log_every=2)
+    """K steps in one go == K/2, stop, restart the same command (resumes by itself), K/2 more.
+    With the models exported on the way (--export-every 4, --export-steps 2: Figure 2's), each
+    a loadable folder that names its step, the last one the final model, the same in both."""
+    kw = dict(steps=8, num_workers=2, checkpoint_every=4, log_every=2, export_every=4,
+              export_steps=(2,))  # fmt: skip
     pt.pretrain(small_config(instances, tmp_path / "one", **kw))
     half = pt.pretrain(small_config(instances, tmp_path / "two", stop_after=4, **kw))
     assert half["step"] == 4 and not half["finished"] and not (tmp_path / "two" / "model").exists()
@@ -505,6 +521,25 @@ def test_stop_and_resume_equals_one_go(ray_cluster, instances, tmp_path, mlflow_
     init = build_model(small_config(instances, tmp_path), len(read_vocab(instances / "vocab.txt")))
     moved = [n for n, p in init.state_dict().items() if not torch.allclose(p, a[n])]
     assert len(moved) > len(a) // 2  # the weights trained, so equality is not trivial
+    for run in ("one", "two"):
+        exports = tmp_path / run / "exports"
+        assert sorted(p.name for p in exports.iterdir()) == [
+            "step-2", "step-4", "step-8"
+        ], run  # fmt: skip
+        for folder in exports.iterdir():
+            step = json.loads((folder / "pretrain_step.json").read_text())["step"]
+            assert folder.name == f"step-{step}"
+            model = BertForPreTraining.from_pretrained(folder)  # loadable, with its vocabulary
+            assert (folder / "vocab.txt").read_bytes() == (instances / "vocab.txt").read_bytes()
+            assert model.config.num_hidden_layers == 2
+    last = load_file(tmp_path / "two" / "exports" / "step-8" / "model.safetensors")
+    early = load_file(tmp_path / "one" / "exports" / "step-2" / "model.safetensors")
+    assert all(torch.equal(last[n], b[n]) for n in b)  # the last export is the final model
+    assert not all(torch.equal(early[n], b[n]) for n in b)  # an earlier one is earlier
+    mid = [load_file(tmp_path / r / "exports" / "step-4" / "model.safetensors")
+           for r in ("one", "two")]  # fmt: skip
+    for name in mid[0]:  # exported before the stop in run two, as in the run in one go
+        torch.testing.assert_close(mid[0][name], mid[1][name], atol=1e-6, rtol=0, msg=name)
     rows_one = list(csv.DictReader((tmp_path / "one" / "pretrain_metrics.csv").open()))
     rows_two = list(csv.DictReader((tmp_path / "two" / "pretrain_metrics.csv").open()))
     assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == ["2", "4", "6", "8"]

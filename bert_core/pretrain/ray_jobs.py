@@ -37,6 +37,7 @@ import re
 import shlex
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,10 @@ def dashboard_address() -> str | None:
 
 
 def config_argv(cfg: PretrainConfig) -> list[str]:
-    """The `bert pretrain` options that give back `cfg` (`parse_args(config_argv(cfg)) == cfg`)."""
+    """The `bert pretrain` options that give back `cfg` (`parse_args(config_argv(cfg)) == cfg`):
+    a `tuple[X, X]` as that many values, a `tuple[X, ...]` as one comma list (none when empty)."""
     argv: list[str] = []
+    hints = typing.get_type_hints(PretrainConfig)
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         option = f"--{f.name.replace('_', '-')}"
@@ -77,7 +80,11 @@ def config_argv(cfg: PretrainConfig) -> list[str]:
         if value is True:
             argv.append(option)
         elif isinstance(value, tuple):
-            argv += [option, *(repr(v) if isinstance(v, float) else str(v) for v in value)]
+            items = [repr(v) if isinstance(v, float) else str(v) for v in value]
+            if Ellipsis not in typing.get_args(hints[f.name]):
+                argv += [option, *items]
+            elif items:  # a comma list (options.comma_list)
+                argv += [option, ",".join(items)]
         else:
             argv += [option, repr(value) if isinstance(value, float) else str(value)]
     return argv

@@ -146,7 +146,7 @@ def save_model(directory: Path, cfg: PretrainConfig, model: torch.nn.Module) -> 
     with tempfile.TemporaryDirectory(prefix="bert-tokenizer-") as tmp:
         vocab_file: str | Path = cfg.vocab_file
         if is_s3(vocab_file):  # save_pretrained copies local files: the vocabulary's folder
-            vocab_file = fetch_tokenizer_files(cfg.instances, Path(tmp))
+            vocab_file = fetch_tokenizer_files(cfg.instances, Path(tmp) / "tokenizer")
         model.save_pretrained(directory, vocab_file=vocab_file)
 
 

@@ -40,9 +40,13 @@ def test_config_argv_gives_back_the_config():
     cfg = PretrainConfig(
         instances="s3://b/i", output="/o", steps=7, use_gpu=True, adam_betas=(0.9, 0.98),
         learning_rate=5e-3, dropout=0.0, storage_path="s3://b/ray/x", stop_after=3,
+        export_steps=(2, 5), num_layers=3,
     )  # fmt: skip
     argv = ray_jobs.config_argv(cfg)
     assert parse_args(argv) == cfg
+    assert argv[argv.index("--export-steps") + 1] == "2,5"  # a comma list: one value
+    plain = ray_jobs.config_argv(PretrainConfig(instances="i", output="o"))
+    assert "--export-steps" not in plain and parse_args(plain).export_steps == ()
     assert "--use-gpu" in argv and "--compile" not in argv and "--warmup-steps" not in argv
     assert argv[argv.index("--adam-betas") + 1 : argv.index("--adam-betas") + 3] == ["0.9", "0.98"]
     every = {f.name for f in fields(PretrainConfig)}  # a new field must round-trip too

@@ -98,7 +98,7 @@ def storage_path(cfg: PretrainConfig) -> str:
 
 def exports_path(storage: str, cfg: PretrainConfig) -> str:
     """Where the workers export models (--export-every): beside Ray's checkpoints of the run, on
-    storage every worker reaches (a bucket on a cluster); `_finish` copies them to OUTPUT."""
+    storage every worker reaches (a bucket on a cluster); `pretrain` copies them to OUTPUT."""
     return f"{storage.rstrip('/')}/{cfg.run_name}/exports"
 
 

@@ -7,6 +7,10 @@ JSON line: {"preset", "ours_tokens_per_s", "hf_tokens_per_s", "ratio", "device",
 also MFU = 6 * parameters * tokens/s over the device's dense bf16 peak.
 
     python bench/model_step.py --preset mini --seq-len 128 --batch-size 32 --steps 20
+
+`--profile` adds a second JSON line: where our step's GPU time goes (matrix products, attention,
+the rest: elementwise, LayerNorm, dropout, optimizer), the top kernels with their shares.
+Measured on an H100 (#31): docs/pretrain.md "Throughput to expect per GPU".
 """
 
 from __future__ import annotations
@@ -89,6 +93,41 @@ def timed(step, n: int, device: str) -> float:
     return time.perf_counter() - t
 
 
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul")):
+        return "matmul"
+    if any(k in n for k in ("fmha", "flash", "attention", "attn")):
+        return "attention"
+    return "other"
+
+
+def profile(step, steps: int = 5) -> dict:
+    """GPU time of `steps` steps by kernel: the share of each kind and the top 12 kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            times[e.key] = times.get(e.key, 0.0) + us
+    total = sum(times.values()) or 1.0
+    kinds: dict[str, float] = {}
+    for name, us in times.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us / total
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "gpu_ms_per_step": round(total / steps / 1000, 3),
+        "share": {k: round(v, 3) for k, v in sorted(kinds.items())},
+        "top": [[name[:90], round(us / total, 4)] for name, us in top],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="mini")
@@ -99,6 +138,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="torch.compile both models")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", action="store_true", help="also our step's GPU time by kernel")
     args = p.parse_args()
     device = args.device
     if device == "cuda":
@@ -127,6 +167,7 @@ def main() -> None:
     tokens = args.rounds * args.steps * args.batch_size * args.seq_len
     ours_tps, hf_tps = tokens / seconds["ours"], tokens / seconds["hf"]
     result = {
+        "bench": "model_step",
         "preset": args.preset,
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
@@ -147,7 +188,10 @@ def main() -> None:
         if peak:
             result["ours_mfu"] = round(6 * n * ours_tps / peak, 4)
             result["hf_mfu"] = round(6 * n * hf_tps / peak, 4)
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    if args.profile and device == "cuda":
+        print(json.dumps({"bench": "model_step_profile", "preset": args.preset,
+                          "seq_len": args.seq_len, **profile(steps["ours"])}))  # fmt: skip
 
 
 if __name__ == "__main__":

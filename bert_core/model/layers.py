@@ -4,6 +4,12 @@ Pure `torch.nn` modules with the Hugging Face `transformers` names (`embeddings`
 .attention.self.query`, ...), so the state dict of `bert_core.model.modeling.BertModel` built
 from them loads in `transformers` and back. Attention goes through
 `torch.nn.functional.scaled_dot_product_attention`, which picks a fused kernel for the device.
+
+Under bf16 autocast (GPUs) the residual stream between the layers is bf16 too: `LayerNorm`
+computes its statistics in fp32 but hands back its input's dtype, and the embeddings' output is
+cast once. Autocast alone would return fp32 from every LayerNorm, so each residual add, dropout
+and LayerNorm (the memory-bound kernels between the matrix products) moved twice the bytes, and
+every next matrix product paid a cast. The weights stay fp32 (the optimizer's master copy).
 """
 
 from __future__ import annotations
@@ -17,6 +23,23 @@ from bert_core.model.config import ACTIVATIONS, BertConfig
 # ----------------------------------------------------------------------------- encoder
 
 
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm in fp32 whose output keeps the input's dtype (a bf16 residual stream under
+    autocast, which would otherwise return fp32); parameters and names are nn.LayerNorm's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).to(x.dtype)
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """`x` in autocast's dtype where autocast is on for its device (the embeddings' fp32 sum
+    enters the bf16 stream here), else unchanged."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
 class BertEmbeddings(nn.Module):
     """Token + segment + learned absolute position embeddings, then LayerNorm and dropout."""
 
@@ -26,7 +49,7 @@ class BertEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, h, padding_idx=config.pad_token_id)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
-        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(h, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
@@ -36,7 +59,7 @@ class BertEmbeddings(nn.Module):
             + self.token_type_embeddings(token_type_ids)
             + self.position_embeddings(positions)
         )
-        return self.dropout(self.LayerNorm(x))
+        return self.dropout(autocast_dtype(self.LayerNorm(x)))
 
 
 class BertSelfAttention(nn.Module):
@@ -67,7 +90,7 @@ class BertDenseLayerNorm(nn.Module):
     def __init__(self, d_in: int, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(d_in, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,25 @@ def test_real_weights_match_transformers(minilm_dir: Path, batch: dict) -> None:
     assert a.last_hidden_state.abs().max() > 0.1  # not a degenerate all-zero comparison
 
 
+def test_bf16_autocast_keeps_the_residual_stream_in_bf16(minilm_dir: Path, batch: dict) -> None:
+    """Under bf16 autocast every layer's output is bf16 (LayerNorm in fp32 inside, its output in
+    its input's dtype: half the bytes of autocast's fp32), and tracks the fp32 model on real
+    weights; without autocast everything stays fp32 (the parity test above)."""
+    model = BertModel.from_pretrained(minilm_dir).eval()
+    args = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        ref = model(*args, output_hidden_states=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(*args, output_hidden_states=True)
+    assert {h.dtype for h in ref.hidden_states} == {torch.float32}
+    assert {h.dtype for h in low.hidden_states} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    real = batch["attention_mask"].bool()
+    for a, b in zip(low.hidden_states, ref.hidden_states, strict=True):
+        a, b = a.float()[real], b[real]
+        assert (a - b).norm() / b.norm() < 0.03  # bf16 keeps 8 bits of mantissa
+
+
 def test_pretraining_heads_match_transformers() -> None:
     """(b) random BertForPreTraining weights copied into transformers: logits and losses agree."""
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ export PYTHONPATH := $(CURDIR)
 # and then (infra/k8s/env/pipeline-env.yaml says more). Set it to false to send them.
 export MLFLOW_DISABLE_TELEMETRY ?= true
 
-.PHONY: venv run test lint bench clean
+.PHONY: venv run test lint bench clean table7
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,6 +31,10 @@ test: venv lint
 # `make run ARGS="-S model.preset=mini"` runs it as a DVC experiment with that override.
 run: venv
 	$(PY) pipelines/run_dvc.py $(ARGS)
+
+# The paper's Table 7 (feature-based NER) as one named experiment set: docs/experiments.md.
+table7: venv
+	$(PY) pipelines/experiments.py table7 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs mlflow.db mlruns .dvc/cache .dvc/tmp .pytest_cache .ruff_cache

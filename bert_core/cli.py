@@ -265,3 +265,13 @@ def dvc_log_results(parent_id: str, evaluate_dir: Path) -> dict:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# Experiment sets: what pipelines/experiments.py (`make table7`) needs besides the commands.
+
+
+def feature_choices() -> tuple[str, ...]:
+    """`bert finetune --feature-based`'s choices in the paper's Table 7 order."""
+    from bert_core.model.heads import FEATURE_LAYERS
+
+    return FEATURE_LAYERS

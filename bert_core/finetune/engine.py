@@ -64,6 +64,8 @@ class FinetuneTask:
         self.problem_type: str | None = None
         self.num_train = 0  # training rows (windows) the batches are drawn from
         self.num_train_examples = 0  # examples (sentences, questions) they come from
+        # config.json fields the task's head reads beyond the labels (set by `prepare`)
+        self.model_overrides: dict = {}
 
     def download(self, data_dir: Path) -> None:
         """Fetch the task's data into `data_dir` when it is not there (`--download`)."""
@@ -165,7 +167,7 @@ def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None
     config = bert.BertConfig.from_json_file(
         model_dir / bert.CONFIG_NAME, num_labels=task.num_labels, finetuning_task=task.name,
         id2label=dict(enumerate(names)) or None,
-        label2id={n: i for i, n in enumerate(names)} or None,
+        label2id={n: i for i, n in enumerate(names)} or None, **task.model_overrides,
     )  # fmt: skip
     vocab = model_dir / "vocab.txt"
     if vocab.is_file() and (size := len(read_vocab(vocab))) > config.vocab_size:

@@ -68,6 +68,9 @@ class BertConfig:
     id2label: dict[int, str] | None = None
     label2id: dict[str, int] | None = None
     finetuning_task: str | None = None  # the task a fine-tuned model was trained on
+    # `heads.BertFeatureTagger`'s input (the feature-based approach, the paper's Table 7): one of
+    # `heads.FEATURE_LAYERS`; None for every other model (and then not in config.json)
+    feature_layers: str | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads != 0:
@@ -135,6 +138,8 @@ class BertConfig:
         d["id2label"] = {str(i): name for i, name in id2label.items()}
         d["label2id"] = self.label2id or {name: i for i, name in id2label.items()}
         task = d.pop("finetuning_task")
+        if d["feature_layers"] is None:
+            del d["feature_layers"]
         d.update(model_type="bert", position_embedding_type="absolute")
         if task is not None:
             d["finetuning_task"] = task

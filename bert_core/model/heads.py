@@ -4,7 +4,9 @@ One class per kind of task, with transformers' class and parameter names (`class
 `qa_outputs.*`), so a fine-tuned checkpoint loads in either library:
 `BertForSequenceClassification` (GLUE: the pooled [CLS] vector), `BertForTokenClassification`
 (NER: every token), `BertForQuestionAnswering` (SQuAD: a start and an end logit per token) and
-`BertForMultipleChoice` (SWAG: one score per choice from its pooled [CLS] vector).
+`BertForMultipleChoice` (SWAG: one score per choice from its pooled [CLS] vector). And the
+feature-based approach of section 5.3: `BertFeatureTagger` (BERT frozen, a BiLSTM tagger on the
+hidden states chosen as in Table 7).
 """
 
 from __future__ import annotations
@@ -177,3 +179,105 @@ class BertForQuestionAnswering(_TokenLevelModel):
                 + F.cross_entropy(end_logits.float(), end, ignore_index=ignored)
             ) / 2
         return QuestionAnsweringOutput(loss, start_logits, end_logits)
+
+
+# The paper's Table 7 choices of frozen features for NER (section 5.3), in its order.
+FEATURE_LAYERS = (
+    "embeddings", "second-to-last", "last", "weighted-sum-last4", "concat-last4",
+    "weighted-sum-all",
+)  # fmt: skip
+
+
+def feature_states(choice: str, num_layers: int) -> tuple[tuple[int, ...], str]:
+    """(hidden-state indices, how they combine: one, sum or concat) of a Table 7 choice; index 0
+    is the embeddings' output, 1..L the layers' ("all 12 layers" are the L layers')."""
+    last4 = tuple(range(num_layers - 3, num_layers + 1))
+    return {
+        "embeddings": ((0,), "one"),
+        "second-to-last": ((num_layers - 1,), "one"),
+        "last": ((num_layers,), "one"),
+        "weighted-sum-last4": (last4, "sum"),
+        "concat-last4": (last4, "concat"),
+        "weighted-sum-all": (tuple(range(1, num_layers + 1)), "sum"),
+    }[choice]
+
+
+class FeatureBiLSTM(nn.Module):
+    """The paper's tagger on fixed features: the chosen hidden states (a weighted sum where
+    Table 7 says so: softmax-normalised learned weights and a scale, ELMo's scalar mix, which the
+    paper does not spell out; concatenated where it says concat), a two-layer BiLSTM as wide as
+    the model per direction (768 at BERT-Base, the paper's), then a linear layer per token."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.layers, self.combine = feature_states(config.feature_layers, config.num_hidden_layers)
+        self.mix = nn.Parameter(torch.zeros(len(self.layers)))  # equal weights at the start
+        self.scale = nn.Parameter(torch.ones(1))
+        width = h * len(self.layers) if self.combine == "concat" else h
+        p = config.hidden_dropout_prob
+        self.lstm = nn.LSTM(width, h, num_layers=2, bidirectional=True, batch_first=True, dropout=p)
+        self.dropout = nn.Dropout(p)
+        self.out = nn.Linear(2 * h, config.num_labels)
+
+    def forward(self, states: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
+        chosen = [states[i].float() for i in self.layers]
+        if self.combine == "concat":
+            x = torch.cat(chosen, dim=-1)
+        elif self.combine == "sum":
+            w = torch.softmax(self.mix, 0)
+            x = self.scale * sum(w[i] * c for i, c in enumerate(chosen))
+        else:
+            x = chosen[0]
+        # packed, so the backward direction starts at each sentence's end, not in its padding
+        lengths = mask.sum(1).clamp(min=1).cpu()
+        packed = nn.utils.rnn.pack_padded_sequence(
+            self.dropout(x), lengths, batch_first=True, enforce_sorted=False
+        )
+        h, _ = self.lstm(packed)
+        h, _ = nn.utils.rnn.pad_packed_sequence(h, batch_first=True, total_length=x.shape[1])
+        return self.out(self.dropout(h))
+
+
+class BertFeatureTagger(_TokenLevelModel):
+    """The feature-based approach to NER (section 5.3): BERT's weights frozen and its dropout
+    off (the features are fixed, as if extracted once), `FeatureBiLSTM` trained on top.
+
+    The tagger's parameters live under `classifier.`, a head prefix: a pre-trained checkpoint
+    loads with the tagger freshly initialised, and a saved tagger loads back whole. Inputs,
+    labels and outputs are `BertForTokenClassification`'s, so NER's training, prediction and
+    serving code runs it unchanged.
+    """
+
+    def __init__(self, config: BertConfig):
+        if config.feature_layers not in FEATURE_LAYERS:
+            raise ValueError(
+                f"feature_layers {config.feature_layers!r}: one of {', '.join(FEATURE_LAYERS)}"
+            )
+        super().__init__(config)
+        self.classifier = FeatureBiLSTM(config)
+        self._init_weights(self.classifier.out)
+        self.bert.requires_grad_(False)
+
+    def train(self, mode: bool = True) -> BertFeatureTagger:
+        super().train(mode)
+        self.bert.eval()  # fixed features: no dropout inside BERT
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> ClassifierOutput:
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        with torch.no_grad():
+            states = self.bert(input_ids, token_type_ids, mask, output_hidden_states=True)
+        logits = self.classifier(states.hidden_states, mask)  # [B, L, num_labels]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten().long(), ignore_index=-100
+            )
+        return ClassifierOutput(loss, logits)

@@ -59,6 +59,7 @@ CONTROL_INIT = "random"
 CONTINUED = "public checkpoint + continued pre-training"
 PUBLIC = "public checkpoint"
 ROWS = (SYSTEM_OF_INIT["pretrained"], CONTINUED, PUBLIC, SYSTEM_OF_INIT["random"])  # unnamed
+FEATURE_BASED = "feature-based"  # then its Table 7 choice; ranked after ROWS, by name
 
 
 def _metrics_file(folder: str | Path) -> str:
@@ -156,7 +157,11 @@ def system_of(data: dict, init: str) -> str:
     control; for a pre-trained start, what the weights were (`start_from`, `bert finetune`'s
     `pretraining`): ours from scratch ("BERT (ours)", also results written before the field
     existed), a public checkpoint pre-trained further on the user's corpus, or one fine-tuned as
-    it is."""
+    it is. A feature-based tagger (`bert finetune --feature-based`) is its own row, one per
+    Table 7 choice: "feature-based (concat-last4)"."""
+    choice = data.get("config", {}).get("feature_based", "none")
+    if choice != "none":
+        return f"{FEATURE_BASED} ({choice})"
     if init != "pretrained":
         return SYSTEM_OF_INIT[init]
     if data.get("start_from", "random init") == "random init":
@@ -219,7 +224,11 @@ def group_systems(groups: Sequence[Group]) -> dict[str, dict]:
             if entry["init"] != init:
                 raise InputError(folder, f"system {name!r} mixes pretrained and random init")
     named = {name for name, _ in groups}
-    rank = {name: (0, 0) if name in named else (1, ROWS.index(name)) for name in systems}
+    rank = {
+        name: (0, 0, "") if name in named else (1, *((ROWS.index(name), "") if name in ROWS
+                                                     else (len(ROWS), name)))
+        for name in systems
+    }  # fmt: skip
     return dict(sorted(systems.items(), key=lambda kv: rank[kv[0]]))  # stable: named as given
 
 

@@ -33,6 +33,13 @@ TOKEN_TASKS = {
     "swag": ("SWAG (Table 4 layout)", {"accuracy": "Dev Acc"}),
 }  # fmt: skip
 REQUIRED = {"squad": ("exact_match", "f1"), "squad_v2": ("exact_match", "f1")}
+# The paper's Table 7 (CoNLL-2003 dev F1, BERT-Base): each feature-based row ("feature-based
+# (CHOICE)", `evaluate.system_of`) and fine-tuning, shown beside ours when a feature-based row is
+# in the table.
+PAPER_TABLE7 = {
+    "embeddings": 91.0, "second-to-last": 95.6, "last": 94.9, "weighted-sum-last4": 95.9,
+    "concat-last4": 96.1, "weighted-sum-all": 95.5, "fine-tuning": 96.4,
+}  # fmt: skip
 NOTE = (
     "Dev-set metrics in percent. Table 1's metric per task: F1 for QQP and MRPC, Spearman "
     "for STS-B, Matthews correlation for CoLA, accuracy for the others. GLUE score: mean of "
@@ -130,10 +137,14 @@ def token_tables(results: dict) -> str:
         if not rows:
             continue
         shown = [m for m in columns if any(m in r["metrics"] for r in rows.values())]
-        lines = [f"**{title}**", "", "| System | " + " | ".join(columns[m] for m in shown) + " |",
-                 "|---" * (len(shown) + 1) + "|"]  # fmt: skip
+        paper = task == "conll2003" and any(n.startswith("feature-based (") for n in rows)
+        heads = [columns[m] for m in shown] + (["Paper Dev F1 (BERT-Base, Table 7)"] * paper)
+        lines = [f"**{title}**", "", "| System | " + " | ".join(heads) + " |",
+                 "|---" * (len(heads) + 1) + "|"]  # fmt: skip
         for name, r in rows.items():
             cells = [_pct(r["metrics"][m]) if m in r["metrics"] else "-" for m in shown]
+            if paper:
+                cells.append(_table7_cell(name, systems(results)[name].get("init")))
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         for name, r in systems(results).items():
             g = (r.get("gain") or {}).get("token_tasks", {}).get(task)
@@ -144,6 +155,14 @@ def token_tables(results: dict) -> str:
                 )
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
+
+
+def _table7_cell(name: str, init: str | None) -> str:
+    """The paper's number for a row of Table 7: its feature choice, or fine-tuning for a row
+    fine-tuned from pre-trained weights; none for the random-init control."""
+    if name.startswith("feature-based ("):
+        return f"{PAPER_TABLE7[name.removeprefix('feature-based (').rstrip(')')]:.1f}"
+    return "-" if init == "random" else f"{PAPER_TABLE7['fine-tuning']:.1f} (fine-tuning)"
 
 
 def markdown_table(results: dict) -> str:

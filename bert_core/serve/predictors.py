@@ -51,7 +51,7 @@ from bert_core.serve.predictor import (  # noqa: F401 (re-exported: the predicto
     read_config,
     softmax,
 )
-from bert_core.serve.predictors_span import EntityTagger, QuestionAnswerer
+from bert_core.serve.predictors_span import EntityTagger, FeatureTagger, QuestionAnswerer
 
 
 def pair_task(config: dict) -> bool | None:
@@ -228,6 +228,7 @@ class ChoiceRanker(Predictor):
 PREDICTORS: dict[str, type[Predictor]] = {
     "BertForSequenceClassification": TextClassifier,
     "BertForTokenClassification": EntityTagger,
+    "BertFeatureTagger": FeatureTagger,
     "BertForQuestionAnswering": QuestionAnswerer,
     "BertForMultipleChoice": ChoiceRanker,
     "BertForPreTraining": MaskFiller,

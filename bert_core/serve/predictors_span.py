@@ -112,6 +112,13 @@ def entities(
     return out
 
 
+class FeatureTagger(EntityTagger):
+    """Entities from a feature-based tagger (`bert finetune --feature-based`): the same
+    inputs, words and answers, another head."""
+
+    head = "BertFeatureTagger"
+
+
 class QuestionAnswerer(Predictor):
     """Extractive question answering, windowed and decoded as SQuAD fine-tuning does."""
 

@@ -66,17 +66,25 @@ def model_name(task: str, template: str | None = None) -> str | None:
     return template.format(task=re.sub(r"[^a-z0-9]", "", task.lower()))
 
 
+def feature_based(result: dict) -> str | None:
+    """The Table 7 choice of a feature-based run's metrics.json content, else None."""
+    choice = result.get("config", {}).get("feature_based", "none")
+    return None if choice == "none" else choice
+
+
 def log_finetuned(out: Path, result: dict) -> dict:
     """In `bert finetune`'s open MLflow run: log `out/model` as an MLflow model with the run's
     inference settings (`mlflow_model.inference_settings`: SQuAD 2.0's tuned null threshold
     too), and write `out/mlflow_model.json` (its URI, the run, and the registered model it is
-    meant for: none for a random-init control, a measurement rather than a candidate for the
-    task's model). Returns that record; nothing is registered yet."""
+    meant for: none for a random-init control or a feature-based tagger, measurements rather
+    than candidates for the task's model). Returns that record; nothing is registered yet."""
     from bert_core.serve.mlflow_model import inference_settings
 
     registered: dict[str, Any] = {}
     name, alias = model_name(result["task"]), os.environ.get(ALIAS_ENV) or None
-    if name is not None and result.get("init", "pretrained") != "random":
+    # a control or a feature-based tagger is a measurement, never a candidate for the task
+    measurement = result.get("init", "pretrained") == "random" or feature_based(result)
+    if name is not None and not measurement:
         registered = {"registered_model": name, "alias": alias}
     return write_record(out, inference_settings(result), registered)
 

@@ -333,6 +333,11 @@ def test_options_come_from_the_config_fields(tmp_path) -> None:
     ner = build_parser(load_task("conll2003"))
     assert ner.parse_args(["--task", "x", *run, "--document-context"]).document_context is True
     assert ner.parse_args(["--task", "x", *run]).document_context is False
+    assert ner.parse_args(["--task", "x", *run]).feature_based == "none"
+    # the paper's settings per task (section 4): SQuAD v1.1 3 epochs at 32, v2.0 2 epochs at 48
+    for name, epochs, batch in [("squad", 3, 32), ("squad_v2", 2, 48)]:
+        squad = build_parser(load_task(name)).parse_args(["--task", name, *run])
+        assert (squad.epochs, squad.batch_size, squad.learning_rate) == (epochs, batch, 5e-5)
 
 
 def test_prediction_loop_returns_outputs_in_input_order(tiny_dir) -> None:

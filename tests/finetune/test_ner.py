@@ -16,12 +16,14 @@ from bert_core.finetune.engine import load_tokenizer
 from bert_core.finetune.tasks.conlleval import conlleval
 from bert_core.finetune.tasks.ner import (
     LABELS,
+    NerConfig,
     download,
     entity_metrics,
     featurize,
     iob1_to_iob2,
     read_conll,
 )
+from bert_core.model.heads import FEATURE_LAYERS, BertFeatureTagger, feature_states
 from bert_core.model.modeling import BertConfig, BertForPreTraining
 
 torch.set_num_threads(1)  # as the other fine-tuning tests: CI's cores are shared
@@ -302,3 +304,89 @@ def test_document_context_and_test_split_end_to_end(
         pred = [[r[4] for r in s] for s in sentences]
         assert conlleval(gold, pred)["f1"] == pytest.approx(metrics["conlleval_f1"])
         assert entity_metrics(gold, pred)["f1"] == pytest.approx(metrics["f1"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The feature-based approach (section 5.3, Table 7)
+
+
+def test_feature_states_are_the_papers_table_7_choices() -> None:
+    """Index 0 is the embeddings' output, 1..L the layers (a 12-layer BERT as the paper's)."""
+    assert feature_states("embeddings", 12) == ((0,), "one")
+    assert feature_states("second-to-last", 12) == ((11,), "one")
+    assert feature_states("last", 12) == ((12,), "one")
+    assert feature_states("weighted-sum-last4", 12) == ((9, 10, 11, 12), "sum")
+    assert feature_states("concat-last4", 12) == ((9, 10, 11, 12), "concat")
+    assert feature_states("weighted-sum-all", 12) == (tuple(range(1, 13)), "sum")
+    assert [feature_states(c, 12) for c in FEATURE_LAYERS]  # every choice has its states
+    with pytest.raises(ValueError, match="--feature-based 'first': none or one of embeddings"):
+        NerConfig(feature_based="first")
+    config = BertConfig.from_preset("tiny", num_labels=3)
+    with pytest.raises(ValueError, match="feature_layers None: one of embeddings"):
+        BertFeatureTagger(config)
+    # the tagger's width follows the model: concat feeds 4H into a BiLSTM of H per direction
+    tagger = BertFeatureTagger(BertConfig.from_preset("tiny", num_labels=3,
+                                                      feature_layers="concat-last4"))  # fmt: skip
+    h = tagger.config.hidden_size
+    assert (tagger.classifier.lstm.input_size, tagger.classifier.lstm.hidden_size) == (4 * h, h)
+    assert tagger.classifier.lstm.num_layers == 2 and tagger.classifier.lstm.bidirectional
+    ids = torch.randint(5, 100, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    out = tagger(ids, torch.zeros_like(ids), mask, labels=torch.zeros_like(ids))
+    assert out.logits.shape == (2, 9, 3) and out.loss.requires_grad
+    # padding never reaches the backward LSTM: row 1's real tokens ignore what pads hold
+    other = ids.clone()
+    other[1, 6:] = 7
+    tagger.eval()
+    a = tagger(ids, torch.zeros_like(ids), mask).logits[1, :6]
+    b = tagger(other, torch.zeros_like(ids), mask).logits[1, :6]
+    assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_feature_based_tagger_learns_on_frozen_bert(
+    tmp_path: Path, minilm_dir: Path, shared_data: Path, monkeypatch
+) -> None:
+    """`--feature-based weighted-sum-last4` on the real MiniLM: only the BiLSTM tagger learns
+    (BERT's saved weights equal the checkpoint's), it beats the all-O tagger, its model serves
+    as NER, it is not registered as the task's model, and `bert evaluate` gives it its own row."""
+    import mlflow
+    from safetensors.torch import load_file
+
+    from bert_core.report.evaluate import system_of
+    from bert_core.serve.predictors import load_predictor
+
+    db = tmp_path / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    out = tmp_path / "fb"
+    argv = [
+        "finetune", "--task", "conll2003", "--data", str(shared_data / "conll2003"),
+        "--model", str(minilm_dir), "--output", str(out), "--max-seq-length", "48",
+        "--max-train-examples", "800", "--max-eval-examples", "150", "--epochs", "2",
+        "--batch-size", "16", "--learning-rate", "1e-3", "--seed", "0",
+        "--feature-based", "weighted-sum-last4",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    result = json.loads((out / "metrics.json").read_text())
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["architectures"] == ["BertFeatureTagger"]
+    assert config["feature_layers"] == "weighted-sum-last4"
+    saved, original = load_file(out / "model" / "model.safetensors"), load_file(
+        minilm_dir / "model.safetensors"
+    )
+    bert = [k for k in saved if k.startswith("bert.encoder.")]
+    assert bert and all(torch.equal(saved[k], original[k.removeprefix("bert.")]) for k in bert)
+    assert not torch.equal(saved["classifier.mix"], torch.zeros(4))  # the weights were learned
+    lines = [x.split() for x in (out / "dev_predictions.txt").read_text().splitlines() if x]
+    gold = [x[3] for x in lines]
+    assert result["metrics"]["accuracy"] > gold.count("O") / len(gold) + 0.03
+    assert result["metrics"]["f1"] > 0.3, result["metrics"]
+    assert system_of(result, "pretrained") == "feature-based (weighted-sum-last4)"
+    assert "registered_model" not in json.loads((out / "mlflow_model.json").read_text())
+    mlflow.set_tracking_uri(f"sqlite:///{db}")
+    assert mlflow.MlflowClient().search_registered_models() == []
+    tagger = load_predictor(out / "model")
+    assert type(tagger).__name__ == "FeatureTagger"
+    found = tagger.answer({"text": ["Angela Merkel met Emmanuel Macron in Paris on Tuesday ."]})
+    assert isinstance(found[0]["entities"], list)

@@ -294,3 +294,30 @@ def test_rows_are_named_by_what_the_pretraining_started_from(tmp_path):
     assert gains == {"public checkpoint + continued pre-training": 25, "public checkpoint": 25}
     with pytest.raises(ValueError, match="SST-2 given twice"):  # ours, whichever way written
         evaluate([folders["scratch"], folders["old"]], tmp_path / "b")
+
+
+def test_feature_based_rows_are_table_7_with_the_papers_numbers(tmp_path):
+    """Feature-based taggers (`bert finetune --feature-based C`) are one row per choice after
+    the fine-tuned ones, in name order; the CoNLL table gets the paper's Table 7 column (its
+    fine-tuning number for a fine-tuned row, none for the control)."""
+    from bert_core.report.tables import markdown_table
+
+    folders = []
+    for choice, f1 in [("last", 0.7), ("embeddings", 0.6), ("none", 0.8)]:
+        (d,) = _system(tmp_path / choice, {"conll2003": {"f1": f1}}, "pretrained")
+        data = json.loads((tmp_path / d / "metrics.json").read_text())
+        start = {"start_from": "pypi:minilm==1", "continued_pretraining": False}
+        data |= start | {"config": {"feature_based": choice}}
+        (tmp_path / d / "metrics.json").write_text(json.dumps(data))
+        folders.append(d)
+    folders += _system(tmp_path / "control", {"conll2003": {"f1": 0.3}}, "random")
+    results = evaluate(folders, tmp_path / "out")
+    assert list(results["systems"]) == [
+        "public checkpoint", "random init", "feature-based (embeddings)", "feature-based (last)"
+    ]
+    table = markdown_table(results)
+    assert "| System | Dev F1 | Paper Dev F1 (BERT-Base, Table 7) |" in table
+    assert "| public checkpoint | 80.0 | 96.4 (fine-tuning) |" in table
+    assert "| random init | 30.0 | - |" in table
+    assert "| feature-based (embeddings) | 60.0 | 91.0 |" in table
+    assert "| feature-based (last) | 70.0 | 94.9 |" in table

@@ -22,6 +22,13 @@ Two things from the paper beside the default recipe:
 - the official `conlleval` score (`bert_core.finetune.tasks.conlleval`: its tolerant chunk reading)
   beside seqeval's strict one: `conlleval_precision/recall/f1` in the metrics.
 
+And the feature-based approach of section 5.3 (`--feature-based CHOICE`, the paper's Table 7):
+BERT frozen, a two-layer BiLSTM trained on the hidden states CHOICE names
+(`bert_core.model.heads.BertFeatureTagger`): `embeddings`, `second-to-last`, `last`,
+`weighted-sum-last4`, `concat-last4`, `weighted-sum-all`. Only the tagger learns, so it wants
+a far larger learning rate than fine-tuning (docs/experiments.md: 1e-3). Such a model is a
+measurement, not registered as the task's model.
+
 Output (atomic: all or nothing): `model/` (HF layout, label names in config.json),
 `metrics.json`, and `dev_predictions.txt` (and `test_predictions.txt`): the split back in CoNLL
 format, `token POS chunk gold predicted` (conlleval's input).
@@ -60,6 +67,7 @@ from bert_core.finetune.tasks.ner_data import (  # noqa: F401 (re-exported: the 
     write_conll,
 )
 from bert_core.metrics import percent
+from bert_core.model.heads import FEATURE_LAYERS
 
 TASK = "conll2003"
 
@@ -70,6 +78,19 @@ class NerConfig(FinetuneConfig):
         False, "fill each window with the document's neighbouring tokens (the paper's maximal "
         "document context); labels stay on the target sentence only",
     )  # fmt: skip
+    feature_based: str = option(
+        "none", "the feature-based approach (paper section 5.3, Table 7): BERT frozen, a "
+        "2-layer BiLSTM trained on these hidden states: embeddings, second-to-last, last, "
+        "weighted-sum-last4, concat-last4, weighted-sum-all; none: fine-tuning",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.feature_based not in ("none", *FEATURE_LAYERS):
+            raise ValueError(
+                f"--feature-based {self.feature_based!r}: none or one of "
+                + ", ".join(FEATURE_LAYERS)
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +285,9 @@ class NerFinetune(FinetuneTask):
             download(data_dir)
 
     def prepare(self, data_dir: Path, tokenizer, cfg: NerConfig) -> dict:
+        if cfg.feature_based != "none":
+            self.model_class = "BertFeatureTagger"
+            self.model_overrides = {"feature_layers": cfg.feature_based}
         self.files = {s: find_split(data_dir, s, s != "test") for s in SPLIT_FILES}
         tokenizer.no_truncation()  # windows, not truncation
         self.sentences, windows = {}, {}

@@ -1,0 +1,56 @@
+"""`make table7` (pipelines/experiments.py): the paper's Table 7 as one named experiment set."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+
+from bert_core.model.modeling import BertConfig, BertForPreTraining
+from pipelines import experiments
+
+
+@pytest.mark.slow
+def test_table7_runs_every_row_into_one_experiment_and_resumes(
+    tmp_path: Path, minilm_dir: Path, shared_data: Path, monkeypatch, capsys
+) -> None:
+    """Six feature-based rows and fine-tuning, each a `bert finetune` output, all in the MLflow
+    experiment `table7`, one report in the Table 7 layout; a second call runs nothing again."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    # a tiny random BERT: the set's plumbing, not its scores (docs/experiments.md has those)
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.from_preset("tiny", max_position_embeddings=64))
+    model.save_pretrained(tmp_path / "tiny", vocab_file=minilm_dir / "vocab.txt")
+    out = tmp_path / "t7"
+    argv = [
+        "table7", "--model", str(tmp_path / "tiny"), "--data", str(shared_data / "conll2003"),
+        "--output", str(out), "--max-train-examples", "24", "--max-eval-examples", "24",
+        "--max-seq-length", "32", "--epochs", "1",
+    ]  # fmt: skip
+    assert experiments.main(argv) == 0
+    rows = ["embeddings", "second-to-last", "last", "weighted-sum-last4", "concat-last4",
+            "weighted-sum-all", "fine-tuning"]  # fmt: skip
+    for row in rows:
+        config = json.loads((out / row / "metrics.json").read_text())["config"]
+        assert config["feature_based"] == ("none" if row == "fine-tuning" else row)
+    table = (out / "report" / "glue_table.md").read_text()
+    assert "Paper Dev F1 (BERT-Base, Table 7)" in table
+    for choice, paper in [("embeddings", "91.0"), ("concat-last4", "96.1")]:
+        assert any(
+            line.startswith(f"| feature-based ({choice}) |") and line.endswith(f"| {paper} |")
+            for line in table.splitlines()
+        )
+    assert "| 96.4 (fine-tuning) |" in table
+    runs = mlflow.search_runs(experiment_names=["table7"], output_format="list")
+    steps = sorted(r.data.tags.get("bert.step") for r in runs)
+    assert steps == ["evaluate"] + ["finetune-conll2003"] * 7, steps
+    capsys.readouterr()
+    assert experiments.main(argv) == 0  # complete rows are kept, only the report is redone
+    assert capsys.readouterr().out.count("done already") == 7
+    runs = mlflow.search_runs(experiment_names=["table7"], output_format="list")
+    assert sorted(r.data.tags.get("bert.step") for r in runs).count("finetune-conll2003") == 7

@@ -8,7 +8,7 @@ export PYTHONPATH := $(CURDIR)
 # and then (infra/k8s/env/pipeline-env.yaml says more). Set it to false to send them.
 export MLFLOW_DISABLE_TELEMETRY ?= true
 
-.PHONY: venv run test lint bench clean table7
+.PHONY: venv run test lint bench clean table7 figure2
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,9 +32,10 @@ test: venv lint
 run: venv
 	$(PY) pipelines/run_dvc.py $(ARGS)
 
-# The paper's Table 7 (feature-based NER) as one named experiment set: docs/experiments.md.
-table7: venv
-	$(PY) pipelines/experiments.py table7 $(ARGS)
+# The paper's experiments as named sets (docs/experiments.md): Table 7 (feature-based NER) and
+# Figure 2 (fine-tuning from each model a pre-training exported: pretrain.export_every).
+table7 figure2: venv
+	$(PY) pipelines/experiments.py $@ $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs mlflow.db mlruns .dvc/cache .dvc/tmp .pytest_cache .ruff_cache

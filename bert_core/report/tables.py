@@ -178,15 +178,47 @@ def _main_metric(task: str) -> str:
     return next(iter(TOKEN_TASKS[task][1]))
 
 
-def plot_scores(results: dict, path: Path) -> None:
-    """Grouped bars: each system's task scores (GLUE) and other tasks' main metric, its GLUE
-    score as a dashed line of its colour."""
+STEP_SYSTEM = re.compile(r"step (\d+)")  # a Figure 2 sweep's rows: the model after N steps
+
+
+def plot_steps(results: dict, path: Path) -> None:
+    """The paper's Figure 2: each task's dev score against the pre-training steps of the model
+    it was fine-tuned from, when every system is named `step N` (`make figure2`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     every = systems(results)
+    steps = {name: int(STEP_SYSTEM.fullmatch(name).group(1)) for name in every}
+    order = sorted(every, key=steps.get)
+    tasks = [t for t in TABLE_ORDER if any(t in r["tasks"] for r in every.values())]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k, task in enumerate(tasks):
+        points = [(steps[n], every[n]["tasks"][task]["score"]) for n in order
+                  if task in every[n]["tasks"]]  # fmt: skip
+        ax.plot(*zip(*points, strict=True), marker="o", color=f"C{k}", label=task)
+    ax.set_xlabel("pre-training steps")
+    ax.set_ylabel("task score (dev, %)")
+    ax.set_title("dev score against pre-training steps (Figure 2 layout)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_scores(results: dict, path: Path) -> None:
+    """Grouped bars: each system's task scores (GLUE) and other tasks' main metric, its GLUE
+    score as a dashed line of its colour. Systems that are all `step N` (a Figure 2 sweep)
+    are drawn as lines against the steps instead (`plot_steps`)."""
+    every = systems(results)
+    if len(every) > 1 and all(STEP_SYSTEM.fullmatch(n) for n in every):
+        return plot_steps(results, path)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     names = [t for t in TABLE_ORDER if any(t in r["tasks"] for r in every.values())]
     token = [t for t in TOKEN_TASKS if any(t in r.get("token_tasks", {}) for r in every.values())]
     labels = names + [f"{t} {_main_metric(t)}" for t in token]

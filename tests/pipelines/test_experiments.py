@@ -30,7 +30,7 @@ def test_table7_runs_every_row_into_one_experiment_and_resumes(
     argv = [
         "table7", "--model", str(tmp_path / "tiny"), "--data", str(shared_data / "conll2003"),
         "--output", str(out), "--max-train-examples", "24", "--max-eval-examples", "24",
-        "--max-seq-length", "32", "--epochs", "1",
+        "--max-seq-length", "32", "--epochs", "1", "--lr", "1e-3",
     ]  # fmt: skip
     assert experiments.main(argv) == 0
     rows = ["embeddings", "second-to-last", "last", "weighted-sum-last4", "concat-last4",
@@ -54,3 +54,43 @@ def test_table7_runs_every_row_into_one_experiment_and_resumes(
     assert capsys.readouterr().out.count("done already") == 7
     runs = mlflow.search_runs(experiment_names=["table7"], output_format="list")
     assert sorted(r.data.tags.get("bert.step") for r in runs).count("finetune-conll2003") == 7
+
+
+def test_figure2_fine_tunes_from_each_export_and_plots_score_against_steps(
+    tmp_path: Path, minilm_dir: Path, shared_data: Path, monkeypatch
+) -> None:
+    """One fine-tuning per `exports/step-N` of a pre-training, a row per step ("step N") in
+    step order (10 before 100, not as text), the plot drawn as score against steps; no exports
+    is an error that names the option."""
+    from bert_core.report import tables
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    pretrain = tmp_path / "pretrain"
+    for step in (100, 10):
+        torch.manual_seed(step)
+        model = BertForPreTraining(BertConfig.from_preset("tiny", max_position_embeddings=64))
+        model.save_pretrained(pretrain / "exports" / f"step-{step}",
+                              vocab_file=minilm_dir / "vocab.txt")  # fmt: skip
+    drawn = []
+    real = tables.plot_steps
+    monkeypatch.setattr(tables, "plot_steps",
+                        lambda r, p: (drawn.append(list(r["systems"])), real(r, p)))  # fmt: skip
+    out = tmp_path / "f2"
+    argv = [
+        "figure2", "--pretrain", str(pretrain), "--glue", str(shared_data / "glue"),
+        "--task", "SST-2", "--output", str(out), "--max-train-examples", "24",
+        "--max-eval-examples", "24", "--max-seq-length", "32", "--epochs", "1",
+    ]  # fmt: skip
+    assert experiments.main(argv) == 0
+    results = json.loads((out / "report" / "glue_results.json").read_text())
+    assert list(results["systems"]) == ["step 10", "step 100"]
+    assert drawn == [["step 10", "step 100"]]
+    assert (out / "report" / "glue_scores.png").stat().st_size > 1000
+    for step in (10, 100):
+        data = json.loads((out / f"step-{step}" / "metrics.json").read_text())
+        assert data["model"] == str(pretrain / "exports" / f"step-{step}")
+    runs = mlflow.search_runs(experiment_names=["figure2"], output_format="list")
+    assert sorted(r.data.tags.get("bert.step") for r in runs).count("finetune-SST-2") == 2
+    assert experiments.main([*argv[:2], str(tmp_path / "nothing"), *argv[3:]]) == 2

@@ -291,7 +291,8 @@ def test_task_table_covers_every_task() -> None:
     assert load_task("sst2").name == "SST-2" and load_task("mnli").labels == glue.MNLI_LABELS
     assert load_task("STS-B").labels is None and load_task("STS-B").num_labels == 1
     assert load_task("conll2003").labels[:2] == ("O", "B-PER")
-    assert load_task("squad_v2").config_class.__name__ == "SquadConfig"
+    assert load_task("squad").config_class.__name__ == "SquadConfig"
+    assert load_task("squad_v2").config_class.__name__ == "SquadV2Config"  # 2 epochs at 48
     with pytest.raises(ValueError, match="unknown GLUE task 'SQuAD'"):
         load_task("SQuAD")  # token task names are exact, as in metrics.json
     # the engine imports no task module: they import it; the command's table imports them

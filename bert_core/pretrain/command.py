@@ -43,7 +43,7 @@ from bert_core import hub
 from bert_core.errors import BertError, Interrupted, atomic_dir, handling_signals
 from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.checks import check_inputs, check_output
-from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
+from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig, build_parser, parse_args
 from bert_core.pretrain.state import HELDOUT_COLUMNS, load_state, write_metrics_csv
 from bert_core.storage import check_apart, copy, exists, filesystem, is_s3, preflight
 from bert_core.tracking import RUN_RECORD
@@ -297,7 +297,7 @@ def _output_folder(output: str) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="bert-pretrain-out-") as tmp:
         yield Path(tmp)
-        for name in ("model", "pretrain_metrics.csv", "heldout_metrics.csv", "exports"):
+        for name in ("model", *OUTPUT_FILES):
             if (Path(tmp) / name).exists():
                 copy(Path(tmp) / name, f"{output.rstrip('/')}/{name}")
 

@@ -21,6 +21,12 @@ OBJECTIVES = ("mlm+nsp", "mlm")
 OPTIMIZERS = ("bert", "adamw")
 
 
+# What a run writes into OUTPUT beside `model/`: the metric histories and the exports along the
+# way; copied out of an s3:// staging folder (`command`) and out of a Ray job's own output
+# (`ray_jobs.fetch_outputs`) by this one list.
+OUTPUT_FILES = ("pretrain_metrics.csv", "heldout_metrics.csv", "exports")
+
+
 @dataclass
 class PretrainConfig:
     """Everything that defines a pre-training run (logged to MLflow as parameters)."""

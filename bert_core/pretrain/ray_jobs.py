@@ -44,7 +44,7 @@ from typing import Any
 from bert_core import hub
 from bert_core import storage as st
 from bert_core.errors import BertError, Interrupted, atomic_dir
-from bert_core.pretrain.config import PretrainConfig
+from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig
 
 # Passed to the job when set: the MLflow parent run and experiment (so the job's run nests
 # under the pipeline's), the tracking server the caller checked, the KFP run id, the code's
@@ -254,7 +254,7 @@ def fetch_outputs(job_output: str, output: str, steps: int) -> dict[str, Any]:
         if st.exists(f"{job_output}/model"):
             with atomic_dir(Path(output) / "model") as tmp:
                 st.copy(f"{job_output}/model", tmp)
-        for name in ("pretrain_metrics.csv", "heldout_metrics.csv", "exports"):
+        for name in OUTPUT_FILES:
             if st.exists(f"{job_output}/{name}"):
                 st.copy(f"{job_output}/{name}", Path(output) / name)
     fs, csv_path = st.filesystem(f"{output}/pretrain_metrics.csv")

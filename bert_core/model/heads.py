@@ -116,6 +116,13 @@ class _TokenLevelModel(BertPreTrainedModel):
         return self.bert(input_ids, token_type_ids, attention_mask).last_hidden_state
 
 
+def token_loss(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
+    """Cross-entropy over every token whose label is not -100 (in fp32 under autocast)."""
+    if labels is None:
+        return None
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().long(), ignore_index=-100)
+
+
 class BertForTokenClassification(_TokenLevelModel):
     """A linear layer on every token's hidden state (NER, section 4.3 of the paper).
 
@@ -137,12 +144,7 @@ class BertForTokenClassification(_TokenLevelModel):
     ) -> ClassifierOutput:
         h = self.hidden_states(input_ids, token_type_ids, attention_mask)
         logits = self.classifier(self.dropout(h))  # [B, L, num_labels]
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten().long(), ignore_index=-100
-            )
-        return ClassifierOutput(loss, logits)
+        return ClassifierOutput(token_loss(logits, labels), logits)
 
 
 class BertForQuestionAnswering(_TokenLevelModel):
@@ -275,9 +277,4 @@ class BertFeatureTagger(_TokenLevelModel):
         with torch.no_grad():
             states = self.bert(input_ids, token_type_ids, mask, output_hidden_states=True)
         logits = self.classifier(states.hidden_states, mask)  # [B, L, num_labels]
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten().long(), ignore_index=-100
-            )
-        return ClassifierOutput(loss, logits)
+        return ClassifierOutput(token_loss(logits, labels), logits)

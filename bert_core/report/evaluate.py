@@ -159,7 +159,7 @@ def system_of(data: dict, init: str) -> str:
     existed), a public checkpoint pre-trained further on the user's corpus, or one fine-tuned as
     it is. A feature-based tagger (`bert finetune --feature-based`) is its own row, one per
     Table 7 choice: "feature-based (concat-last4)"."""
-    choice = data.get("config", {}).get("feature_based", "none")
+    choice = (data.get("config") or {}).get("feature_based", "none")
     if choice != "none":
         return f"{FEATURE_BASED} ({choice})"
     if init != "pretrained":

@@ -68,7 +68,7 @@ def model_name(task: str, template: str | None = None) -> str | None:
 
 def feature_based(result: dict) -> str | None:
     """The Table 7 choice of a feature-based run's metrics.json content, else None."""
-    choice = result.get("config", {}).get("feature_based", "none")
+    choice = (result.get("config") or {}).get("feature_based", "none")
     return None if choice == "none" else choice
 
 

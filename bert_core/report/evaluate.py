@@ -48,6 +48,7 @@ from bert_core.report.tables import (  # noqa: F401 (TABLE_ORDER: re-exported)
     REQUIRED,
     TABLE_ORDER,
     TOKEN_TASKS,
+    feature_row,
     markdown_table,
     plot_scores,
     slug,
@@ -59,7 +60,6 @@ CONTROL_INIT = "random"
 CONTINUED = "public checkpoint + continued pre-training"
 PUBLIC = "public checkpoint"
 ROWS = (SYSTEM_OF_INIT["pretrained"], CONTINUED, PUBLIC, SYSTEM_OF_INIT["random"])  # unnamed
-FEATURE_BASED = "feature-based"  # then its Table 7 choice; ranked after ROWS, by name
 
 
 def _metrics_file(folder: str | Path) -> str:
@@ -161,7 +161,7 @@ def system_of(data: dict, init: str) -> str:
     Table 7 choice: "feature-based (concat-last4)"."""
     choice = (data.get("config") or {}).get("feature_based", "none")
     if choice != "none":
-        return f"{FEATURE_BASED} ({choice})"
+        return feature_row(choice)  # ranked after ROWS, by name
     if init != "pretrained":
         return SYSTEM_OF_INIT[init]
     if data.get("start_from", "random init") == "random init":

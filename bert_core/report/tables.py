@@ -33,9 +33,16 @@ TOKEN_TASKS = {
     "swag": ("SWAG (Table 4 layout)", {"accuracy": "Dev Acc"}),
 }  # fmt: skip
 REQUIRED = {"squad": ("exact_match", "f1"), "squad_v2": ("exact_match", "f1")}
-# The paper's Table 7 (CoNLL-2003 dev F1, BERT-Base): each feature-based row ("feature-based
-# (CHOICE)", `evaluate.system_of`) and fine-tuning, shown beside ours when a feature-based row is
-# in the table.
+# A feature-based tagger's row (`evaluate.system_of`): "feature-based (CHOICE)".
+FEATURE_ROW = re.compile(r"feature-based \((.+)\)")
+
+
+def feature_row(choice: str) -> str:
+    return f"feature-based ({choice})"
+
+
+# The paper's Table 7 (CoNLL-2003 dev F1, BERT-Base): each feature-based row and fine-tuning,
+# shown beside ours when a feature-based row is in the table.
 PAPER_TABLE7 = {
     "embeddings": 91.0, "second-to-last": 95.6, "last": 94.9, "weighted-sum-last4": 95.9,
     "concat-last4": 96.1, "weighted-sum-all": 95.5, "fine-tuning": 96.4,
@@ -137,7 +144,7 @@ def token_tables(results: dict) -> str:
         if not rows:
             continue
         shown = [m for m in columns if any(m in r["metrics"] for r in rows.values())]
-        paper = task == "conll2003" and any(n.startswith("feature-based (") for n in rows)
+        paper = task == "conll2003" and any(FEATURE_ROW.fullmatch(n) for n in rows)
         heads = [columns[m] for m in shown] + (["Paper Dev F1 (BERT-Base, Table 7)"] * paper)
         lines = [f"**{title}**", "", "| System | " + " | ".join(heads) + " |",
                  "|---" * (len(heads) + 1) + "|"]  # fmt: skip
@@ -160,8 +167,9 @@ def token_tables(results: dict) -> str:
 def _table7_cell(name: str, init: str | None) -> str:
     """The paper's number for a row of Table 7: its feature choice, or fine-tuning for a row
     fine-tuned from pre-trained weights; none for the random-init control."""
-    if name.startswith("feature-based ("):
-        return f"{PAPER_TABLE7[name.removeprefix('feature-based (').rstrip(')')]:.1f}"
+    if row := FEATURE_ROW.fullmatch(name):
+        paper = PAPER_TABLE7.get(row.group(1))  # a --system so named may be no Table 7 choice
+        return "-" if paper is None else f"{paper:.1f}"
     return "-" if init == "random" else f"{PAPER_TABLE7['fine-tuning']:.1f} (fine-tuning)"
 
 

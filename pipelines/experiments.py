@@ -117,8 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.output = args.output or str(ROOT / "runs" / "experiments" / args.experiment)
-    os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", args.experiment)
-    return {"table7": table7, "figure2": figure2}[args.experiment](args)
+    # the set's MLflow experiment, for the commands it runs, unless one is chosen already;
+    # put back afterwards, so a caller in the same process keeps its own
+    given = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    os.environ["MLFLOW_EXPERIMENT_NAME"] = given or args.experiment
+    try:
+        return {"table7": table7, "figure2": figure2}[args.experiment](args)
+    finally:
+        if given is None:
+            del os.environ["MLFLOW_EXPERIMENT_NAME"]
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import mlflow
@@ -33,6 +34,7 @@ def test_table7_runs_every_row_into_one_experiment_and_resumes(
         "--max-seq-length", "32", "--epochs", "1", "--lr", "1e-3",
     ]  # fmt: skip
     assert experiments.main(argv) == 0
+    assert "MLFLOW_EXPERIMENT_NAME" not in os.environ  # the caller's environment as it was
     rows = ["embeddings", "second-to-last", "last", "weighted-sum-last4", "concat-last4",
             "weighted-sum-all", "fine-tuning"]  # fmt: skip
     for row in rows:

@@ -57,6 +57,11 @@ class FinetuneConfig:
         1, "seeds per learning rate (--seed, --seed+1, ...): the paper's random restarts on "
         "small data sets; the data sample stays --seed's",
     )  # fmt: skip
+    top_bilstm: bool = option(
+        False, "Table 5's '+ BiLSTM': a randomly initialised BiLSTM between the encoder and the "
+        "task's head, trained with it (the paper's aid to a left-to-right model, which lacks "
+        "right-hand context); kept in the model's config.json",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.max_seq_length < 8:

@@ -71,6 +71,13 @@ class BertConfig:
     # `heads.BertFeatureTagger`'s input (the feature-based approach, the paper's Table 7): one of
     # `heads.FEATURE_LAYERS`; None for every other model (and then not in config.json)
     feature_layers: str | None = None
+    # Table 5's left-to-right model: causal self-attention (no token sees the ones to its right),
+    # transformers' name for it; the pooled vector is then the last real token's
+    # (`layers.pooled_token`). False for BERT (and then not in config.json).
+    is_decoder: bool = False
+    # Table 5's "+ BiLSTM": a randomly initialised BiLSTM between the encoder and the task head
+    # (`layers.BertTopBiLSTM`), added at fine-tuning. False: none (and not in config.json).
+    top_bilstm: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads != 0:
@@ -82,6 +89,9 @@ class BertConfig:
             raise ValueError(
                 f"hidden_act {self.hidden_act!r} is unknown: use one of {', '.join(ACTIVATIONS)}"
             )
+        if self.top_bilstm and self.hidden_size % 2:
+            raise ValueError(f"top_bilstm needs an even hidden_size (H/2 per direction), not "
+                             f"{self.hidden_size}")  # fmt: skip
         if self.num_labels < 1:
             raise ValueError(f"num_labels must be >= 1, got {self.num_labels}")
         if self.id2label is not None:
@@ -138,8 +148,9 @@ class BertConfig:
         d["id2label"] = {str(i): name for i, name in id2label.items()}
         d["label2id"] = self.label2id or {name: i for i, name in id2label.items()}
         task = d.pop("finetuning_task")
-        if d["feature_layers"] is None:
-            del d["feature_layers"]
+        for key in ("feature_layers", "is_decoder", "top_bilstm"):  # written only when set
+            if not d[key]:
+                del d[key]
         d.update(model_type="bert", position_embedding_type="absolute")
         if task is not None:
             d["finetuning_task"] = task

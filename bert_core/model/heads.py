@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bert_core.model.layers import packed_lstm
 from bert_core.model.modeling import BertConfig, BertModel, BertPreTrainedModel
 
 
@@ -231,13 +232,7 @@ class FeatureBiLSTM(nn.Module):
             x = self.scale * sum(w[i] * c for i, c in enumerate(chosen))
         else:
             x = chosen[0]
-        # packed, so the backward direction starts at each sentence's end, not in its padding
-        lengths = mask.sum(1).clamp(min=1).cpu()
-        packed = nn.utils.rnn.pack_padded_sequence(
-            self.dropout(x), lengths, batch_first=True, enforce_sorted=False
-        )
-        h, _ = self.lstm(packed)
-        h, _ = nn.utils.rnn.pad_packed_sequence(h, batch_first=True, total_length=x.shape[1])
+        h = packed_lstm(self.lstm, self.dropout(x), mask)
         return self.out(self.dropout(h))
 
 

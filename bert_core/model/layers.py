@@ -149,12 +149,64 @@ class BertEncoder(nn.Module):
         return x
 
 
+def attention_mask_for(
+    mask: torch.Tensor | None, causal: bool, length: int, device: torch.device
+) -> torch.Tensor | None:
+    """[B, L] 1/0 -> SDPA's boolean mask (True = attend): [B, 1, 1, L] over the keys; `causal`
+    (the left-to-right model, `BertConfig.is_decoder`) also hides every key right of its query,
+    as transformers' decoder mask does."""
+    keys = None if mask is None else mask[:, None, None, :].bool()
+    if not causal:
+        return keys
+    left = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return left if keys is None else keys & left
+
+
+def pooled_token(x: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """The token the pooler reads: [CLS] (position 0), which attends to the whole sequence.
+    Under causal attention [CLS] sees only itself, so the last real token instead (the final
+    [SEP], the one that sees everything: GPT's choice). transformers' pooler always reads
+    position 0, so a left-to-right model's pooled vector is ours alone."""
+    if not causal:
+        return x[:, 0]
+    if mask is None:
+        return x[:, -1]
+    last = mask.sum(1).long() - 1
+    return x[torch.arange(x.shape[0], device=x.device), last]
+
+
 class BertPooler(nn.Module):
-    """tanh(dense(h_[CLS])): the sentence representation the NSP and classifier heads read."""
+    """tanh(dense(h)) of one token's vector (h_[CLS]; `pooled_token` picks it): the
+    sentence representation the NSP and classifier heads read."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(x[:, 0]))
+    def forward(self, token: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(token))
+
+
+def packed_lstm(lstm: nn.LSTM, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`lstm` over each sequence's real tokens only (packed by the [B, L] 1/0 `mask`), so the
+    backward direction starts at a sequence's last token, not in its padding; [B, L, out]."""
+    if mask is None:
+        return lstm(x)[0]
+    lengths = mask.sum(1).clamp(min=1).cpu()  # pack_padded_sequence wants them on the host
+    packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    h, _ = lstm(packed)
+    return nn.utils.rnn.pad_packed_sequence(h, batch_first=True, total_length=x.shape[1])[0]
+
+
+class BertTopBiLSTM(nn.Module):
+    """Table 5's "+ BiLSTM": a randomly initialised one-layer BiLSTM on the encoder's output,
+    which the paper added to the left-to-right model at fine-tuning to give its token states the
+    right-hand context they lack. H/2 units per direction, so the heads keep their width H."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.lstm = nn.LSTM(h, h // 2, batch_first=True, bidirectional=True)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return packed_lstm(self.lstm, x, mask).to(x.dtype)

@@ -41,6 +41,9 @@ from bert_core.model.layers import (
     BertEmbeddings,
     BertEncoder,
     BertPooler,
+    BertTopBiLSTM,
+    attention_mask_for,
+    pooled_token,
 )
 
 log = logging.getLogger(__name__)
@@ -221,7 +224,10 @@ class BertPreTrainedModel(nn.Module):
             loaded[key] = value
         missing = [k for k in own if k not in loaded]
         unexpected = [k for k in loaded if k not in own]
-        optional = lambda k: k.startswith(HEAD_PREFIXES) or ".pooler." in f".{k}"  # noqa: E731
+        # heads, the pooler and Table 5's BiLSTM may start fresh: none is in every checkpoint
+        optional = lambda k: k.startswith(HEAD_PREFIXES) or re.search(  # noqa: E731
+            r"(^|\.)(pooler|bilstm)\.", k
+        )
         bad_missing = [k for k in missing if not optional(k)]
         bad_unexpected = [k for k in unexpected if not k.startswith(HEAD_PREFIXES)]
         if bad_missing or bad_unexpected:
@@ -269,18 +275,15 @@ class BertPreTrainedModel(nn.Module):
             self.vocab_file = Path(model_dir) / VOCAB_NAME
 
 
-def _padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """[B, L] 1/0 -> [B, 1, 1, L] boolean key mask for SDPA (True = attend)."""
-    return None if attention_mask is None else attention_mask[:, None, None, :].bool()
-
-
 class BertModel(BertPreTrainedModel):
-    """The bidirectional Transformer encoder plus pooler."""
+    """The bidirectional Transformer encoder plus pooler; left-to-right with `is_decoder` and a
+    BiLSTM on top with `top_bilstm` (the paper's Table 5 ablations)."""
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
+        self.bilstm = BertTopBiLSTM(config) if config.top_bilstm else None
         self.pooler = BertPooler(config)
         self.apply(self._init_weights)
 
@@ -297,9 +300,13 @@ class BertModel(BertPreTrainedModel):
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         states = [] if output_hidden_states else None
+        causal, length = self.config.is_decoder, input_ids.shape[1]
         x = self.embeddings(input_ids, token_type_ids)
-        x = self.encoder(x, _padding_mask(attention_mask), states)
-        return BertOutput(x, self.pooler(x), tuple(states) if states is not None else None)
+        x = self.encoder(x, attention_mask_for(attention_mask, causal, length, x.device), states)
+        if self.bilstm is not None:
+            x = self.bilstm(x, attention_mask)
+        pooled = self.pooler(pooled_token(x, attention_mask, causal))
+        return BertOutput(x, pooled, tuple(states) if states is not None else None)
 
 
 # ----------------------------------------------------------------------------- heads

@@ -15,8 +15,10 @@ from bert_core.data.masking import DEFAULT_RECIPE, MaskingRecipe
 from bert_core.errors import BertError
 from bert_core.options import add_options, config_from_args, option
 
-# The paper's objective (masked LM + next sentence) and its "No NSP" ablation (Table 5).
-OBJECTIVES = ("mlm+nsp", "mlm")
+# The paper's objective (masked LM + next sentence) and Table 5's ablations: "No NSP" (mlm),
+# the left-to-right LM "LTR & No NSP" (ltr: causal attention, next-token prediction) and LTR
+# with NSP, which the paper does not train.
+OBJECTIVES = ("mlm+nsp", "mlm", "ltr", "ltr+nsp")
 # `bert_core.model.optim.OPTIMIZERS`: the original's optimiser and schedule, or transformers'
 OPTIMIZERS = ("bert", "adamw")
 
@@ -69,8 +71,10 @@ class PretrainConfig:
     )
     objective: str = option(
         "mlm+nsp",
-        "training loss: mlm+nsp (the paper's) or mlm (its 'No NSP' ablation, Table 5: the NSP "
-        "head and pooler are frozen; NSP accuracy is still reported)",
+        "training loss: mlm+nsp (the paper's); mlm (its 'No NSP' ablation, Table 5: the NSP "
+        "head and pooler are frozen; NSP accuracy is still reported); ltr (Table 5's 'LTR & No "
+        "NSP': causal attention, each token predicts the next, the model stays left-to-right "
+        "when fine-tuned; the mlm_* metrics then hold the next-token loss); ltr+nsp",
         choices=OBJECTIVES,
     )
     eval_every: int | None = option(
@@ -112,6 +116,16 @@ class PretrainConfig:
         return bool(self.export_every and step % self.export_every == 0) or (
             step in self.export_steps
         )
+
+    @property
+    def left_to_right(self) -> bool:
+        """A left-to-right LM (Table 5's LTR): causal attention, next-token labels."""
+        return self.objective.startswith("ltr")
+
+    @property
+    def with_nsp(self) -> bool:
+        """Is next sentence prediction in the loss?"""
+        return self.objective.endswith("+nsp")
 
     @property
     def micro_batch(self) -> int:
@@ -173,6 +187,11 @@ class PretrainConfig:
             raise BertError(f"--hidden-size / --num-heads: {e}") from None
         if self.objective not in OBJECTIVES:
             raise BertError(f"--objective must be one of {', '.join(OBJECTIVES)}")
+        if self.left_to_right and self.dynamic_masking:
+            raise BertError(
+                f"--dynamic-masking masks for the masked LM; --objective {self.objective} "
+                "predicts the next token of the unmasked text"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise BertError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
         MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError

@@ -15,6 +15,10 @@ Rows inside a row group are shuffled too (`create_pretraining_data` already shuf
 Dynamic masking (RoBERTa): with `masking` set, every sequence gets fresh masked positions each
 time it is read, so unmasked shards (empty `masked_lm_positions`) can be used and masked shards
 are re-masked from their original tokens, by the rule of `bert_core.data.masking`.
+
+Next-token labels (`next_token`, Table 5's left-to-right LM): the stored masking is undone and
+every token but the last predicts the one after it, in the same positions/labels layout, so the
+model, the training step and the held-out evaluation read both objectives alike.
 """
 
 from __future__ import annotations
@@ -184,10 +188,12 @@ class InstanceStream:
         start_sample: int = 0,
         masking: MaskingConfig | None = None,
         pad_id: int = 0,
+        next_token: bool = False,
     ):
         self.groups, self.batch_size = groups, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.start_sample, self.masking, self.pad_id = start_sample, masking, pad_id
+        self.next_token = next_token
 
     def _epoch_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
         """(row-group number, row order) for this rank in one epoch; no data read."""
@@ -226,7 +232,7 @@ class InstanceStream:
             batch.append(row)
             if len(batch) == self.batch_size:
                 rng = np.random.default_rng([self.seed, self.rank, n, 7])
-                yield collate(batch, self.pad_id, self.masking, rng)
+                yield collate(batch, self.pad_id, self.masking, rng, self.next_token)
                 batch, n = [], n + 1
 
 
@@ -287,12 +293,18 @@ def collate(
     pad_id: int = 0,
     masking: MaskingConfig | None = None,
     rng: np.random.Generator | None = None,
+    next_token: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Pad a batch to its longest sequence (and longest prediction list) as the model expects:
-    positions padded with 0, labels with -100 (ignored), attention_mask 1 on real tokens."""
+    positions padded with 0, labels with -100 (ignored), attention_mask 1 on real tokens.
+    `next_token`: the unmasked text, each position but the last labelled with the next token."""
     seqs = []
     for ids, types, positions, labels, nsp in rows:
-        if masking is not None:
+        if next_token:
+            ids = ids.astype(np.int64)
+            ids[positions] = labels  # the original text
+            positions, labels = np.arange(len(ids) - 1), ids[1:]
+        elif masking is not None:
             ids = ids.astype(np.int64)
             ids[positions] = labels  # undo the stored masking, then mask afresh
             ids, positions, labels = dynamic_mask(ids, masking, rng)

@@ -6,7 +6,8 @@ that pre-training generalises. `bert instances` keeps whole documents out of tra
 held-out predictions are fixed. At step 0 (the untrained model), every `--eval-every` steps
 (default: with every checkpoint) and at the end, every rank evaluates its share of the first
 `--eval-sequences` held-out instances with the model in eval mode (no dropout) and the sums are
-all-reduced: the same weights always give the same numbers.
+all-reduced: the same weights always give the same numbers. A left-to-right run (`--objective
+ltr`) is scored on the next token of the same held-out text, under the same metric names.
 
 Metrics (`pretrain_state.HELDOUT_COLUMNS`: MLflow metric history and `OUTPUT/heldout_metrics.csv`):
 `heldout_mlm_loss` (cross-entropy per predicted token), `heldout_perplexity` (its exp),
@@ -101,7 +102,10 @@ class HeldOutEval:
             return None
         rows = read_rows(list_row_groups(cfg.heldout), cfg.eval_sequences)[rank::world]
         size = cfg.micro_batch
-        batches = [collate(rows[i : i + size], pad_id) for i in range(0, len(rows), size)]
+        batches = [
+            collate(rows[i : i + size], pad_id, next_token=cfg.left_to_right)
+            for i in range(0, len(rows), size)
+        ]
         return cls(batches, training_baseline(list_row_groups(cfg.instances)))
 
     @torch.no_grad()

@@ -55,12 +55,10 @@ from bert_core.pretrain.state import (
 def build_model(cfg: PretrainConfig, vocab_size: int) -> torch.nn.Module:
     from bert_core.model.modeling import BertConfig, BertForPreTraining
 
-    overrides: dict[str, Any] = {}
+    # --objective ltr trains (and exports) a causal model, whatever --init-model was
+    overrides: dict[str, Any] = {"is_decoder": cfg.left_to_right}
     if cfg.dropout is not None:
-        overrides = {
-            "hidden_dropout_prob": cfg.dropout,
-            "attention_probs_dropout_prob": cfg.dropout,
-        }
+        overrides.update(hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)
     if cfg.init_model:
         return BertForPreTraining.from_pretrained(cfg.init_model, **overrides)
     return BertForPreTraining(BertConfig(**cfg.shape(), vocab_size=vocab_size, **overrides))
@@ -81,7 +79,7 @@ class Training:
 
 
 def freeze_nsp_head(model: torch.nn.Module) -> None:
-    """`--objective mlm`, the paper's "No NSP" (Table 5): the NSP classifier and the pooler
+    """`--objective mlm` / `ltr`, the paper's "No NSP" (Table 5): the NSP classifier and the pooler
     under it (which only NSP trains) get no gradient and stay out of the optimizer, so they
     keep their initial values; DDP skips parameters that do not require a gradient."""
     for module in (model.cls.seq_relationship, model.bert.pooler):
@@ -110,7 +108,7 @@ def setup(
     vocab = read_vocab(cfg.vocab_file)
     seed_all(cfg.seed)  # same initial weights on every rank
     core = build_model(cfg, len(vocab))
-    if cfg.objective == "mlm":
+    if not cfg.with_nsp:
         freeze_nsp_head(core)
     optimizer, scheduler = optim.optimizer_and_schedule(
         cfg.optimizer, core, cfg.learning_rate, cfg.weight_decay, cfg.warmup, cfg.steps,
@@ -146,6 +144,7 @@ def setup(
         start_sample=step * cfg.grad_accum * cfg.micro_batch,
         masking=masking,
         pad_id=vocab.get("[PAD]", 0),
+        next_token=cfg.left_to_right,
     )
     forward = torch.compile(model) if cfg.compile else model
     return Training(forward, core, optimizer, scheduler, stream, step, history, heldout)
@@ -189,8 +188,8 @@ def train_step(
         with contextlib.nullcontext() if sync else model.no_sync():
             with optim.autocast(device):
                 out = model(**batch)
-                # NSP's loss is computed either way (for its metrics); "mlm" leaves it out
-                loss = out.loss if cfg.objective == "mlm+nsp" else out.mlm_loss
+                # NSP's loss is computed either way (for its metrics); "mlm"/"ltr" leave it out
+                loss = out.loss if cfg.with_nsp else out.mlm_loss
             (loss / cfg.grad_accum).backward()
         labels = batch["masked_lm_labels"]
         predicted = labels != -100

@@ -142,6 +142,36 @@ def test_pair_task_writes_glue_submission(tmp_path, tiny_dir, mlflow_env, capsys
     assert set(preds) <= {"entailment", "not_entailment"} and len(preds) == 16
 
 
+def test_a_left_to_right_model_fine_tunes_left_to_right_with_a_bilstm_on_top(
+    tmp_path, tiny_dir, mlflow_env
+):
+    """Table 5's last rows: a left-to-right model (config.json `is_decoder`, as `bert pretrain
+    --objective ltr` writes it) stays causal when fine-tuned (the paper kept the left-only
+    constraint), and `--top-bilstm` trains a fresh BiLSTM under the head; both are in the
+    fine-tuned model's config.json, so it loads back (and serves) as trained."""
+    from bert_core.model.heads import BertForSequenceClassification
+
+    ltr = tmp_path / "ltr"
+    BertForSequenceClassification.from_pretrained(tiny_dir, is_decoder=True).save_pretrained(ltr)
+    data = tmp_path / "RTE"
+    data.mkdir()
+    _rte(data)
+    out = tmp_path / "out"
+    argv = ["finetune", "--task", "rte", "--data", str(data), "--model", str(ltr), "--epochs", "1"]
+    assert cli.main([*argv, "--output", str(out), "--batch-size", "16", "--top-bilstm"]) == 0
+    saved = json.loads((out / "model" / "config.json").read_text())
+    assert saved["is_decoder"] is True and saved["top_bilstm"] is True
+    assert json.loads((out / "metrics.json").read_text())["config"]["top_bilstm"] is True
+    model = BertForSequenceClassification.from_pretrained(out / "model")
+    fresh = BertForSequenceClassification(model.config)
+    lstm = {k: v for k, v in model.state_dict().items() if ".bilstm." in k}
+    assert lstm and all(not torch.equal(v, fresh.state_dict()[k]) for k, v in lstm.items())
+    with pytest.raises(ValueError, match="--top-bilstm"):
+        from bert_core.finetune.tasks.ner import NerConfig
+
+        NerConfig(feature_based="last", top_bilstm=True)
+
+
 def test_regression_task_sts_b(tmp_path, shared_data, minilm_dir, mlflow_env):
     # A MiniLM classifier with a 2-way head: fine-tuning on STS-B replaces it with a 1-output
     # one. Real weights, so the pairs get scores the file's 3 places can tell apart (a random

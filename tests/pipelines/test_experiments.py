@@ -96,3 +96,51 @@ def test_figure2_fine_tunes_from_each_export_and_plots_score_against_steps(
     runs = mlflow.search_runs(experiment_names=["figure2"], output_format="list")
     assert sorted(r.data.tags.get("bert.step") for r in runs).count("finetune-SST-2") == 2
     assert experiments.main([*argv[:2], str(tmp_path / "nothing"), *argv[3:]]) == 2
+
+
+@pytest.mark.slow
+def test_table5_pretrains_each_objective_and_fine_tunes_every_row(
+    tmp_path: Path, shared_data: Path, monkeypatch
+) -> None:
+    """Three pre-trainings (mlm+nsp, mlm, ltr) from the same instances, each row fine-tuned
+    (the ltr model twice, once with the BiLSTM), one report in Table 5's layout; the ltr
+    models are causal and the BiLSTM row has its BiLSTM; a second call trains nothing."""
+    from tests.pipeline_helpers import pretraining_instances
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    instances = pretraining_instances(
+        tmp_path / "data", shared_data, chars=20_000, num_shards=1, vocab_size=500,
+        max_seq_length=32,
+    )  # fmt: skip
+    out = tmp_path / "t5"
+    argv = [
+        "table5", "--instances", str(instances), "--output", str(out), "--tasks", "MRPC",
+        "--glue", str(shared_data / "glue"), "--steps", "3", "--pretrain-batch-size", "8",
+        "--cpus-per-worker", "1", "--max-train-examples", "24", "--max-eval-examples", "24",
+        "--max-seq-length", "32", "--epochs", "1",
+    ]  # fmt: skip
+    assert experiments.main(argv) == 0
+    for objective in ("mlm+nsp", "mlm", "ltr"):
+        config = json.loads((out / "pretrain" / objective / "model" / "config.json").read_text())
+        assert config.get("is_decoder", False) == (objective == "ltr")
+    for folder, bilstm in [("mlm-nsp", False), ("no-nsp", False), ("ltr", False),
+                           ("ltr-bilstm", True)]:  # fmt: skip
+        config = json.loads((out / folder / "MRPC" / "model" / "config.json").read_text())
+        assert config.get("top_bilstm", False) == bilstm
+        assert config.get("is_decoder", False) == folder.startswith("ltr")
+    table = (out / "report" / "glue_table.md").read_text()
+    assert "Table 5 layout" in table
+    for row, paper in [("BERT (MLM & NSP)", "86.7"), ("No NSP", "86.5"),
+                       ("LTR & No NSP", "77.5"), ("+ BiLSTM", "75.7")]:  # fmt: skip
+        assert any(line.startswith(f"| {row} |") and f" / {paper} |" in line
+                   for line in table.splitlines()), row  # fmt: skip
+    runs = mlflow.search_runs(experiment_names=["table5"], output_format="list")
+    steps = sorted(r.data.tags.get("bert.step") for r in runs)
+    assert steps.count("pretrain") == 3 and steps.count("finetune-MRPC") == 4, steps
+    assert experiments.main(argv) == 0  # nothing trained again
+    runs = mlflow.search_runs(experiment_names=["table5"], output_format="list")
+    steps = sorted(r.data.tags.get("bert.step") for r in runs)
+    assert steps.count("pretrain") == 3 and steps.count("finetune-MRPC") == 4, steps

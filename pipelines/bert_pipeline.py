@@ -125,7 +125,8 @@ PARAMETERS = {
     "pretrain_learning_rate": "[pre-training] Peak learning rate, warmed up then decayed "
     "linearly (the paper: 1e-4).",
     "pretrain_use_gpu": "[pre-training] Train on the RayCluster's GPU workers (false: its CPUs).",
-    "pretrain_objective": "[pre-training] mlm+nsp (the paper's) or mlm (Table 5's No NSP).",
+    "pretrain_objective": "[pre-training] mlm+nsp (the paper's), mlm (Table 5's No NSP), ltr "
+    "(its 'LTR & No NSP': a left-to-right LM, causal when fine-tuned too) or ltr+nsp.",
     "pretrain_init_model": "[pre-training] none: from scratch, with a WordPiece vocabulary "
     "learned from the corpus; or a public checkpoint whose pre-training continues on the corpus, "
     "with its own vocabulary and casing: hf:ORG/NAME@REVISION (a pinned revision), an s3:// "
@@ -144,6 +145,8 @@ PARAMETERS = {
     "dev (the paper's protocol); a comma list of rates; none: finetune_learning_rate alone.",
     "finetune_restarts": "[fine-tuning] Random restarts per learning rate, best on dev kept (the "
     "paper used several for BERT-Large on small tasks).",
+    "finetune_top_bilstm": "[fine-tuning] Table 5's '+ BiLSTM': a randomly initialised BiLSTM "
+    "under every task's head, trained with it (for pretrain_objective ltr).",
     "finetune_token_tasks": "[fine-tuning] Token-level tasks: conll2003 (NER), squad (SQuAD "
     "v1.1); each is a folder under data_token; [] for none.",
     "finetune_token_epochs": "[fine-tuning] Epochs per token-level task (the paper: 3 for SQuAD).",
@@ -153,6 +156,8 @@ PARAMETERS = {
     "training set; 0: all of it.",
     "finetune_token_max_eval_examples": "[fine-tuning] A seeded sample of each token-level dev "
     "set; 0: all of it.",
+    "finetune_token_document_context": "[fine-tuning] conll2003: fill each window with the "
+    "document's neighbouring sentences (the paper's maximal document context).",
     "compress_task": "[compression] none: no compression steps; or a task of finetune_tasks "
     "whose fine-tuned model is distilled into a smaller student (distill) that is then made "
     "int8 for CPUs (quantize), both scored on its dev set (docs/compress.md).",
@@ -304,11 +309,13 @@ def build_pipeline():
         finetune_control_tasks: list = D["finetune_control_tasks"],
         finetune_lr_sweep: str = D["finetune_lr_sweep"],
         finetune_restarts: int = D["finetune_restarts"],
+        finetune_top_bilstm: bool = D["finetune_top_bilstm"],
         finetune_token_tasks: list = D["finetune_token_tasks"],
         finetune_token_epochs: int = D["finetune_token_epochs"],
         finetune_token_max_seq_length: int = D["finetune_token_max_seq_length"],
         finetune_token_max_train_examples: int = D["finetune_token_max_train_examples"],
         finetune_token_max_eval_examples: int = D["finetune_token_max_eval_examples"],
+        finetune_token_document_context: bool = D["finetune_token_document_context"],
         compress_task: str = D["compress_task"],
         compress_student: str = D["compress_student"],
         compress_student_layers: int = D["compress_student_layers"],

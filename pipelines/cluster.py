@@ -109,11 +109,13 @@ SETTINGS = {
     "finetune_control_tasks": [],
     "finetune_lr_sweep": "paper",
     "finetune_restarts": 1,
+    "finetune_top_bilstm": False,
     "finetune_token_tasks": ["conll2003", "squad"],
     "finetune_token_epochs": 3,
     "finetune_token_max_seq_length": 384,
     "finetune_token_max_train_examples": 0,
     "finetune_token_max_eval_examples": 0,
+    "finetune_token_document_context": True,  # the paper's (section 5.3)
     "compress_task": "none",
     "compress_student": "pretrained",
     "compress_student_layers": 6,

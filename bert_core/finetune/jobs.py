@@ -12,7 +12,9 @@ and the pipeline fans out once over it.
 
 Each job carries the `bert finetune` options of its fine-tuning (all but `--model` and
 `--output`, which the step adds) and the content digest of its task's data, so the KFP cache
-key of a fine-tuning changes when its own data does, not when another task's does.
+key of a fine-tuning changes when its own data does, not when another task's does. Flags close
+the list: `--top-bilstm` (finetune.top_bilstm) for every job, `--document-context`
+(finetune.token_document_context) for conll2003's.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ def finetune_jobs(settings: Mapping[str, Any], digest: Callable[[str], str]) -> 
                         continue  # the whole dev set: the option's default
                     value = None  # every training example
                 options += [f"--{name.replace('_', '-')}", _option(value)]
+            if settings.get("finetune.top_bilstm"):  # Table 5's "+ BiLSTM", every head
+                options.append("--top-bilstm")
+            if task == "conll2003" and settings.get("finetune.token_document_context"):
+                options.append("--document-context")  # NER's option alone
             name = task if init == "pretrained" else f"{task} (random init)"
             jobs.append({"name": name, "options": options, "data_digest": digest(data)})
     if not jobs:

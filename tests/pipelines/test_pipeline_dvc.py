@@ -349,6 +349,30 @@ def test_token_tasks_are_a_foreach_stage_feeding_evaluate(tmp_path, shared_data)
     (deps,) = [d["changed deps"] for d in status["finetune-token@conll2003"] if "changed deps" in d]
     assert any(Path(dep).as_posix().endswith("shared/data/conll2003") for dep in deps), deps
 
+    # the flags a stage adds by its settings, as the shell runs the command: conll2003 alone
+    # takes --document-context; --top-bilstm goes to every fine-tuning
+    params["finetune"] |= {"token_tasks": ["conll2003", "squad"], "top_bilstm": True,
+                           "token_document_context": True}  # fmt: skip
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert shell_command(repo, "finetune-token@conll2003").endswith(
+        "--top-bilstm --document-context"
+    )
+    assert shell_command(repo, "finetune-token@squad").endswith("--restarts 1 --top-bilstm")
+    assert shell_command(repo, "finetune@SST-2").endswith("--top-bilstm")
+    params["finetune"] |= {"top_bilstm": False, "token_document_context": False}
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert shell_command(repo, "finetune-token@conll2003").endswith("--restarts 1")
+
+
+def shell_command(repo: Path, stage: str) -> str:
+    """A stage's command as DVC resolves it and the shell expands it (`$(...)` included)."""
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as r:
+        (found,) = [s for s in r.index.stages if s.name == stage]
+    out = subprocess.run(["bash", "-c", f"echo {found.cmd}"], capture_output=True, text=True)
+    return out.stdout.strip()
+
 
 # ---------------------------------------------------------------- the code each stage runs
 

@@ -129,6 +129,35 @@ def _settings(**changes) -> dict:
     return {k.replace("_", ".", 1): v for k, v in P.items()} | changes
 
 
+def test_finetune_jobs_end_with_the_flags_their_settings_ask_for():
+    """finetune_top_bilstm (Table 5's "+ BiLSTM") reaches every job, the NER document context
+    only conll2003's (SQuAD's `bert finetune` has no such option); off, neither appears."""
+    lists = {"finetune.tasks": ["SST-2"], "finetune.control_tasks": ["SST-2"],
+             "finetune.token_tasks": ["conll2003", "squad"]}  # fmt: skip
+    on = _settings(**lists, **{"finetune.top_bilstm": True,
+                               "finetune.token_document_context": True})  # fmt: skip
+    jobs = {j["name"]: j["options"] for j in finetune_jobs(on, str)}
+    flags = {name: [x for x in o if x in ("--top-bilstm", "--document-context")]
+             for name, o in jobs.items()}  # fmt: skip
+    assert flags == {
+        "SST-2": ["--top-bilstm"], "SST-2 (random init)": ["--top-bilstm"],
+        "conll2003": ["--top-bilstm", "--document-context"], "squad": ["--top-bilstm"],
+    }  # fmt: skip
+    assert all(o[-len(flags[name]) :] == flags[name] for name, o in jobs.items())  # at the end
+    off = _settings(**lists, **{"finetune.top_bilstm": False,
+                                "finetune.token_document_context": False})  # fmt: skip
+    for options in (j["options"] for j in finetune_jobs(off, str)):
+        assert not {"--top-bilstm", "--document-context"} & set(options)
+    from bert_core.finetune import command as finetune
+
+    for name, options in jobs.items():  # each a command line `bert finetune` takes
+        task = finetune.load_task(options[1])
+        args = finetune.build_parser(task).parse_args([*options, "--model", "m", "--output", "o"])
+        cfg = finetune.config_from_args(args, task.config_class)
+        assert cfg.top_bilstm
+        assert getattr(cfg, "document_context", False) == (name == "conll2003")
+
+
 def test_finetune_jobs_are_one_list_with_each_jobs_options_and_data_digest():
     """The GLUE tasks from the pre-trained model, the control from random weights and the
     token-level tasks with their own sizes, in one list: the pipeline's one fan-out. Each job's

@@ -38,6 +38,7 @@ each params.yaml section is the keyword arguments of its step (`section`).
     python -m pipelines.bert_pipeline compile [--image IMAGE] [--train-image IMAGE]
     python -m pipelines.bert_pipeline local [--set KEY=VALUE ...]  # whole DAG via kfp.local
     python -m pipelines.bert_pipeline submit --host URL [--spec FILE] [--run-name R] [--set ..]
+        [--preset table5|table6|table8|figure2]  # a run per row of the paper's table: presets.py
 """
 
 import argparse
@@ -51,7 +52,7 @@ from typing import Any
 
 import yaml
 
-from pipelines import cluster
+from pipelines import cluster, presets
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = Path(__file__).with_name("bert_pipeline.yaml")
@@ -470,6 +471,18 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def check(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A run's arguments, each a pipeline parameter with a value of its default's type (a
+    preset's row or `--set`): the API server would take a wrong one and the run fail later."""
+    for key, value in arguments.items():
+        if key not in PARAMETERS:
+            raise SystemExit(f"{key}: not a parameter of the pipeline ({', '.join(PARAMETERS)})")
+        kind = type(DEFAULTS[key])
+        if not isinstance(value, kind) and not (kind is float and type(value) is int):
+            raise SystemExit(f"{key}={value!r}: expected a {kind.__name__}")
+    return arguments
+
+
 def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     """The whole DAG through kfp.local's SubprocessRunner in this environment (no containers;
     images, resources and the platform spec's ConfigMap / Secrets are ignored). The data
@@ -528,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--run-name", default=None)
     s.add_argument("--spec", type=Path, default=SPEC, help="compiled spec (default: committed)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    s.add_argument("--preset", choices=sorted(presets.PRESETS),
+                   help="one run per row of the paper's table (pipelines/presets.py), in the KFP "
+                   "experiment so named; --set applies to every row")  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "compile":
         for var, value in (("BERT_IMAGE", args.image), ("BERT_TRAIN_IMAGE", args.train_image)):
@@ -538,9 +554,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "local":
         run_local(parse_overrides(args.set), args.pipeline_root)
     else:
-        overrides = parse_overrides(args.set)
-        run_id = submit(args.host, args.experiment, args.run_name, overrides, args.spec)
-        print(json.dumps({"run_id": run_id}))
+        experiment = args.preset or args.experiment
+        for row, overrides in presets.runs(args.preset, parse_overrides(args.set)):
+            run_name = row or args.run_name
+            run_id = submit(args.host, experiment, run_name, check(overrides), args.spec)
+            print(json.dumps({"run_id": run_id, "run_name": run_name}))
     return 0
 
 

@@ -27,6 +27,7 @@ from pipelines.bert_pipeline import (
     RESOURCES,
     RUNTIME,
     P,
+    check,
     parse_overrides,
     section,
 )
@@ -110,6 +111,36 @@ def test_set_parses_yaml_but_a_text_parameter_stays_text():
     }  # fmt: skip
     with pytest.raises(SystemExit, match="expected KEY=VALUE"):
         parse_overrides(["pretrain_stepz=5"])
+
+
+def test_presets_are_a_run_per_row_of_the_papers_tables_with_valid_arguments():
+    """`submit --preset NAME`: one run per row, each row's arguments pipeline parameters of the
+    compiled spec's types (what the API server checks a run's parameters against), `--set` on
+    top of every row; Table 5's rows are named as `bert evaluate` knows them (its paper column);
+    a wrong key or type stops before anything is submitted."""
+    from bert_core.report.tables import PAPER_TABLE5
+    from pipelines import presets
+
+    spec = next(yaml.safe_load_all(SPEC.read_text()))  # the pipeline spec, then the platform's
+    types = {name: p["parameterType"]
+             for name, p in spec["root"]["inputDefinitions"]["parameters"].items()}  # fmt: skip
+    accepts = {"NUMBER_INTEGER": int, "NUMBER_DOUBLE": (int, float), "BOOLEAN": bool,
+               "STRING": str, "LIST": list, "STRUCT": dict}  # fmt: skip
+    for name in presets.PRESETS:
+        rows = presets.runs(name, {"pretrain_steps": 5})
+        assert len(rows) == len(presets.PRESETS[name]) and all(row for row, _ in rows)
+        for _, arguments in rows:
+            assert check(arguments) == arguments and arguments["pretrain_steps"] == 5
+            for key, value in arguments.items():
+                assert isinstance(value, accepts[types[key]]), (key, value)
+    assert list(presets.PRESETS["table5"]) == list(PAPER_TABLE5)
+    assert presets.runs(None, {"pretrain_steps": 5}) == [(None, {"pretrain_steps": 5})]
+    with pytest.raises(SystemExit, match="pretrain_stepz"):
+        check({"pretrain_stepz": 5})
+    with pytest.raises(SystemExit, match="expected a bool"):
+        check({"finetune_top_bilstm": "yes"})
+    with pytest.raises(SystemExit, match="--preset 'table9'"):
+        presets.runs("table9", {})
 
 
 def test_settings_reach_each_step_grouped_by_params_yaml_section():

@@ -37,6 +37,7 @@ SETTINGS = (
     "finetune.lr_sweep",
     "finetune.restarts",
     "pretrain.objective",
+    "finetune.top_bilstm",
     "instances.masking_recipe",
 )
 

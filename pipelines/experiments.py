@@ -96,6 +96,7 @@ def pretrain_each(args: argparse.Namespace, objectives: list[str]) -> dict[str, 
             "--objective", objective, "--preset", args.preset, "--steps", str(args.steps),
             "--batch-size", str(args.pretrain_batch_size), "--learning-rate", str(args.pretrain_lr),
             "--cpus-per-worker", str(args.cpus_per_worker), "--seed", str(args.seed),
+            "--init-model", args.init_model, "--eval-sequences", str(args.eval_sequences),
         ])  # fmt: skip
         if code:
             return code
@@ -172,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     t5.add_argument("--pretrain-batch-size", type=int, default=params["pretrain"]["batch_size"])
     t5.add_argument("--pretrain-lr", type=float, default=params["pretrain"]["learning_rate"])
     t5.add_argument("--cpus-per-worker", type=int, default=params["pretrain"]["cpus_per_worker"])
+    t5.add_argument("--init-model", default="none",
+                    help="continue pre-training this checkpoint with each objective (instances "
+                    "made with its vocabulary: make run's runs/dvc/public/NAME/instances)")
+    t5.add_argument("--eval-sequences", type=int, default=1024, help="held-out sequences")
     t5.add_argument("--lr", type=float, default=params["finetune"]["learning_rate"])
     t5.add_argument("--squad-max-seq-length", type=int, default=384)
     t7 = sets.add_parser("table7", help="Table 7: feature-based NER, six layer choices")

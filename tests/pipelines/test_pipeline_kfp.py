@@ -116,9 +116,9 @@ def test_set_parses_yaml_but_a_text_parameter_stays_text():
 def test_presets_are_a_run_per_row_of_the_papers_tables_with_valid_arguments():
     """`submit --preset NAME`: one run per row, each row's arguments pipeline parameters of the
     compiled spec's types (what the API server checks a run's parameters against), `--set` on
-    top of every row; Table 5's rows are named as `bert evaluate` knows them (its paper column);
+    top of every row; the rows of Tables 5, 6 and 8 are named as `bert evaluate` knows them;
     a wrong key or type stops before anything is submitted."""
-    from bert_core.report.tables import PAPER_TABLE5
+    from bert_core.report.tables import PAPER_TABLES
     from pipelines import presets
 
     spec = next(yaml.safe_load_all(SPEC.read_text()))  # the pipeline spec, then the platform's
@@ -133,7 +133,8 @@ def test_presets_are_a_run_per_row_of_the_papers_tables_with_valid_arguments():
             assert check(arguments) == arguments and arguments["pretrain_steps"] == 5
             for key, value in arguments.items():
                 assert isinstance(value, accepts[types[key]]), (key, value)
-    assert list(presets.PRESETS["table5"]) == list(PAPER_TABLE5)
+    for table in ("table5", "table6", "table8"):  # `bert evaluate` shows the paper's numbers
+        assert list(presets.PRESETS[table]) == list(PAPER_TABLES[f"Table {table[-1]}"][1])
     assert presets.runs(None, {"pretrain_steps": 5}) == [(None, {"pretrain_steps": 5})]
     with pytest.raises(SystemExit, match="pretrain_stepz"):
         check({"pretrain_stepz": 5})

@@ -339,6 +339,8 @@ def test_table_5_rows_are_shown_beside_the_papers_numbers(tmp_path):
     table = markdown_table(evaluate(groups, tmp_path / "out"))
     assert "| System | MNLI-m (Acc) | QNLI (Acc) | MRPC (Acc) | SST-2 (Acc) | SQuAD (F1) |" in table
     rows = [line for line in table.splitlines() if "/ 8" in line]
+    assert "**Table 5 layout: ours / the paper's (BERT-Base scale)**" in table
+    assert "Table 6" not in table and "Table 8" not in table
     assert rows == [
         "| BERT (MLM & NSP) | - / 84.4 | - / 88.4 | 70.0 / 86.7 | 81.0 / 92.7 | 20.0 / 88.5 |",
         "| LTR & No NSP | - / 82.1 | - / 84.3 | 68.0 / 77.5 | 78.0 / 92.1 | 10.0 / 77.8 |",

@@ -99,7 +99,17 @@ def test_figure2_fine_tunes_from_each_export_and_plots_score_against_steps(
 
 
 @pytest.fixture(scope="module")
-def instances(tmp_path_factory, shared_data: Path) -> Path:
+def ray_after():
+    """`bert pretrain` in this process starts a local Ray and keeps it for the next call; shut it
+    down after the module, as tests later in the process expect no Ray (test_bad_inputs)."""
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def instances(tmp_path_factory, shared_data: Path, ray_after) -> Path:
     """Real `bert clean`/`vocab`/`instances` output, small enough to pre-train in seconds."""
     from tests.pipeline_helpers import pretraining_instances
 

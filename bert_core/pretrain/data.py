@@ -300,14 +300,13 @@ def collate(
     `next_token`: the unmasked text, each position but the last labelled with the next token."""
     seqs = []
     for ids, types, positions, labels, nsp in rows:
-        if next_token:
+        if next_token or masking is not None:
             ids = ids.astype(np.int64)
-            ids[positions] = labels  # the original text
-            positions, labels = np.arange(len(ids) - 1), ids[1:]
-        elif masking is not None:
-            ids = ids.astype(np.int64)
-            ids[positions] = labels  # undo the stored masking, then mask afresh
-            ids, positions, labels = dynamic_mask(ids, masking, rng)
+            ids[positions] = labels  # undo the stored masking: the original text
+            if next_token:
+                positions, labels = np.arange(len(ids) - 1), ids[1:]
+            else:  # mask afresh
+                ids, positions, labels = dynamic_mask(ids, masking, rng)
         elif len(positions) == 0:
             raise InputError("instances", "a sequence has no masked positions: use dynamic masking")
         seqs.append((ids, types, positions, labels, nsp))

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from bert_core.cli import feature_choices  # noqa: E402
 from bert_core.cli import main as bert  # noqa: E402
-from pipelines.presets import TABLE6, TABLE8  # noqa: E402
+from pipelines.presets import TABLE6, TABLE8, masking_row, size_row  # noqa: E402
 
 # Table 6's grid scaled to 2 CPU cores (the paper's L 3/6/12/24 and H 768/1024, smaller)
 SMALL_GRID = "1/128/2,2/128/1,2/128/2,4/128/2,4/256/4,8/256/4"
@@ -72,8 +72,10 @@ def run_rows(out: Path, rows: dict[str, list[str]]) -> int:
     return 0
 
 
-def sample_options(args: argparse.Namespace) -> list[str]:
-    options = ["--max-seq-length", str(args.max_seq_length), "--epochs", str(args.epochs),
+def sample_options(args: argparse.Namespace, max_seq_length: int | None = None) -> list[str]:
+    """The fine-tunings' sample and length (`max_seq_length` in place of --max-seq-length)."""
+    length = max_seq_length or args.max_seq_length
+    options = ["--max-seq-length", str(length), "--epochs", str(args.epochs),
                "--batch-size", "16", "--seed", str(args.seed)]  # fmt: skip
     if args.max_train_examples:
         options += ["--max-train-examples", str(args.max_train_examples)]
@@ -111,7 +113,7 @@ def table6_rows(args: argparse.Namespace) -> list[Row]:
     grid = TABLE6 if args.grid == "paper" else [
         tuple(int(x) for x in shape.split("/")) for shape in args.grid.split(",")
     ]  # fmt: skip
-    return [Row(f"L={L} H={H} A={A}", f"L{L}-H{H}-A{A}",
+    return [Row(size_row(L, H, A), f"L{L}-H{H}-A{A}",
                 ("--num-layers", str(L), "--hidden-size", str(H), "--num-heads", str(A)),
                 f"L{L}-H{H}-A{A}") for L, H, A in grid]  # fmt: skip
 
@@ -119,9 +121,9 @@ def table6_rows(args: argparse.Namespace) -> list[Row]:
 def table8_rows(args: argparse.Namespace) -> list[Row]:
     """Table 8: the masking recipes, applied by dynamic masking as each sequence is read (the
     same instances for every row; `bert instances --masking-recipe` is the static way)."""
-    return [Row(f"masking {r}", f"masking-{r.replace('/', '-')}",
-                ("--dynamic-masking", "--masking-recipe", r), f"masking-{r.replace('/', '-')}")
-            for r in args.recipes.split(",")]  # fmt: skip
+    folders = {r: f"masking-{r.replace('/', '-')}" for r in args.recipes.split(",")}
+    return [Row(masking_row(r), folder, ("--dynamic-masking", "--masking-recipe", r), folder)
+            for r, folder in folders.items()]  # fmt: skip
 
 
 def pretrain_each(args: argparse.Namespace, rows: list[Row]) -> dict[str, Path] | int:
@@ -153,8 +155,7 @@ def pretrain_each(args: argparse.Namespace, rows: list[Row]) -> dict[str, Path] 
 def pretraining_table(args: argparse.Namespace) -> int:
     """Pre-train each row's model, fine-tune it on every task, one report with a row each."""
     out = Path(args.output)
-    table = {"table5": table5_rows, "table6": table6_rows, "table8": table8_rows}
-    rows = table[args.experiment](args)
+    rows = PRETRAINING_TABLES[args.experiment](args)
     models = pretrain_each(args, rows)
     if isinstance(models, int):
         return models
@@ -165,14 +166,17 @@ def pretraining_table(args: argparse.Namespace) -> int:
             length = args.squad_max_seq_length if task == "squad" else args.max_seq_length
             runs[f"{row.folder}/{task}"] = [
                 "--task", task, "--data", data, "--model", str(models[row.pretraining]),
-                "--lr", str(args.lr), *sample_options(args), "--max-seq-length", str(length),
-                *row.finetune,
+                "--lr", str(args.lr), *sample_options(args, length), *row.finetune,
             ]  # fmt: skip
         groups += ["--results", *(str(out / row.folder / t) for t in tasks), "--system", row.name]
     code = run_rows(out, runs)
     if code:
         return code
     return bert(["evaluate", *groups, "--output", str(out / "report")])
+
+
+# the sets `pretraining_table` runs: a pre-training per row
+PRETRAINING_TABLES = {"table5": table5_rows, "table6": table6_rows, "table8": table8_rows}
 
 
 def table7(args: argparse.Namespace) -> int:
@@ -265,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     given = os.environ.get("MLFLOW_EXPERIMENT_NAME")
     os.environ["MLFLOW_EXPERIMENT_NAME"] = given or args.experiment
     try:
-        sets = {"table5": pretraining_table, "table6": pretraining_table,
-                "table8": pretraining_table, "table7": table7, "figure2": figure2}  # fmt: skip
+        sets = {"table7": table7, "figure2": figure2} | dict.fromkeys(PRETRAINING_TABLES,
+                                                                      pretraining_table)
         return sets[args.experiment](args)
     finally:
         if given is None:

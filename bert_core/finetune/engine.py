@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_core.errors import InputError
+from bert_core.errors import Diverged, InputError
 from bert_core.finetune.config import FinetuneConfig, option  # noqa: F401 (re-exported)
 from bert_core.metrics import task_run
 from bert_core.model import optim
@@ -288,6 +288,7 @@ def fit(
     # disable=None: a bar on a terminal only; in a log (a KFP pod, CI) the epoch lines below
     bar = tqdm(total=total_steps, desc=desc, unit="step", disable=None)
     train_seconds = 0.0  # evaluation is not training time
+    step = 0
     for epoch in range(1, cfg.epochs + 1):
         start = time.perf_counter()
         model.train()
@@ -297,11 +298,20 @@ def fit(
             with optim.autocast(device):
                 loss = model(**batch).loss
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            # one sync a step either way (the loss is read for the bar): a non-finite loss or
+            # gradient norm stops the run before the optimizer writes NaN into every weight
+            value, norm, step = loss.item(), norm.item(), step + 1
+            if not (math.isfinite(value) and math.isfinite(norm)):
+                raise Diverged(
+                    f"{desc}: training diverged at epoch {epoch}, step {step}: loss "
+                    f"{value}, gradient norm {norm} at learning rate {cfg.learning_rate:g}; "
+                    "lower --learning-rate (or --lr-sweep)"
+                )
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            losses.append(value)
             bar.update()
             bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}", refresh=False)
         train_seconds += time.perf_counter() - start

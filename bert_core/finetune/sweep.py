@@ -12,7 +12,9 @@ sampled (with `--seed`, the same for every trial) and featurised once; each tria
 MLflow run under the step's run (its `learning_rate`, `seed`, per-epoch dev metrics and
 `eval/score`); the best trial by dev score (each trial's best epoch; ties: the earlier trial)
 is the step's output, its `learning_rate`/`seed` the step run's parameters, the choice in tags
-`sweep.*` and in metrics.json's `sweep` section.
+`sweep.*` and in metrics.json's `sweep` section. A trial whose training diverges (non-finite
+loss: `errors.Diverged`) is a failed trial, its nested run FAILED and its row in the section
+`"score": null` with the reason; the sweep fails only when every trial does.
 
 A pipeline can instead fan the trials out, one `bert finetune --lr X --seed S` step each, and
 join them with `pick_best` (`python -m bert_core.finetune.sweep --results A B ... --output
@@ -24,11 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+
+from bert_core.errors import Diverged
 
 SELECTED_BY = "dev score of each trial's best epoch (the task's score); ties: the earlier trial"
 
@@ -77,17 +82,25 @@ def run_trials(task, model_dir, cfg, device: torch.device, train: Callable):
     for i, trial in enumerate(trial_configs(cfg)):
         name = f"trial-{i} lr={trial.learning_rate:g} seed={trial.seed}"
         tags = {**default_tags(), "bert.step": f"finetune-{task.name}-trial", "bert.trial": str(i)}
-        with mlflow.start_run(run_name=name, nested=True, tags=tags) as run:
-            params = {"trial": i, "learning_rate": trial.learning_rate, "seed": trial.seed}
-            mlflow.log_params(params | {"task": task.name, "init": trial.init})
-            result = train(task, model_dir, trial, device, mlflow.log_metrics)
-            model, best, history, seconds = result
-            kept_epoch = {"eval/best_epoch": best["epoch"]}
-            mlflow.log_metrics(task_run(best["score"], best["metrics"]) | kept_epoch)
+        try:
+            with mlflow.start_run(run_name=name, nested=True, tags=tags) as run:
+                params = {"trial": i, "learning_rate": trial.learning_rate, "seed": trial.seed}
+                mlflow.log_params(params | {"task": task.name, "init": trial.init})
+                result = train(task, model_dir, trial, device, mlflow.log_metrics)
+                model, best, history, seconds = result
+                kept_epoch = {"eval/best_epoch": best["epoch"]}
+                mlflow.log_metrics(task_run(best["score"], best["metrics"]) | kept_epoch)
+        except Diverged as e:  # a failed trial (its run FAILED), as a tuner counts one
+            print(f"trial {i}: {e}", file=sys.stderr, flush=True)
+            record = {"trial": i, "learning_rate": trial.learning_rate, "seed": trial.seed}
+            trials.append(record | {"score": None, "diverged": str(e), "run_id": run.info.run_id})
+            continue
         trials.append(_record(i, trial, best, seconds, run.info.run_id))
         if kept is None or best["score"] > kept[1]["score"]:
             kept, kept_cfg, chosen = result, trial, i
         del model, result  # a beaten trial's weights are freed before the next one
+    if kept is None:
+        raise Diverged(f"every trial diverged; the last: {trials[-1]['diverged']}")
     section = summary(trials, chosen, cfg.seed if cfg.max_train_examples else None)
     # the step run reads as the chosen trial's: its parameters, and its per-epoch history
     mlflow.log_params({"learning_rate": kept_cfg.learning_rate, "seed": kept_cfg.seed})

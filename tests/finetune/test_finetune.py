@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -484,6 +485,44 @@ def test_sweep_and_control_end_to_end(tmp_path, shared_data, tiny_dir, mlflow_en
     assert [line.split(" | ")[0] for line in table[2:5]] == [
         "| BERT (ours)", "| random init", "| BERT (ours) gain over random init"
     ]  # fmt: skip
+
+
+def test_a_diverging_finetuning_fails_and_registers_nothing(
+    tmp_path, shared_data, tiny_dir, mlflow_env, capsys
+) -> None:
+    """A fine-tuning whose loss goes non-finite (lr 1e9; on an H100 bf16 runs went NaN at lr
+    1e-3 and 1e-4, docs/transfer.md) stops at that step: exit 1, one line naming the epoch,
+    step and learning rate, no output folder, the run FAILED and no registry version. In a
+    sweep the diverged trial is a failed trial (null score, its nested run FAILED) and the best
+    sound trial is kept."""
+    data = shared_data / "glue" / "STS-B"
+    run = ["finetune", "--task", "STS-B", "--data", str(data), "--model", str(tiny_dir),
+           "--epochs", "1", "--batch-size", "16", "--max-seq-length", "32",
+           "--max-train-examples", "64", "--max-eval-examples", "32"]  # fmt: skip
+    client = mlflow.MlflowClient()
+    versions = lambda: client.search_model_versions("name = 'bert-stsb'")  # noqa: E731
+    before = len(versions())
+    out = tmp_path / "nan"
+    assert cli.main([*run, "--output", str(out), "--lr", "1e9"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bert ")]
+    assert len(err) == 1 and "training diverged at epoch 1, step" in err[0], err
+    assert "learning rate 1e+09" in err[0] and "lower --learning-rate" in err[0]
+    assert not out.exists() and len(versions()) == before
+    runs = mlflow.search_runs(experiment_names=["bert"], output_format="list")
+    (failed,) = [r for r in runs if r.data.tags.get("bert.step") == "finetune-STS-B"]
+    assert failed.info.status == "FAILED"
+
+    swept = tmp_path / "sweep"
+    assert cli.main([*run, "--output", str(swept), "--lr-sweep", "1e9,1e-3"]) == 0
+    sweep = json.loads((swept / "metrics.json").read_text())["sweep"]
+    first, second = sweep["trials"]
+    assert first["score"] is None and "training diverged" in first["diverged"]
+    assert sweep["chosen"] == 1 and math.isfinite(second["score"])
+    assert client.get_run(first["run_id"]).info.status == "FAILED"
+    assert len(versions()) == before + 1
+    assert cli.main([*run, "--output", str(tmp_path / "all"), "--lr-sweep", "1e9,1e10"]) == 1
+    assert "every trial diverged" in capsys.readouterr().err
+    assert not (tmp_path / "all").exists()
 
 
 def test_pick_best_joins_a_fanned_out_sweep(tmp_path) -> None:

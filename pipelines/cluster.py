@@ -4,8 +4,8 @@ each, and the pipeline's cluster defaults (data under the bucket, the images).
 
 Why one module: the compiled spec (`pipelines/bert_pipeline.py` wires these into every task with
 kfp-kubernetes), the manifests in `infra/k8s/env/` (which must hold exactly these keys: a test
-compares them) and `pipelines/pod_harness.py` (which builds a pod's environment from the
-manifests the way Kubernetes does) must never drift apart. A key the spec names but the
+compares them) and the tests' pod harness (`tests/cluster/`, which builds a pod's environment
+from the manifests the way Kubernetes does) must never drift apart. A key the spec names but the
 ConfigMap lacks stops the pod before it starts (`CreateContainerConfigError`); a key the
 ConfigMap has but the spec does not name never reaches the step, which then quietly logs to a
 local file.

@@ -374,7 +374,7 @@ def load_strict(path: str | Path) -> tuple[PipelineSpec, dict[str, KubernetesExe
     naming the document, the executor and the field): the backend would reject them at upload
     or run creation, or drop them (deploymentSpec, and everything the driver reads)."""
     documents = [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
-    if not 1 <= len(documents) <= 2:
+    if not 1 <= len(documents) <= 2 or not all(isinstance(d, dict) for d in documents):
         raise StrictParseError(f"{path}: expected a PipelineSpec and a platform spec document")
     spec = _parse(documents[0], PipelineSpec(), f"{path}: PipelineSpec")
     try:

@@ -196,7 +196,8 @@ def cluster_objects(objects, s3_url: str, mlflow_url: str, ray_dashboard: str = 
     """The manifests' ConfigMap and Secrets (`objects`, pod_env.manifest_objects or a variant),
     their service URLs mapped to the test servers; the Ray address to `ray_dashboard` ("": no
     RayCluster, pretrain runs a local Ray in its pod)."""
-    from pipelines import cluster, pod_env
+    from pipelines import cluster
+    from tests.cluster import pod_env
 
     config = objects[("ConfigMap", cluster.CONFIG_MAP)]
     return pod_env.localize(

@@ -1,7 +1,7 @@
 """Load and secrets (issue #18, points 5 and 6): runs at the same time stay apart, and no
 credential reaches anything a person or a process can read afterwards.
 
-- Two runs of the compiled pipeline (`pipelines/pod_harness.py`, one thread each) with
+- Two runs of the compiled pipeline (`tests/cluster/pod_harness.py`, one thread each) with
   different settings against ONE `mlflow server` and ONE bucket: both succeed, each with its own
   parent run, its own steps nested under it, its own GLUE table and its own artifacts; nothing
   is left RUNNING. The same two runs carry fake credentials planted where a cluster puts the
@@ -31,7 +31,8 @@ from typing import Any
 import pytest
 
 from bert_core import storage
-from pipelines import cluster, pod_env, pod_harness
+from pipelines import cluster
+from tests.cluster import pod_env, pod_harness
 from tests.pipeline_helpers import (
     ROOT,
     SPEC,

@@ -278,7 +278,8 @@ def test_pipeline_env_keys_are_the_ones_every_pipeline_task_loads(rendered, k8s_
     """pipelines/cluster.py names the keys the compiled spec wires into every task: the
     ConfigMap and the S3 Secret hold exactly those (a missing one stops every pod; an extra one
     reaches none), and the pod harness reads the manifests as kustomize renders them."""
-    from pipelines import cluster, pod_env
+    from pipelines import cluster
+    from tests.cluster import pod_env
 
     objects = {(d["kind"], d["metadata"]["name"]): d for d in rendered}
     config = objects[("ConfigMap", cluster.CONFIG_MAP)]["data"]

@@ -1,8 +1,8 @@
 """The cluster path without a cluster: the compiled pipeline run pod by pod by the rules of the
-pinned Kubeflow backend (`pipelines/pod_harness.py`, which cites the backend's source for each)
+pinned Kubeflow backend (`tests/cluster/pod_harness.py`, which cites the backend's source for each)
 against a real S3 server, a real MLflow server and a real Ray head, on `s3://` data, with the
 environment the platform spec takes from the manifests in infra/k8s/env; plus the pieces it
-stands on: the pods' environment and placement (`pipelines/pod_env.py`), the refusal of
+stands on: the pods' environment and placement (`tests/cluster/pod_env.py`), the refusal of
 workstation paths, and the data digests that reach the cache keys and MLflow.
 
 The servers are infra/scripts/local_services.py's (moto S3, `mlflow server`), on loopback, with
@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from bert_core import storage
-from pipelines import cluster, pod_env, pod_harness
+from pipelines import cluster
 from pipelines.bert_pipeline import DEFAULTS, P
+from tests.cluster import pod_env, pod_harness
 from tests.pipeline_helpers import (
     GLUE_TASKS,
     ROOT,

@@ -1,6 +1,8 @@
 """The compiled pipeline by the rules of the KFP backend users deploy (pipelines/kfp_backend.py,
 BACKEND = 2.17.0): it parses strictly, it uses nothing that backend does not implement, and the
-checks can fail. Sources cited are github.com/kubeflow/pipelines at tag 2.17.0.
+checks can fail, in code and as the command a user runs before an upload
+(`python -m pipelines.bert_pipeline check`). Sources cited are github.com/kubeflow/pipelines at
+tag 2.17.0.
 
 Besides the committed spec, small pipelines compiled here with the pinned SDK carry every
 feature the pipeline uses or plans to (a ParallelFor over a task's list of dicts, each item a
@@ -10,6 +12,9 @@ no caching; described parameters), and variants of them the backend gets wrong. 
 `from __future__ import annotations` here: kfp reads the components' annotations as types.)"""
 
 import importlib.metadata
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import List  # noqa: UP035 - the SDK reads List[dict] (a ParallelFor item's type)
 
@@ -18,10 +23,11 @@ import yaml
 from kfp import compiler, dsl, kubernetes
 from kfp.dsl import Input, Model, Output
 
-from pipelines import kfp_backend
+from pipelines import bert_pipeline, kfp_backend
 from pipelines.kfp_backend import StrictParseError, load_strict, unsupported
 
-SPEC = Path(__file__).resolve().parents[2] / "pipelines" / "bert_pipeline.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "pipelines" / "bert_pipeline.yaml"
 
 
 def _compile(tmp_path: Path, pipeline) -> Path:
@@ -311,3 +317,42 @@ def test_an_empty_fan_in_by_default_is_reported(tmp_path):
     (fan_in,) = kfp_backend.fan_ins(spec)
     assert (fan_in.items, fan_in.items_default) == ("pipeline parameter tasks", [])
     assert any("are [] by default" in line for line in unsupported(spec, executors))
+
+
+# The `check` command -------------------------------------------------------------------------
+
+
+def test_check_passes_the_committed_spec_in_one_line():
+    """`python -m pipelines.bert_pipeline check` with no FILE reads the committed spec."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pipelines.bert_pipeline", "check"],
+        cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        "pipelines/bert_pipeline.yaml: clean: parses strictly and uses only what KFP 2.17.0 "
+        "implements"
+    ]
+
+
+def test_check_exits_2_with_a_line_per_problem(tmp_path, capsys):
+    """An unknown field (the strict parse), a wiring the backend gets wrong although the protos
+    take it (`unsupported`: Argo parses backoffFactor with Atoi), a file that is not there."""
+
+    def unknown_field(spec, platform):
+        name = sorted(spec["deploymentSpec"]["executors"])[0]
+        spec["deploymentSpec"]["executors"][name]["container"]["resources"]["gpuLimitX"] = 1
+
+    def fractional_backoff(spec, platform):
+        for component in [spec["root"], *spec["components"].values()]:
+            for task in component.get("dag", {}).get("tasks", {}).values():
+                if "retryPolicy" in task:
+                    task["retryPolicy"]["backoffFactor"] = 1.5
+
+    for edit, wanted in [(unknown_field, "gpuLimitX"), (fractional_backoff, "backoffFactor 1.5")]:
+        path = _rewrite(tmp_path, edit)
+        assert bert_pipeline.main(["check", str(path)]) == 2
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"{path}: ") and wanted in lines[0], lines
+    assert bert_pipeline.main(["check", str(tmp_path / "none.yaml")]) == 2
+    assert capsys.readouterr().out == f"{tmp_path / 'none.yaml'}: No such file or directory\n"

@@ -1,7 +1,8 @@
-"""The KFP driver's CEL, as far as the pod harness models it (`pipelines/kfp_cel.py`): the
-conditions and selectors the pinned SDK compiles evaluate as the driver's would, anything
-else is refused, and the harness runs a pipeline with branches as the backend does (an
-untriggered branch is CANCELED, fails nothing, and leaves its DAG unsettled)."""
+"""The KFP driver's CEL in the pod harness (`tests/cluster/kfp_cel.py`: cel-python with the
+driver's `parseJson`): the conditions and selectors the pinned SDK compiles evaluate as the
+driver's would, CEL's errors are the driver's, the known differences from cel-go are pinned, and
+the harness runs a pipeline with branches as the backend does (an untriggered branch is
+CANCELED, fails nothing, and leaves its DAG unsettled)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import yaml
 from kfp import compiler
 
-from pipelines import kfp_cel, pod_env, pod_harness
 from pipelines.bert_pipeline import SPEC
+from tests.cluster import kfp_cel, pod_env, pod_harness
 from tests.condition_pipeline import conditions
 from tests.pipeline_helpers import cluster_objects
 
@@ -59,23 +60,57 @@ def test_the_pipelines_branches_run_for_the_named_job_only(branch, parameter):
     assert kfp_cel.condition(condition, off) is False
 
 
-def test_cel_errors_are_the_drivers_and_other_grammar_is_refused():
+def test_the_pipelines_selectors_read_a_fine_tuning_jobs_field():
+    """The committed spec's selectors (a loop item's field) on a job as finetune-jobs makes it:
+    a STRUCT value, whose `string_value` is its JSON."""
+    (pipeline, *_) = yaml.safe_load_all(SPEC.read_text())
+    tasks = [t for c in [pipeline["root"], *pipeline["components"].values()]
+             for t in c.get("dag", {}).get("tasks", {}).values()]  # fmt: skip
+    selectors = {p["parameterExpressionSelector"] for t in tasks
+                 for p in t.get("inputs", {}).get("parameters", {}).values()
+                 if "parameterExpressionSelector" in p}  # fmt: skip
+    assert selectors == {'parseJson(string_value)["data_digest"]'}
+    job = {"name": "SST-2", "task": "SST-2", "data_digest": "sha256:ab", "options": ["--x", "1"]}
+    assert kfp_cel.select(selectors.pop(), job) == "sha256:ab"
+
+
+def test_cel_errors_are_the_drivers():
+    """As expression.go and its tests at 2.17.0: a missing key, a condition that is not a bool,
+    an operator with no overload and a parse error fail; `!`, `&&`, casts and any CEL run."""
     with pytest.raises(kfp_cel.EvaluationError, match="no such key"):
         kfp_cel.condition("inputs.parameter_values['x'] == 'a'", {})
-    with pytest.raises(kfp_cel.EvaluationError, match="no such overload"):  # double == int
-        kfp_cel.condition("inputs.parameter_values['n'] == 2", {"n": 2})
+    with pytest.raises(kfp_cel.EvaluationError, match="not bool"):
+        kfp_cel.condition("inputs.parameter_values['s']", {"s": "a"})
+    with pytest.raises(kfp_cel.EvaluationError, match="overload"):
+        kfp_cel.condition("inputs.parameter_values['s'] < 2", {"s": "a"})
+    with pytest.raises(kfp_cel.EvaluationError):
+        kfp_cel.condition("inputs.parameter_values['s'] ==", {"s": "a"})
     assert kfp_cel.condition("int(inputs.parameter_values['n']) == 2", {"n": 2.0})
+    assert kfp_cel.condition("inputs.parameter_values['n'] == 2.0", {"n": 2})  # a Value: double
     assert kfp_cel.condition("!(inputs.parameter_values['s'] == 'a') && true == true", {"s": "b"})
-    for text in ("size(inputs.parameter_values['l']) > 0", "inputs.parameter_values['s']"):
-        with pytest.raises(kfp_cel.Unsupported):
-            kfp_cel.condition(text, {"l": [], "s": "a"})
+    assert kfp_cel.condition("inputs.parameter_values['s'] == 'a && b'", {"s": "a && b"})
+    assert kfp_cel.condition("size(inputs.parameter_values['l']) == 0", {"l": []})
     selector = 'parseJson(string_value)["tag"]'
     assert kfp_cel.select(selector, {"tag": "x", "n": 1}) == "x"
     assert kfp_cel.select(selector, '{"tag": "y"}') == "y"  # a string value: its text is JSON
-    with pytest.raises(kfp_cel.EvaluationError):
+    assert kfp_cel.select('parseJson(string_value)["n"] == 1.0', {"n": 1}) is True  # a double
+    assert kfp_cel.select("string_value", {"n": 1}) == '{"n":1}'
+    with pytest.raises(kfp_cel.EvaluationError, match="no such key"):
         kfp_cel.select(selector, {"other": 1})
-    with pytest.raises(kfp_cel.Unsupported):
-        kfp_cel.select("string_value", "x")
+    with pytest.raises(kfp_cel.EvaluationError, match="unmarshal"):
+        kfp_cel.select(selector, "not json")
+
+
+def test_where_cel_python_differs_from_the_drivers_cel_go():
+    """cel-python 0.5.0 against cel-go 0.27.0 (the backend's): no heterogeneous equality
+    (cel-go: `1.0 == 1` true, `'a' == 1` false; backend/src/v2/expression/expression_test.go
+    "errorOnTypeMismatch"), a bool equal to 1, int(bool). The SDK never writes these (it casts
+    both sides to one type); when this fails, cel-python changed: update kfp_cel's docstring."""
+    for text in ("inputs.parameter_values['n'] == 1", "inputs.parameter_values['s'] == 1"):
+        with pytest.raises(kfp_cel.EvaluationError, match="overload"):  # cel-go: true, false
+            kfp_cel.condition(text, {"n": 1, "s": "a"})
+    assert kfp_cel.condition("inputs.parameter_values['b'] == 1", {"b": True})  # cel-go: false
+    assert kfp_cel.condition("int(inputs.parameter_values['b']) == 1", {"b": True})  # cel-go: error
 
 
 def test_the_harness_skips_untriggered_branches_as_the_backend_does(spec, tmp_path):

@@ -25,7 +25,7 @@ and follows the backend's source (kubeflow/pipelines at the pinned tag; each rul
   output names and types, command, args, image); a `Cache` keeps the entries across runs, as the
   KFP database does;
 - trigger conditions (`dsl.If`) and parameter expression selectors (a loop item's field): the
-  driver's CEL over the task's resolved inputs (`pipelines/kfp_cel.py`, the SDK's grammar only);
+  driver's CEL over the task's resolved inputs (`tests/cluster/kfp_cel.py`, cel-python);
   an untriggered task's execution is created CANCELED and Argo skips it and what depends on it,
   failing nothing; nothing settles its DAG afterwards unless a later launcher publishes there;
 - a `dsl.Collected` input from a loop that ran no iteration fails its consumer's driver
@@ -39,7 +39,7 @@ And each container runs as its pod would:
   replaced by an executor input built as the launcher builds it: the input parameter values,
   input and output artifacts with `s3://` URIs under the pipeline root, and the output metadata
   file (in the pod's folder rather than the launcher's `/tmp`); any other placeholder fails;
-- the environment the platform spec gives the pod (`pipelines/pod_env.py`: ConfigMap and
+- the environment the platform spec gives the pod (`tests/cluster/pod_env.py`: ConfigMap and
   Secrets from the manifests in infra/k8s/env, service URLs mapped to the test's servers,
   `KFP_RUN_ID` from the `pipeline/runid` pod label), plus the image's own (`image_env`), and
   nothing of the harness's environment; node selector and tolerations resolved and recorded;
@@ -81,9 +81,10 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from pipelines import kfp_backend, kfp_cel, pod_env
+from pipelines import kfp_backend
+from tests.cluster import kfp_cel, pod_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUTPUTS = "kfp_outputs"  # in a pod's folder: the executor's output metadata and parameter files
 # ML Metadata execution states, as the backend records them and hands them to an exit handler
 RUNNING, COMPLETE, CACHED, FAILED, CANCELED = "RUNNING", "COMPLETE", "CACHED", "FAILED", "CANCELED"
@@ -94,7 +95,7 @@ LOCAL_PATH = re.compile(r"^(/|\./|\.\./|~/|file:)|^\.{1,2}$")
 
 # The stand-in image's sitecustomize: KFP's local folder for s3:// artifacts is the pod's own.
 SITECUSTOMIZE = '''\
-"""The pod harness's stand-in image: KFP's /s3/ is this pod's folder (pipelines/pod_harness.py)."""
+"""The stand-in image of tests/cluster/pod_harness.py: KFP's /s3/ is this pod's folder."""
 import importlib.abc
 import importlib.util
 import os
@@ -253,13 +254,11 @@ def load_spec(path: Path) -> tuple[dict, dict]:
 
 def _cel(path: str, evaluate, *args) -> Any:
     """A CEL evaluation (`kfp_cel`) as the driver meets it: what CEL fails on fails the driver
-    (DriverError); an expression outside the SDK's grammar is the harness's to refuse."""
+    (DriverError)."""
     try:
         return evaluate(*args)
     except kfp_cel.EvaluationError as e:
         raise DriverError(f"{path}: {e}") from None
-    except kfp_cel.Unsupported as e:
-        raise HarnessError(f"{path}: {e}") from None
 
 
 def reject_workstation_paths(where: str, value: Any) -> None:

@@ -1,5 +1,6 @@
 """A pipeline pod's environment as Kubernetes would build it from the compiled platform spec and
-the manifests in `infra/k8s/env`: the harness's (`pipelines/pod_harness.py`) view of the cluster.
+the manifests in `infra/k8s/env`: the pod harness's (`tests/cluster/pod_harness.py`) view of
+the cluster.
 
 The compiled spec's second document (the kfp-kubernetes platform spec) names, per executor, the
 ConfigMaps and Secrets to load as environment variables (`configMapAsEnv`, `secretAsEnv`) and the
@@ -24,7 +25,7 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV_DIR = ROOT / "infra" / "k8s" / "env"
 CLUSTER_DOMAIN = ".svc.cluster.local"
 

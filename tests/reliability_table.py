@@ -7,10 +7,10 @@ neutral). The test of
 each row checks that the doc holds exactly its row, so a changed message or a new row fails until
 the doc is regenerated:
 
-    BERT_WRITE_RELIABILITY=1 make test PYTEST_ARGS=tests/test_bad_inputs.py
-    (or: BERT_WRITE_RELIABILITY=1 .venv/bin/python -m pytest tests/test_bad_inputs.py)
+    BERT_WRITE_RELIABILITY=1 .venv/bin/python -m pytest tests/test_bad_inputs.py
 
-which writes the table between the markers below (the rows in the catalogue's order).
+which writes the table between the markers below (the rows in the catalogue's order). README.md
+quotes the number of rows; tests/test_docs.py holds it to the catalogue.
 """
 
 from __future__ import annotations

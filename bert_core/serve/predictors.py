@@ -169,7 +169,10 @@ class MaskFiller(Predictor):
         for index, outputs in batches:
             for row, i in enumerate(index):
                 positions = np.flatnonzero(ids[i] == mask_id)
-                probs = head(outputs.last_hidden_state[row, positions], embeddings).float()
+                # the encoder ran under autocast (bf16 states on a GPU), the head runs here
+                # outside it, on the fp32 weights: states in fp32 too
+                states = outputs.last_hidden_state[row, positions].float()
+                probs = head(states, embeddings).float()
                 top = probs.softmax(-1).topk(min(k, probs.shape[-1]))
                 out[i] = self.fill(texts[i], encodings[i].offsets, positions, top)
         return out

@@ -160,6 +160,28 @@ def test_fill_mask_equals_transformers(folders):
         assert np.all(np.diff(mask["scores"]) <= 0)
 
 
+def test_fill_mask_and_classification_run_under_bf16_autocast(folders, monkeypatch):
+    """On a GPU the encoder runs under bf16 autocast (`optim.autocast`) and hands back bf16
+    states; a head applied outside it must not meet them in fp32 (an H100 run failed MLflow's
+    input-example check with "mat1 and mat2 must have the same dtype"). CPU bf16 autocast
+    stands in for the GPU's: the same predictions as fp32, to bf16's precision."""
+    from bert_core.model import optim
+
+    texts = ["The capital of France is [MASK].", "a [MASK] film ."]
+    fill = load_predictor(folders["fill-mask"], Settings(top_k=3))
+    label = load_predictor(folders["classification"])
+    sentences = pd.DataFrame({"text": SENTENCES})
+    fp32 = fill.predict(pd.DataFrame({"text": texts})), label.predict(sentences)
+    monkeypatch.setattr(optim, "autocast", lambda device: torch.autocast("cpu", torch.bfloat16))
+    bf16 = fill.predict(pd.DataFrame({"text": texts})), label.predict(sentences)
+    for ours, want in zip(bf16[0], fp32[0], strict=True):
+        (top, want_top) = ours["masks"][0], want["masks"][0]
+        assert top["tokens"][0] == want_top["tokens"][0]
+        assert top["scores"][0] == pytest.approx(want_top["scores"][0], abs=0.05)
+    for ours, want in zip(bf16[1], fp32[1], strict=True):
+        assert ours["label"] == want["label"]
+
+
 def test_choices_equal_swag_finetuning_predictions(folders):
     from bert_core.finetune.tasks import swag
 

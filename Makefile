@@ -8,7 +8,7 @@ export PYTHONPATH := $(CURDIR)
 # and then (infra/k8s/env/pipeline-env.yaml says more). Set it to false to send them.
 export MLFLOW_DISABLE_TELEMETRY ?= true
 
-.PHONY: venv run test lint bench clean table5 table6 table7 table8 figure2
+.PHONY: venv run test check lint bench clean table5 table6 table7 table8 figure2
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,8 +24,15 @@ venv: $(VENV)/.installed
 lint: venv
 	$(PY) -m ruff check .
 
+# The whole suite, slow tests included (CI), on two workers (a test file each; most tests wait
+# on subprocesses and servers); pyproject.toml's addopts print the 25 slowest.
+WORKERS ?= 2
 test: venv lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+
+# The inner loop: lint and the tests not marked slow.
+check: venv lint
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m "not slow"
 
 # The whole DAG (dvc repro inside an MLflow pipeline run); settings in params.yaml, e.g.
 # `make run ARGS="-S model.preset=mini"` runs it as a DVC experiment with that override.

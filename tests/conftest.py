@@ -6,12 +6,45 @@ import functools
 import http.server
 import os
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("BERT_SHARED_DATA", ROOT.parent / "shared" / "data")).resolve()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files with the most slow tests first, each file's tests in their own order: `make
+    test` runs two xdist workers a file each (`--dist loadfile`), so the long files start at
+    once and the short ones fill in at the end, instead of one long file running alone last."""
+    # slow test functions per file: a parametrized one counts once (one fixture, short cases)
+    functions = {(i.path, i.originalname) for i in items if i.get_closest_marker("slow")}
+    slow = Counter(path for path, _ in functions)
+    items.sort(key=lambda item: -slow[item.path])  # stable: files stay whole and in order
+
+
+BUDGET_S = {"slow": 90.0, "other": 10.0}  # a test's set-up + call + tear-down, issue #42
+_over_budget: list[tuple[float, str, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    """Collect (on the xdist controller too) each phase's time per test, for the summary."""
+    if report.when == "call":
+        kind = "slow" if "slow" in report.keywords else "other"
+        if report.duration > BUDGET_S[kind]:
+            _over_budget.append((report.duration, kind, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Tests over their time budget (slow <= 90 s, any other <= 10 s), longest first: printed
+    every run, so a test that grows is seen the day it does (the call phase; fixtures shared by
+    a file are in --durations' setup lines)."""
+    if _over_budget:
+        terminalreporter.section("over the time budget (slow 90 s, other 10 s)")
+        for seconds, kind, nodeid in sorted(_over_budget, reverse=True):
+            terminalreporter.write_line(f"{seconds:7.1f}s  {kind:5}  {nodeid}")
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,8 @@ def observed(code: int, err: str, places: dict[str, Path | str]) -> str:
     line = ours[0] if ours else (lines[-1] if lines else "")
     for path, name in sorted(places.items(), key=lambda kv: -len(str(kv[0]))):
         line = line.replace(str(path), name)
-    line = re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s'\"]+", "TMP", line)
+    # pytest's base temp, with an xdist worker's folder (popen-gwN) when `make test` runs two
+    line = re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/(?:popen-gw\d+/)?[^/\s'\"]+", "TMP", line)
     line = re.sub(r"(127\.0\.0\.1|localhost):\d+", r"\1:PORT", line)
     return f"exit {code}: {line}"
 

@@ -528,10 +528,13 @@ def test_pretrain_stopped_by_a_signal_saves_a_checkpoint_and_the_rerun_resumes_f
         assert run.proc.wait(timeout=180) == 128 + sig, run.text()[-3000:]
         text = run.text()
         last = [line for line in text.splitlines() if line.startswith("bert pretrain:")]
-        # no traceback from our code (the command, its Ray workers); Ray Train's own controller
-        # may log one it recovers from (Ray 2.60's autoscaling coordinator timing out a
-        # `ray.get` when the machine is busy: seen once in a fresh-clone run)
-        ours = [line for line in text.splitlines() if "(TrainController pid=" not in line]
+        # no traceback from our code (the command, its Ray workers); Ray Train's own actors may
+        # log one they recover from (Ray 2.60's controller timing out a `ray.get` when the
+        # machine is busy; its PlacementGroupCleaner finding "multiple active Ray instances"
+        # when another local Ray runs beside this one, as two jobs on one machine do: both
+        # seen in fresh-clone runs)
+        ours = [line for line in text.splitlines()
+                if not re.search(r"\((?!RayTrainWorker)\w+ pid=\d+\)", line)]  # fmt: skip
         assert "Traceback" not in "\n".join(ours) and len(last) == 1, text[-3000:]
         found = re.fullmatch(
             rf"bert pretrain: interrupted \({sig.name}\): checkpoint at step (\d+) saved in "

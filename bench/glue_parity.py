@@ -9,7 +9,10 @@ ours. Dev metrics are the official GLUE ones (`bert_core.finetune.tasks.glue_dat
 line per task: both sides' metrics and task score, both wall and CPU times (training + per-epoch dev
 evaluation) and their ratios ours / transformers (< 1: ours faster).
 
-Target: ours within 1 point of transformers on every task, and no slower.
+Target: ours within 1 point of transformers on every task, and no slower. On a GPU a third side
+runs: ours with padded batches (`ours_padded`), beside ours packed (what `fit` runs there,
+`engine.packs`): the unpadded path's gain, at equal accuracy. A side whose training goes
+non-finite reports where (`diverged`) instead of a score.
 
     PYTHONPATH=$PWD .venv/bin/python bench/glue_parity.py                  # the full benchmark
     PYTHONPATH=$PWD .venv/bin/python bench/glue_parity.py --tasks MRPC --epochs 1 \\
@@ -28,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_core.errors import Diverged
 from bert_core.finetune.engine import FinetuneConfig, fit, load_tokenizer, sample, train_batches
 from bert_core.finetune.tasks.glue import Features, collate, evaluate_dev, featurize
 from bert_core.finetune.tasks.glue_data import (
@@ -56,11 +60,20 @@ def train(task, model, train_set: Features, dev: dict[str, Features], cfg, devic
         metrics, preds = evaluate_dev(task, m, dev, device, cfg.eval_batch_size)
         return metrics, task_score(task, metrics), preds
 
-    best, _, _ = fit(
-        model, len(train_set), lambda i: collate(train_set, i), evaluate, cfg, device,
-        f"finetune {task.name}",
-    )  # fmt: skip
+    try:
+        best, _, _ = fit(
+            model, len(train_set), lambda i: collate(train_set, i), evaluate, cfg, device,
+            f"finetune {task.name}",
+        )  # fmt: skip
+    except Diverged as e:
+        return {"diverged": str(e)}
     return best
+
+
+class PaddedBertForSequenceClassification(BertForSequenceClassification):
+    """Ours, with `fit` kept on padded batches where it would pack them (a GPU)."""
+
+    packs = False
 
 
 def reference_train(task, model, train_set: Features, dev: dict[str, Features], cfg, device):
@@ -86,7 +99,9 @@ def reference_train(task, model, train_set: Features, dev: dict[str, Features], 
             with autocast(device):
                 loss = model(**batch).loss
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            if not (math.isfinite(loss.item()) and math.isfinite(norm.item())):
+                return {"diverged": f"epoch {epoch}: loss {loss.item()}, grad norm {norm.item()}"}
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
@@ -141,7 +156,12 @@ def run_task(name: str, args, cfg: FinetuneConfig, order: int = 0) -> dict:
     # Same start: every weight, the fresh classifier head included, copied from ours.
     missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
     assert not unexpected and all(k.endswith(("position_ids", "token_type_ids")) for k in missing)
-    for model in (ours, ref):  # warm up: first-call allocations and kernels, not timed
+    sides = {"ours": (train, ours), "transformers": (reference_train, ref)}
+    if device.type == "cuda":  # where ours packs: the padded path beside it
+        padded = PaddedBertForSequenceClassification(ours.config)
+        padded.load_state_dict(ours.state_dict())
+        sides["ours_padded"] = (train, padded)
+    for _, model in sides.values():  # warm up: first-call allocations and kernels, not timed
         model.to(device)
         batch = {k: v.to(device) for k, v in collate(train_set, range(cfg.batch_size)).items()}
         model(**batch).loss.backward()
@@ -150,38 +170,59 @@ def run_task(name: str, args, cfg: FinetuneConfig, order: int = 0) -> dict:
     def timed(fn, model):
         """(result, wall seconds, CPU seconds): CPU time is the steadier on a shared machine."""
         torch.manual_seed(cfg.seed)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t0, c0 = time.perf_counter(), time.process_time()
         best = fn(task, model, train_set, dev, cfg, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return best, time.perf_counter() - t0, time.process_time() - c0
 
-    # Alternate who goes first, so drift in a shared machine's load favours neither side.
-    if order % 2 == 0:
-        best, ours_s, ours_cpu = timed(train, ours)
-        ref_best, ref_s, ref_cpu = timed(reference_train, ref)
-    else:
-        ref_best, ref_s, ref_cpu = timed(reference_train, ref)
-        best, ours_s, ours_cpu = timed(train, ours)
-    return {
+    # Alternate who goes first, so drift in a shared machine's load favours no side.
+    names = list(sides)
+    names = names[order % len(names) :] + names[: order % len(names)]
+    results = {name: timed(*sides[name]) for name in names}
+    best, ours_s, ours_cpu = results["ours"]
+    ref_best, ref_s, ref_cpu = results["transformers"]
+
+    def side(b: dict) -> dict:
+        if "diverged" in b:
+            return b
+        return {"metrics": b["metrics"], "score": b["score"], "best_epoch": b["epoch"]}
+
+    def diff(a: dict, b: dict) -> float | None:
+        return round(a["score"] - b["score"], 3) if "score" in a and "score" in b else None
+
+    line = {
         "task": task.name,
         "train_examples": len(train_set),
         "dev_examples": sum(len(f) for f in dev.values()),
         "epochs": cfg.epochs,
-        "ours": {"metrics": best["metrics"], "score": best["score"], "best_epoch": best["epoch"]},
-        "transformers": {
-            "metrics": ref_best["metrics"],
-            "score": ref_best["score"],
-            "best_epoch": ref_best["epoch"],
-        },
-        "score_diff": round(best["score"] - ref_best["score"], 3),
-        "within_1_point": abs(best["score"] - ref_best["score"]) <= 1.0,
+        "ours": side(best),
+        "transformers": side(ref_best),
+        "score_diff": diff(best, ref_best),
+        "within_1_point": diff(best, ref_best) is not None and abs(diff(best, ref_best)) <= 1.0,
         "ours_s": round(ours_s, 2),
         "transformers_s": round(ref_s, 2),
         "time_ratio": round(ours_s / ref_s, 3),
         "ours_cpu_s": round(ours_cpu, 2),
         "transformers_cpu_s": round(ref_cpu, 2),
         "cpu_time_ratio": round(ours_cpu / ref_cpu, 3),
-        "first": "ours" if order % 2 == 0 else "transformers",
-        "device": str(device),
+    }
+    if "ours_padded" in results:
+        padded_best, padded_s, _ = results["ours_padded"]
+        line |= {
+            "ours_padded": side(padded_best),
+            "packed_minus_padded": diff(best, padded_best),
+            "ours_padded_s": round(padded_s, 2),
+            "padded_over_packed": round(padded_s / ours_s, 3),
+            "transformers_over_packed": round(ref_s / ours_s, 3),
+        }
+    return line | {
+        "first": names[0],
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
         "threads": torch.get_num_threads(),
         "config": {k: v for k, v in vars(cfg).items() if v is not None},
     }

@@ -9,10 +9,8 @@ ours. Dev metrics are the official GLUE ones (`bert_core.finetune.tasks.glue_dat
 line per task: both sides' metrics and task score, both wall and CPU times (training + per-epoch dev
 evaluation) and their ratios ours / transformers (< 1: ours faster).
 
-Target: ours within 1 point of transformers on every task, and no slower. On a GPU a third side
-runs: ours with padded batches (`ours_padded`), beside ours packed (what `fit` runs there,
-`engine.packs`): the unpadded path's gain, at equal accuracy. A side whose training goes
-non-finite reports where (`diverged`) instead of a score.
+Target: ours within 1 point of transformers on every task, and no slower. A side whose training
+goes non-finite reports where (`diverged`) instead of a score.
 
     PYTHONPATH=$PWD .venv/bin/python bench/glue_parity.py                  # the full benchmark
     PYTHONPATH=$PWD .venv/bin/python bench/glue_parity.py --tasks MRPC --epochs 1 \\
@@ -68,12 +66,6 @@ def train(task, model, train_set: Features, dev: dict[str, Features], cfg, devic
     except Diverged as e:
         return {"diverged": str(e)}
     return best
-
-
-class PaddedBertForSequenceClassification(BertForSequenceClassification):
-    """Ours, with `fit` kept on padded batches where it would pack them (a GPU)."""
-
-    packs = False
 
 
 def reference_train(task, model, train_set: Features, dev: dict[str, Features], cfg, device):
@@ -157,10 +149,6 @@ def run_task(name: str, args, cfg: FinetuneConfig, order: int = 0) -> dict:
     missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
     assert not unexpected and all(k.endswith(("position_ids", "token_type_ids")) for k in missing)
     sides = {"ours": (train, ours), "transformers": (reference_train, ref)}
-    if device.type == "cuda":  # where ours packs: the padded path beside it
-        padded = PaddedBertForSequenceClassification(ours.config)
-        padded.load_state_dict(ours.state_dict())
-        sides["ours_padded"] = (train, padded)
     for _, model in sides.values():  # warm up: first-call allocations and kernels, not timed
         model.to(device)
         batch = {k: v.to(device) for k, v in collate(train_set, range(cfg.batch_size)).items()}
@@ -209,15 +197,6 @@ def run_task(name: str, args, cfg: FinetuneConfig, order: int = 0) -> dict:
         "transformers_cpu_s": round(ref_cpu, 2),
         "cpu_time_ratio": round(ours_cpu / ref_cpu, 3),
     }
-    if "ours_padded" in results:
-        padded_best, padded_s, _ = results["ours_padded"]
-        line |= {
-            "ours_padded": side(padded_best),
-            "packed_minus_padded": diff(best, padded_best),
-            "ours_padded_s": round(padded_s, 2),
-            "padded_over_packed": round(padded_s / ours_s, 3),
-            "transformers_over_packed": round(ref_s / ours_s, 3),
-        }
     return line | {
         "first": names[0],
         "device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),

@@ -3,9 +3,9 @@
 The recipe is the paper's (section 4, appendix A.3): a task head on the pre-trained encoder,
 AdamW (no weight decay on biases and LayerNorm, `bert_core.model.optim`), linear warm-up over
 the first 10 % of steps then linear decay to zero, gradient clipping at 1.0, dynamic padding (a
-batch is padded only to its longest sequence: most of the speed on a CPU; on a GPU a
-sentence-level head gets its batch packed, no padding at all: `packs`), bf16 autocast on GPUs.
-The dev set is scored after every epoch and the best epoch (by the task's score) is the one kept.
+batch is padded only to its longest sequence: most of the speed on a CPU), bf16 autocast on
+GPUs. The dev set is scored after every epoch and the best epoch (by the task's score) is the
+one kept.
 
 Here: what a task is to the engine (`FinetuneTask`), the model folder's tokenizer, batching and
 padding (`train_batches`, `pad`, `padding_mask`), the model loader (label names into
@@ -34,8 +34,7 @@ from bert_core.finetune.config import FinetuneConfig, option  # noqa: F401 (re-e
 from bert_core.metrics import task_run
 from bert_core.model import optim
 
-# a batch's non-target keys: padded [B, L] with attention_mask, or packed [1, T] with cu_seqlens
-MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "cu_seqlens")
+MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")  # a batch's non-target keys
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,25 +149,6 @@ def padding_mask(rows: Sequence[np.ndarray], index: Sequence[int]) -> torch.Tens
     return (torch.arange(int(lengths.max()))[None] < lengths[:, None]).long()
 
 
-def packs(model: torch.nn.Module, device: torch.device) -> bool:
-    """Whether batches reach `model` packed (`packed`): on a GPU, for a head that reads one
-    vector per sequence from the bidirectional encoder (`model.packs`). There FlashAttention's
-    variable-length kernel runs real tokens only; a padded batch needs a mask, which only the
-    memory-efficient kernel takes. On a CPU the padded path is as fast (its math kernel)."""
-    return device.type == "cuda" and bool(getattr(model, "packs", False))
-
-
-def packed(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A right-padded batch's sequences end to end, no padding: input_ids and token_type_ids
-    [1, T] and their boundaries `cu_seqlens` [B + 1]; the per-sequence targets as they were."""
-    keep = batch["attention_mask"].bool()
-    out = {k: v for k, v in batch.items() if k not in MODEL_INPUTS}
-    out["input_ids"] = batch["input_ids"][keep][None]
-    out["token_type_ids"] = batch["token_type_ids"][keep][None]
-    out["cu_seqlens"] = torch.nn.functional.pad(keep.sum(1).cumsum(0), (1, 0))
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Model, optimisation, the loops
 
@@ -270,12 +250,10 @@ def predict_batches(
     `make_batch(index)` may include targets; only `MODEL_INPUTS` reach the model.
     """
     model.eval()
-    pack = packs(model, device)
     order = np.argsort(lengths, kind="stable")
     for start in range(0, len(order), batch_size):
         index = order[start : start + batch_size]
-        batch = packed(make_batch(index)) if pack else make_batch(index)
-        batch = {k: v.to(device) for k, v in batch.items() if k in MODEL_INPUTS}
+        batch = {k: v.to(device) for k, v in make_batch(index).items() if k in MODEL_INPUTS}
         with optim.autocast(device):
             outputs = model(**batch)
         yield index, outputs
@@ -311,14 +289,12 @@ def fit(
     bar = tqdm(total=total_steps, desc=desc, unit="step", disable=None)
     train_seconds = 0.0  # evaluation is not training time
     step = 0
-    pack = packs(model, device)
     for epoch in range(1, cfg.epochs + 1):
         start = time.perf_counter()
         model.train()
         losses = []
         for index in train_batches(num_train, cfg.batch_size, epoch, cfg.seed):
-            batch = packed(make_batch(index)) if pack else make_batch(index)
-            batch = {k: v.to(device) for k, v in batch.items()}
+            batch = {k: v.to(device) for k, v in make_batch(index).items()}
             with optim.autocast(device):
                 loss = model(**batch).loss
             loss.backward()

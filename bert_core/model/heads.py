@@ -37,23 +37,14 @@ class BertForSequenceClassification(BertPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self._init_weights(self.classifier)
 
-    @property
-    def packs(self) -> bool:
-        """Takes packed sequences (`cu_seqlens`): the bidirectional encoder without BiLSTM."""
-        return not self.config.is_decoder and not self.config.top_bilstm
-
     def forward(
         self,
         input_ids: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
     ) -> ClassifierOutput:
-        """Padded [B, L] inputs, or N sequences packed into [1, T] by `cu_seqlens` (see
-        `BertModel.forward`); logits [B or N, num_labels] either way."""
-        pooled = self.bert(input_ids, token_type_ids, attention_mask, cu_seqlens=cu_seqlens)
-        pooled = pooled.pooler_output
+        pooled = self.bert(input_ids, token_type_ids, attention_mask).pooler_output
         logits = self.classifier(self.dropout(pooled))
         loss = None
         if labels is not None:

@@ -10,43 +10,15 @@ computes its statistics in fp32 but hands back its input's dtype, and the embedd
 cast once. Autocast alone would return fp32 from every LayerNorm, so each residual add, dropout
 and LayerNorm (the memory-bound kernels between the matrix products) moved twice the bytes, and
 every next matrix product paid a cast. The weights stay fp32 (the optimizer's master copy).
-
-Sequences can also come packed (`Packed`): laid end to end as one row of T real tokens, no
-padding, their boundaries in cumulative offsets (FlashAttention's `cu_seqlens`). Every matrix
-product then runs on real tokens only, and attention runs per sequence through SDPA on a
-jagged nested tensor: FlashAttention's variable-length kernel on a GPU, with dropout and with
-no mask (the padded path's masked kernel is the memory-efficient one), a per-sequence loop
-elsewhere.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bert_core.model.config import ACTIVATIONS, BertConfig
-
-
-class Packed(NamedTuple):
-    """Where each of N packed sequences starts in the row of T tokens: `offsets` [N + 1],
-    int64, 0 first and T last. It takes the padded path's attention mask's place."""
-
-    offsets: torch.Tensor
-
-    @property
-    def first_tokens(self) -> torch.Tensor:
-        """Each sequence's first position (its [CLS]), [N]."""
-        return self.offsets[:-1]
-
-    def positions(self) -> torch.Tensor:
-        """Each token's position inside its own sequence, [T]."""
-        lengths = self.offsets.diff()
-        starts = torch.repeat_interleave(self.offsets[:-1], lengths)
-        return torch.arange(int(self.offsets[-1]), device=self.offsets.device) - starts
-
 
 # ----------------------------------------------------------------------------- encoder
 
@@ -80,15 +52,8 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = LayerNorm(h, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        token_type_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`positions` [L]: each token's position in its sequence (packed rows); default 0..L-1."""
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = (
             self.word_embeddings(input_ids)
             + self.token_type_embeddings(token_type_ids)
@@ -105,23 +70,17 @@ class BertSelfAttention(nn.Module):
         self.query, self.key, self.value = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
         self.dropout_p = config.attention_probs_dropout_prob
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | Packed | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, L, H = x.shape
         # one GEMM for q, k and v (3x wider, better device use); the parameters stay three
         # separate Linears so checkpoints keep the transformers names
         weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
         bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
         qkv = F.linear(x, weight, bias).view(B, L, 3, self.n_head, H // self.n_head)
-        dropout_p = self.dropout_p if self.training else 0.0
-        if isinstance(mask, Packed):  # one row of T tokens -> [N, heads, ragged, head size]
-            q, k, v = (
-                torch.nested.nested_tensor_from_jagged(t, offsets=mask.offsets).transpose(1, 2)
-                for t in qkv[0].transpose(0, 1).contiguous()  # the jagged kernels want it
-            )
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-            return y.transpose(1, 2).values().reshape(B, L, H)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
+        )
         return y.transpose(1, 2).reshape(B, L, H)
 
 
@@ -144,7 +103,7 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertDenseLayerNorm(config.hidden_size, config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | Packed | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return self.output(self.self(x, mask), x)
 
 
@@ -167,7 +126,7 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertDenseLayerNorm(config.intermediate_size, config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | Packed | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = self.attention(x, mask)
         return self.output(self.intermediate(x), x)
 
@@ -178,7 +137,7 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | Packed | None, states: list | None = None
+        self, x: torch.Tensor, mask: torch.Tensor | None, states: list | None = None
     ) -> torch.Tensor:
         """The last layer's output; `states`, when given, collects the input and every layer's."""
         for layer in self.layer:

@@ -42,7 +42,6 @@ from bert_core.model.layers import (
     BertEncoder,
     BertPooler,
     BertTopBiLSTM,
-    Packed,
     attention_mask_for,
     pooled_token,
 )
@@ -161,23 +160,18 @@ class BertPreTrainedModel(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
-    def check_inputs(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> None:
+    def check_inputs(self, input_ids: torch.Tensor) -> None:
         """A clear error, not an index error deep in an embedding (skipped when compiled)."""
         if torch.compiler.is_compiling():
             return
         c = self.config
-        if input_ids.dim() != 2 or (cu_seqlens is not None and input_ids.shape[0] != 1):
+        if input_ids.dim() != 2:
             raise ValueError(
-                f"input_ids must be [batch, seq_len] ([1, tokens] packed), got shape "
-                f"{tuple(input_ids.shape)}"
+                f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}"
             )
-        length = input_ids.shape[1]
-        if cu_seqlens is not None:  # each sequence's (on a GPU, checked where it was packed)
-            on_host = not cu_seqlens.is_cuda and len(cu_seqlens) > 1
-            length = int(cu_seqlens.diff().max()) if on_host else 0
-        if length > c.max_position_embeddings:
+        if input_ids.shape[1] > c.max_position_embeddings:
             raise ValueError(
-                f"sequence length {length} exceeds "
+                f"sequence length {input_ids.shape[1]} exceeds "
                 f"max_position_embeddings {c.max_position_embeddings}"
             )
         # ids are checked on the host only: on a GPU the check would stall every step on a
@@ -230,11 +224,10 @@ class BertPreTrainedModel(nn.Module):
             loaded[key] = value
         missing = [k for k in own if k not in loaded]
         unexpected = [k for k in loaded if k not in own]
-
         # heads, the pooler and Table 5's BiLSTM may start fresh: none is in every checkpoint
-        def optional(k: str) -> bool:
-            return k.startswith(HEAD_PREFIXES) or bool(re.search(r"(^|\.)(pooler|bilstm)\.", k))
-
+        optional = lambda k: k.startswith(HEAD_PREFIXES) or re.search(  # noqa: E731
+            r"(^|\.)(pooler|bilstm)\.", k
+        )
         bad_missing = [k for k in missing if not optional(k)]
         bad_unexpected = [k for k in unexpected if not k.startswith(HEAD_PREFIXES)]
         if bad_missing or bad_unexpected:
@@ -300,28 +293,13 @@ class BertModel(BertPreTrainedModel):
         token_type_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         output_hidden_states: bool = False,
-        cu_seqlens: torch.Tensor | None = None,
     ) -> BertOutput:
         """`output_hidden_states`: also every layer's output (the feature-based approach of
-        section 5.3 reads e.g. the last four, `bert embed`).
-
-        `cu_seqlens` [N + 1]: the inputs are N sequences packed into one row [1, T] with no
-        padding (`layers.Packed`; `attention_mask` unused); pooler_output is then [N, H], one
-        vector per sequence. For the bidirectional encoder only: the left-to-right ablation
-        and the BiLSTM top read padded batches.
-        """
-        self.check_inputs(input_ids, cu_seqlens)
+        section 5.3 reads e.g. the last four, `bert embed`)."""
+        self.check_inputs(input_ids)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         states = [] if output_hidden_states else None
-        if cu_seqlens is not None:
-            if self.config.is_decoder or self.bilstm is not None:
-                raise ValueError("packed sequences need the bidirectional encoder, no BiLSTM")
-            packed = Packed(cu_seqlens.long())
-            x = self.embeddings(input_ids, token_type_ids, packed.positions())
-            x = self.encoder(x, packed, states)
-            pooled = self.pooler(x[0, packed.first_tokens])
-            return BertOutput(x, pooled, tuple(states) if states is not None else None)
         causal, length = self.config.is_decoder, input_ids.shape[1]
         x = self.embeddings(input_ids, token_type_ids)
         x = self.encoder(x, attention_mask_for(attention_mask, causal, length, x.device), states)

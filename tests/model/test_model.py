@@ -102,37 +102,6 @@ def test_real_weights_match_transformers(minilm_dir: Path, batch: dict) -> None:
     assert a.last_hidden_state.abs().max() > 0.1  # not a degenerate all-zero comparison
 
 
-def test_packed_sequences_match_the_padded_batch(minilm_dir: Path, batch: dict) -> None:
-    """The unpadded path (`cu_seqlens`: the batch's real tokens end to end, what fine-tuning
-    feeds a GPU, `engine.packed`) gives the padded batch's logits, loss and gradients on the
-    real MiniLM weights; the ablations that need padding refuse it."""
-    from bert_core.finetune.engine import packed
-
-    model = BertForSequenceClassification.from_pretrained(minilm_dir, num_labels=3).eval()
-    labels = torch.tensor([0, 2, 1, 1])
-    padded = dict(batch, labels=labels)
-    pack = packed(padded)
-    real = batch["attention_mask"].bool()
-    assert pack["input_ids"].shape == (1, int(real.sum()))
-    assert pack["cu_seqlens"].tolist() == [0, *real.sum(1).cumsum(0).tolist()]
-    outputs, grads = [], []
-    for inputs in (padded, pack):
-        model.zero_grad()
-        out = model(**inputs)
-        out.loss.backward()
-        outputs.append(out)
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    a, b = outputs
-    assert (a.logits - b.logits).abs().max().item() < 1e-4
-    assert abs(a.loss.item() - b.loss.item()) < 1e-5
-    assert ((grads[0] - grads[1]).norm() / grads[0].norm()).item() < 1e-4
-    assert grads[0].norm() > 0
-    model.config.is_decoder = True  # the left-to-right ablation: causal masks over padded rows
-    assert not model.packs
-    with pytest.raises(ValueError, match="packed sequences need the bidirectional encoder"):
-        model(**pack)
-
-
 def test_bf16_autocast_keeps_the_residual_stream_in_bf16(minilm_dir: Path, batch: dict) -> None:
     """Under bf16 autocast every layer's output is bf16 (LayerNorm in fp32 inside, its output in
     its input's dtype: half the bytes of autocast's fp32), and tracks the fp32 model on real

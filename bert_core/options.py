@@ -10,6 +10,8 @@ and Python callers (tests, bench/) cannot drift apart. The rules, the same for e
 - a `bool` that defaults to False is a `store_true` flag; one that defaults to True is switched
   off by its aliases only (`lowercase`: `--cased`);
 - `tuple[X, ...]` is a comma list (`5e-5,4e-5`); `tuple[X, X]` takes that many values;
+- a float is finite, and within its field's `within` range when it has one (`RANGES`: a
+  learning rate > 0, a share in [0, 1]); nan, inf or -0.05 is refused as the option is parsed;
 - a field without a default is a required option;
 - the help ends with " (default: ...)", unless it is a flag's or says its default itself.
 """
@@ -17,6 +19,7 @@ and Python callers (tests, bench/) cannot drift apart. The rules, the same for e
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import types
 import typing
@@ -25,13 +28,39 @@ from dataclasses import MISSING, Field, field, fields
 
 NONE_TEXTS = ("", "none")  # what a pipeline passes for a parameter left unset
 WHAT = {int: "an integer", float: "a number", str: "text"}  # for the error messages
+# a float option's range (`option(within=...)`): its test and how the error message says it
+RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "positive": (lambda x: x > 0, " > 0"),
+    "non-negative": (lambda x: x >= 0, " >= 0"),
+    "share": (lambda x: 0 <= x <= 1, " in [0, 1]"),
+}
 
 
-def option(default: typing.Any, help: str, *aliases: str, **argparse_kw: typing.Any) -> typing.Any:
+def option(
+    default: typing.Any, help: str, *aliases: str, within: str | None = None,
+    **argparse_kw: typing.Any,
+) -> typing.Any:  # fmt: skip
     """A config field that is also the option `--field-name` (and `aliases`, e.g. "--lr").
-    `argparse_kw` (metavar, choices, type, ...) go to `add_argument` as they are; `help` may be
-    `argparse.SUPPRESS`; `default=dataclasses.MISSING` makes a required option."""
-    return field(default=default, metadata={"help": help, "aliases": aliases, "kw": argparse_kw})
+    `within`: a float's range, a key of `RANGES`. `argparse_kw` (metavar, choices, type, ...) go
+    to `add_argument` as they are; `help` may be `argparse.SUPPRESS`;
+    `default=dataclasses.MISSING` makes a required option."""
+    meta = {"help": help, "aliases": aliases, "kw": argparse_kw, "within": within}
+    return field(default=default, metadata=meta)
+
+
+def number(within: str | None = None) -> Callable[[str], float]:
+    """A float option's converter: a finite number, in the `RANGES[within]` range when given.
+    A NaN learning rate or temperature would train to NaN weights and exit 0."""
+    test, says = RANGES[within] if within else (math.isfinite, "")
+
+    def parse(text: str) -> float:
+        x = float(text)  # a ValueError: argparse's "invalid number value", or the list's
+        if not math.isfinite(x) or not test(x):
+            raise argparse.ArgumentTypeError(f"expected a finite number{says}: {text!r}")
+        return x
+
+    parse.__name__ = "number"
+    return parse
 
 
 def optional(convert: Callable[[str], typing.Any]) -> Callable[[str], typing.Any]:
@@ -57,7 +86,7 @@ def comma_list(item: Callable[[str], typing.Any]) -> Callable[[str], tuple]:
         try:
             return tuple(item(x) for x in text.split(",") if x.strip())
         except ValueError:
-            kind = "numbers" if item in (int, float) else "values"
+            kind = "numbers" if item in (int, float) or item.__name__ == "number" else "values"
             message = f"expected {kind} separated by commas: {text!r}"
             raise argparse.ArgumentTypeError(message) from None
 
@@ -105,6 +134,9 @@ def _argument(
         (kind,) = [a for a in typing.get_args(hint) if a is not type(None)]
         can_be_none = True
     kw: dict[str, typing.Any] = {"help": _help(meta["help"], default, flag=kind is bool)}
+    within = meta.get("within")
+    if kind is float:
+        kind = number(within)
     if default is MISSING:
         kw.update(required=True, type=kind)
     elif kind is bool:
@@ -114,6 +146,8 @@ def _argument(
         kw.update(action="store_false" if default else "store_true", default=bool(default))
     elif typing.get_origin(kind) is tuple:
         items = typing.get_args(kind)
+        convert = number(within)
+        items = tuple(convert if x is float else x for x in items)
         if len(items) == 2 and items[1] is Ellipsis:  # tuple[X, ...]: a comma list
             convert = comma_list(items[0])
             kw.update(type=optional(convert) if can_be_none else convert, default=default)

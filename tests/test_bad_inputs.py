@@ -228,6 +228,15 @@ def pickled_objects(folder: Path) -> None:
     torch.save({"weights": Exception("not a tensor")}, folder / "pytorch_model.bin")
 
 
+def nan_weight(folder: Path) -> None:
+    """One weight of the folder's model.safetensors made NaN: what a diverged training saves."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    next(v for v in state.values() if v.is_floating_point())[0] = float("nan")
+    save_file(state, folder / "model.safetensors")
+
+
 def weights_of(config: BertConfig, with_config: bool = False) -> Callable[[Path], None]:
     """An edit of a model folder: its model.safetensors (and with `with_config` its
     config.json) replaced by those of a fresh model of `config`."""
@@ -436,7 +445,8 @@ CASES = [
     Case("instances-seq-length-too-short", "setting",
          lambda r: instances(r, "--max-seq-length", "4"), "--max-seq-length must be >= 8"),
     Case("instances-masked-lm-prob", "setting",
-         lambda r: instances(r, "--masked-lm-prob", "1.5"), "--masked-lm-prob must be in (0, 1)"),
+         lambda r: instances(r, "--masked-lm-prob", "1.5"),
+         "argument --masked-lm-prob: expected a finite number in [0, 1]: '1.5'"),
     Case("instances-masking-recipe", "setting",
          lambda r: instances(r, "--masking-recipe", "50/20"), "50/20"),
     Case("instances-heldout-fraction", "setting",
@@ -535,6 +545,9 @@ CASES = [
          lambda r: pretrain(r, "--preset", "huge"), "--preset must be one of"),
     Case("pretrain-batch-not-divisible", "setting",
          lambda r: pretrain(r, "--num-workers", "3"), "--batch-size 4 is not divisible"),
+    Case("pretrain-negative-learning-rate", "setting",
+         lambda r: pretrain(r, "--learning-rate", "-0.05"),
+         "argument --learning-rate: expected a finite number > 0: '-0.05'"),
     Case("pretrain-zero-steps", "setting",
          lambda r: pretrain(r, "--steps", "0"), "--steps, --batch-size"),
     Case("pretrain-unknown-objective", "setting",
@@ -627,6 +640,14 @@ CASES = [
          lambda r: finetune(r, "--init", "zeros"), "--init must be one of pretrained, random"),
     Case("finetune-bad-lr-sweep", "setting",
          lambda r: finetune(r, "--lr-sweep", "fast"), "expected numbers separated by commas"),
+    Case("finetune-nan-learning-rate", "setting", lambda r: finetune(r, "--lr", "nan"),
+         "argument --learning-rate/--lr: expected a finite number > 0: 'nan'"),
+    Case("finetune-infinite-lr-in-sweep", "setting",
+         lambda r: finetune(r, "--lr-sweep", "1e-4,inf"),
+         "argument --lr-sweep: expected a finite number > 0: 'inf'"),
+    Case("finetune-model-with-nan-weights", "model",
+         lambda r: finetune(r, model=r.model(nan_weight)),
+         "holds NaN or infinite values (a diverged training?): not loaded"),
     Case("finetune-output-is-a-file", "output",
          lambda r: ["finetune", "--task", "SST-2", "--data", r.good.glue, "--model",
                     r.good.encoder, "--output", r.file("taken", "x"), "--max-train-examples",
@@ -710,6 +731,9 @@ CASES = [
          lambda r: ["predict", "--model", r.model(lambda m: r.config(
              m, architectures=["BertModel"])), "--input", r.good.text,
              "--output", r.tmp / "out.jsonl"], "no prediction head we can serve"),  # fmt: skip
+    Case("predict-model-with-nan-weights", "model",
+         lambda r: predict(r, r.good.text, model=r.model(nan_weight, CLASSIFIER(r))),
+         "holds NaN or infinite values (a diverged training?): not loaded"),
     Case("predict-missing-input", "missing",
          lambda r: predict(r, r.tmp / "nope.jsonl"), "nope.jsonl: no such file or folder"),
     Case("predict-s3-missing-input", "missing",
@@ -814,6 +838,8 @@ CASES = [
              lambda m: r.config(m, quantization=INT8), CLASSIFIER(r))),
          "runs on the CPU only, not --device cuda"),
     # ---- bert distill (each refused before any data is read, a model loaded or a run opened)
+    Case("distill-nan-temperature", "setting", lambda r: distill(r, "--temperature", "nan"),
+         "argument --temperature: expected a finite number > 0: 'nan'"),
     Case("distill-token-task", "setting", lambda r: distill(r, task="conll2003"),
          "bert distill supports the GLUE tasks"),
     Case("distill-teacher-not-finetuned", "model", lambda r: distill(r, teacher=r.good.encoder),
@@ -832,7 +858,7 @@ CASES = [
     Case("distill-too-many-layers", "setting", lambda r: distill(r, "--student-layers", "3"),
          "--student-layers must be 1..2"),
     Case("distill-alpha-out-of-range", "setting", lambda r: distill(r, "--alpha", "1.5"),
-         "--alpha in [0, 1]"),
+         "argument --alpha: expected a finite number in [0, 1]: '1.5'"),
     Case("distill-output-inside-teacher", "setting",
          lambda r: distill(r, teacher=r.copy(r.good.classifier, "clf"))[:-2]
          + ["--output", r.tmp / "clf" / "student"], "lies inside --teacher"),

@@ -75,11 +75,17 @@ INPUTS = {
 class DistillConfig(FinetuneConfig):
     """`bert finetune`'s options (one run, no sweep) and the distillation's own."""
 
-    learning_rate: float = option(5e-5, "peak learning rate (a small student takes a larger "
-                                  "one than BERT-base's 2e-5)", "--lr")  # fmt: skip
-    temperature: float = option(2.0, "softmax temperature of the soft targets (Hinton et al. "
-                                "2015; not used for STS-B's regression)")  # fmt: skip
-    alpha: float = option(0.5, "weight of the soft (teacher) loss; 1 - alpha on the labels")
+    learning_rate: float = option(
+        5e-5, "peak learning rate (a small student takes a larger one than BERT-base's 2e-5)",
+        "--lr", within="positive",
+    )  # fmt: skip
+    temperature: float = option(
+        2.0, "softmax temperature of the soft targets (Hinton et al. 2015; not used for "
+        "STS-B's regression)", within="positive",
+    )  # fmt: skip
+    alpha: float = option(
+        0.5, "weight of the soft (teacher) loss; 1 - alpha on the labels", within="share"
+    )
     student_layers: int | None = option(None, "keep this many of --student's layers, evenly "
                                         "spaced (default: all)", type=optional(int))  # fmt: skip
 

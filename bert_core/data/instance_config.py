@@ -22,9 +22,12 @@ class InstanceConfig:
 
     max_seq_length: int = option(128, "tokens per instance at most, [CLS] and [SEP]s included")
     max_predictions_per_seq: int = option(20, "masked LM predictions per instance, at most")
-    masked_lm_prob: float = option(0.15, "share of the tokens predicted by the masked LM")
+    masked_lm_prob: float = option(
+        0.15, "share of the tokens predicted by the masked LM", within="share"
+    )
     short_seq_prob: float = option(
-        0.1, "probability of a random shorter target length (fine-tuning's inputs are short)"
+        0.1, "probability of a random shorter target length (fine-tuning's inputs are short)",
+        within="share",
     )
     dupe_factor: int = option(10, "passes over the corpus, each with other pairs and masks")
     random_seed: int = option(
@@ -42,6 +45,7 @@ class InstanceConfig:
     heldout_fraction: float = option(
         0.02, "share of the documents held out of training, whole, into heldout/ (default "
         f"%(default)s, at least {MIN_HELDOUT} documents when the corpus allows; 0: none)",
+        within="share",
     )  # fmt: skip
     heldout_documents: int | None = option(
         None, "hold out exactly this many documents instead of --heldout-fraction"

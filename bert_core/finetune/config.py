@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bert_core.options import comma_list, config_from_args, option, optional
+from bert_core.options import comma_list, config_from_args, number, option, optional
 
 __all__ = ["FinetuneConfig", "config_from_args", "float_list", "option"]
 
@@ -23,21 +23,25 @@ def float_list(text: str) -> tuple[float, ...] | None:
     sweep: what a pipeline parameter left empty passes)."""
     if text.strip() == "paper":
         return PAPER_LEARNING_RATES
-    return optional(comma_list(float))(text)
+    return optional(comma_list(number("positive")))(text)
 
 
 @dataclass
 class FinetuneConfig:
     """Fine-tuning hyper-parameters; the defaults are the paper's (section 4.1, appendix A.3)."""
 
-    learning_rate: float = option(2e-5, "peak learning rate", "--lr")
+    learning_rate: float = option(2e-5, "peak learning rate", "--lr", within="positive")
     batch_size: int = option(32, "training batch size")
     epochs: int = option(3, "training epochs; the best one (dev score) is kept")
-    warmup_proportion: float = option(0.1, "share of the steps spent warming up")
+    warmup_proportion: float = option(0.1, "share of the steps spent warming up", within="share")
     max_seq_length: int = option(128, "tokens per input, [CLS] and [SEP] included")
-    weight_decay: float = option(0.01, "AdamW weight decay (not on biases and LayerNorm)")
-    adam_epsilon: float = option(1e-6, "AdamW epsilon (BERT's; transformers' default is 1e-8)")
-    max_grad_norm: float = option(1.0, "gradient clipping norm")
+    weight_decay: float = option(
+        0.01, "AdamW weight decay (not on biases and LayerNorm)", within="non-negative"
+    )
+    adam_epsilon: float = option(
+        1e-6, "AdamW epsilon (BERT's; transformers' default is 1e-8)", within="positive"
+    )
+    max_grad_norm: float = option(1.0, "gradient clipping norm", within="positive")
     seed: int = option(42, "seed of the sample, the batch order, the head and dropout")
     max_train_examples: int | None = option(None, "a seeded random sample (CI, quick runs)")
     max_eval_examples: int | None = option(None, "a seeded random sample of the dev set")

@@ -40,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from bert_core import hub
-from bert_core.errors import BertError, Interrupted, atomic_dir, handling_signals
+from bert_core.errors import BertError, Diverged, Interrupted, atomic_dir, handling_signals
 from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.checks import check_inputs, check_output
 from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig, build_parser, parse_args
-from bert_core.pretrain.state import HELDOUT_COLUMNS, load_state, write_metrics_csv
+from bert_core.pretrain.state import DIVERGED, HELDOUT_COLUMNS, load_state, write_metrics_csv
 from bert_core.storage import check_apart, copy, exists, filesystem, is_s3, preflight
 from bert_core.tracking import RUN_RECORD
 
@@ -115,6 +115,7 @@ class _Progress:
         from tqdm import tqdm
 
         self.queue, self.control = Queue(), Queue()
+        self.diverged: str | None = None  # rank 0's word that the numbers went non-finite
         self.bar = tqdm(total=total, desc="pretrain", unit="step", dynamic_ncols=True, disable=None)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -130,18 +131,27 @@ class _Progress:
                 continue
             except Exception:  # the queue actor went away at shutdown
                 return
-            self.bar.n = int(m["step"])
-            self.bar.set_postfix(
-                loss=f"{m['loss']:.3f}",
-                mlm_acc=f"{m['mlm_accuracy']:.3f}",
-                tok_s=f"{m['tokens_per_s']:.0f}",
-                refresh=False,
-            )
-            self.bar.refresh()
+            self._show(m)
+
+    def _show(self, m: dict) -> None:
+        if DIVERGED in m:
+            self.diverged = m[DIVERGED]
+            return
+        self.bar.n = int(m["step"])
+        self.bar.set_postfix(
+            loss=f"{m['loss']:.3f}",
+            mlm_acc=f"{m['mlm_accuracy']:.3f}",
+            tok_s=f"{m['tokens_per_s']:.0f}",
+            refresh=False,
+        )
+        self.bar.refresh()
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=5)
+        with contextlib.suppress(Exception):  # what came after the thread's last look
+            while not self.queue.empty():
+                self._show(self.queue.get_nowait())
         self.bar.close()
         import ray
 
@@ -257,6 +267,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 result = _fit_in_thread(_trainer(cfg, storage, loop_config))
         finally:
             progress.close()
+        if progress.diverged:  # the workers stopped at it: no model written
+            raise Diverged(progress.diverged)
         if result.checkpoint is None:
             raise BertError(f"the run under {storage}/{cfg.run_name} produced no checkpoint")
         summary = _finish(cfg, result.checkpoint, out, {"run_id": run.info.run_id,

@@ -49,11 +49,15 @@ class PretrainConfig:
     use_gpu: bool = option(False, "one GPU per worker, bf16 autocast")
     cpus_per_worker: int = option(1, "CPUs (and torch threads) per worker")
     grad_accum: int = option(1, "gradient accumulation steps")
-    learning_rate: float = option(1e-4, "peak learning rate")
+    learning_rate: float = option(1e-4, "peak learning rate", within="positive")
     warmup_steps: int | None = option(None, "linear warm-up steps (default: 1% of --steps)")
-    weight_decay: float = option(0.01, "AdamW weight decay (not on LayerNorm weights and biases)")
-    adam_betas: tuple[float, float] = option((0.9, 0.999), "AdamW betas", metavar=("B1", "B2"))
-    adam_eps: float = option(1e-6, "AdamW epsilon")
+    weight_decay: float = option(
+        0.01, "AdamW weight decay (not on LayerNorm weights and biases)", within="non-negative"
+    )
+    adam_betas: tuple[float, float] = option(
+        (0.9, 0.999), "AdamW betas", metavar=("B1", "B2"), within="share"
+    )
+    adam_eps: float = option(1e-6, "AdamW epsilon", within="positive")
     optimizer: str = option(
         "bert",
         "bert: the original's Adam without bias correction and its schedule (linear decay from "
@@ -61,10 +65,14 @@ class PretrainConfig:
         "transformers' schedule (decay after the warm-up, (T - t)/(T - w)). docs/fidelity.md",
         choices=OPTIMIZERS,
     )
-    max_grad_norm: float = option(1.0, "gradient clipping (global norm)")
-    dropout: float | None = option(None, "override the preset's dropout (hidden and attention)")
+    max_grad_norm: float = option(1.0, "gradient clipping (global norm)", within="positive")
+    dropout: float | None = option(
+        None, "override the preset's dropout (hidden and attention)", within="share"
+    )
     dynamic_masking: bool = option(False, "re-mask on every read (RoBERTa)")
-    masked_lm_prob: float = option(0.15, "dynamic masking: share of the tokens predicted")
+    masked_lm_prob: float = option(
+        0.15, "dynamic masking: share of the tokens predicted", within="share"
+    )
     max_predictions_per_seq: int = option(20, "dynamic masking: predictions per sequence, at most")
     masking_recipe: str = option(
         DEFAULT_RECIPE, "dynamic masking: predictions shown as [MASK]/random/unchanged, percent"
@@ -97,7 +105,9 @@ class PretrainConfig:
     storage_path: str | None = option(None, "Ray checkpoints (default OUTPUT/ray; s3:// allowed)")
     run_name: str = option("pretrain", "Ray run name: the same storage path and name resume")
     stop_after: int | None = option(None, "stop after this step, with a checkpoint (resumable)")
-    peak_tflops: float | None = option(None, "GPU peak TFLOP/s for MFU (known GPUs: looked up)")
+    peak_tflops: float | None = option(
+        None, "GPU peak TFLOP/s for MFU (known GPUs: looked up)", within="positive"
+    )
     inject_failure_at: int | None = option(None, argparse.SUPPRESS)  # tests: raise once here
 
     def __post_init__(self):

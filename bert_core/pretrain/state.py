@@ -22,10 +22,12 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
-from bert_core.errors import atomic_file
+from bert_core.errors import Diverged, atomic_file
 from bert_core.pretrain.config import PretrainConfig
 from bert_core.storage import filesystem, is_s3, output_dir
 
+# the metric a run reports instead of a checkpoint when its numbers went non-finite
+DIVERGED = "diverged"
 CSV_COLUMNS = (
     "step",
     "loss",
@@ -314,6 +316,12 @@ class MetricSink:
 
     def put(self, metrics: dict[str, float]) -> None:
         self.queue.put(dict(metrics))
+
+    def tell_driver(self, message: dict[str, str]) -> None:
+        """`message` to the driver now, through its progress queue (e.g. `DIVERGED`)."""
+        if self.progress is None:
+            raise Diverged(next(iter(message.values())))
+        self.progress.put(message)
 
     def close(self) -> None:
         self.queue.put(None)

@@ -15,6 +15,7 @@ holds every rank's RNG states, so a restart continues bit for bit.
 from __future__ import annotations
 
 import contextlib
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import torch
 from bert_core.data.tokenizer import read_vocab
 from bert_core.errors import BertError
 from bert_core.model import optim
+from bert_core.model.modeling import nonfinite
 from bert_core.pretrain.config import PretrainConfig
 from bert_core.pretrain.data import (
     InstanceStream,
@@ -38,6 +40,7 @@ from bert_core.pretrain.data import (
 from bert_core.pretrain.heldout import HeldOutEval
 from bert_core.pretrain.state import (
     CSV_COLUMNS,
+    DIVERGED,
     Meter,
     MetricSink,
     export_model,
@@ -275,17 +278,24 @@ def _train(
     while t.step < end:
         lr = train_step(t.model, batches, t.optimizer, t.scheduler, cfg, device, meter, world > 1)
         t.step += 1
-        if exports and rank == 0 and cfg.exports_at(t.step):
-            export_model(exports, cfg, t.core, t.step)
+        if exports and cfg.exports_at(t.step):  # every rank looks: their weights are the same
+            if (name := nonfinite(t.core.state_dict())) is not None:
+                return _diverged(f"weight {name} is not finite after step {t.step}", lr, cfg, sink)
+            if rank == 0:
+                export_model(exports, cfg, t.core, t.step)
         _maybe_inject_failure(cfg, t.step)
         if heldout is not None and (t.step % cfg.eval_interval == 0 or t.step == end):
-            _evaluate(t, heldout, device, sink)
+            if (bad := _evaluate(t, heldout, device, sink)) is not None:
+                return _diverged(f"{bad} by step {t.step}", lr, cfg, sink)
 
         stop = _stop_requested(control, device, world)
         save = t.step % cfg.checkpoint_every == 0 or t.step == end or stop
         if t.step % cfg.log_every and not save:
             continue
-        metrics = meter.values(device, world)
+        metrics = meter.values(device, world)  # summed over the ranks: the same on each
+        if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm")):
+            what = f"loss {metrics['loss']:.4g}, gradient norm {metrics['grad_norm']:.4g}"
+            return _diverged(f"{what} by step {t.step}", lr, cfg, sink)
         seq_len = metrics.pop("_mean_seq_len")
         metrics.update(step=t.step, learning_rate=lr)
         if peak:
@@ -302,6 +312,17 @@ def _train(
             if rank == 0:
                 print(f"[pretrain] stopped at step {t.step} as asked: checkpoint saved", flush=True)
             return
+
+
+def _diverged(what: str, lr: float, cfg: PretrainConfig, sink: MetricSink | None) -> None:
+    """Every rank stops at the step (they see the same summed metrics, the same weights) and
+    rank 0 tells the driver, which raises `errors.Diverged` and writes no model. Stopping, not
+    raising: Ray Train would restart the workers from the last checkpoint, to diverge again.
+    That checkpoint, saved while every number was finite, stays for a run with other settings."""
+    message = (f"pre-training diverged: {what} at learning rate {lr:g} (--learning-rate "
+               f"{cfg.learning_rate:g}); lower --learning-rate or raise --warmup-steps")
+    if sink is not None:
+        sink.tell_driver({DIVERGED: message})
 
 
 def _stop_requested(control, device: torch.device, world: int) -> bool:
@@ -321,9 +342,13 @@ def _stop_requested(control, device: torch.device, world: int) -> bool:
 
 def _evaluate(
     t: Training, heldout: HeldOutEval, device: torch.device, sink: MetricSink | None
-) -> None:
-    """Every rank evaluates its share; rank 0 keeps the row (checkpointed) and logs it."""
+) -> str | None:
+    """Every rank evaluates its share; rank 0 keeps the row (checkpointed) and logs it. A
+    non-finite value is neither kept nor logged: returned, as 'NAME VALUE', for `_diverged`."""
     row = {"step": t.step, **heldout.evaluate(t.core, device)}
+    bad = [f"held-out {k} {v:.4g}" for k, v in row.items() if not math.isfinite(v)]
+    if bad:
+        return bad[0]
     if sink is not None:
         t.heldout.append(row)
         sink.put(row)

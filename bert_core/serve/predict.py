@@ -25,6 +25,7 @@ import os
 import time
 from pathlib import Path
 
+from bert_core.options import number
 from bert_core.serve import records
 from bert_core.serve.predictors import BadInput, Predictor, Settings, load_predictor
 
@@ -128,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-length", type=int, help="default: the fine-tuning run's")
     p.add_argument("--max-chars", type=int, help="longer text is an error (default: 20000)")
     p.add_argument("--top-k", type=int, help="fill-mask: candidates per [MASK] (default: 5)")
-    p.add_argument("--null-score-diff-threshold", type=float,
+    p.add_argument("--null-score-diff-threshold", type=number(),
                    help="SQuAD 2.0: answer \"\" when the null score beats the best span's by "
                    "more (default: the threshold tuned on dev, best_f1_thresh)")  # fmt: skip
     return p

@@ -38,6 +38,7 @@ why each champion is one. Serving and batch inference then name the alias, never
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -280,9 +281,19 @@ def by_alias(client, name: str, alias: str):
 
 
 def _score(version) -> float:
+    """The version's dev score; a version without a finite one is no candidate for champion
+    (a NaN score would win any comparison that does not look)."""
     if SCORE_TAG not in version.tags:
         raise ValueError(f"{version.name} version {version.version} has no {SCORE_TAG} tag")
-    return float(version.tags[SCORE_TAG])
+    try:
+        score = float(version.tags[SCORE_TAG])
+    except ValueError:
+        score = math.nan
+    if not math.isfinite(score):
+        raise BertError(f"{version.name} version {version.version}: dev score "
+                        f"{version.tags[SCORE_TAG]!r} is not a finite number (a diverged "
+                        "fine-tuning?): not promoted")  # fmt: skip
+    return score
 
 
 def version_of(out: Path, name: str) -> str:

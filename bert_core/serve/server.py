@@ -55,6 +55,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bert_core.errors import BertError
+from bert_core.options import number
 from bert_core.storage import is_uri
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--body-timeout",
-        type=float,
+        type=number("positive"),
         default=30.0,
         help="seconds for the request body to arrive, else 408 (default 30)",
     )

@@ -550,6 +550,31 @@ def test_heldout_accuracy_beats_the_most_frequent_token(tmp_path_factory, shared
 
 
 @pytest.mark.slow
+def test_a_diverging_pretraining_fails_and_writes_no_model(
+    ray_cluster, instances, tmp_path, mlflow_uri
+):
+    """A learning rate of 1e30 makes the numbers non-finite within four steps: the run stops at
+    the first logged step that shows it (no Ray Train restarts; exit 1 from the CLI:
+    errors.Diverged), names the learning rate, writes no model and no checkpoint after it, and
+    its MLflow run is FAILED with no NaN logged."""
+    import mlflow
+
+    from bert_core.errors import Diverged
+
+    out = tmp_path / "out"
+    cfg = small_config(instances, out, steps=8, learning_rate=1e30, warmup_steps=1,
+                       log_every=2, checkpoint_every=4, export_steps=(2,))  # fmt: skip
+    with pytest.raises(Diverged, match=r"pre-training diverged: .*nan.* by step \d at "
+                       r"learning rate \S+ \(--learning-rate 1e\+30\); lower"):  # fmt: skip
+        pt.pretrain(cfg)
+    assert sorted(p.name for p in out.iterdir()) == ["ray"]  # Ray's storage; no model
+    assert not list((out / "ray").glob("*/checkpoint_*"))  # none after the step it diverged
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert run.info.status == "FAILED"
+    assert not [k for k in run.data.metrics if not np.isfinite(run.data.metrics[k])]
+
+
+@pytest.mark.slow
 def test_stop_and_resume_equals_one_go(ray_cluster, instances, tmp_path, mlflow_uri):
     """K steps in one go == K/2, stop, restart the same command (resumes by itself), K/2 more.
     With the models exported on the way (--export-every 4, --export-steps 2: Figure 2's), each

@@ -209,6 +209,14 @@ def test_a_worse_fine_tuning_is_not_promoted_and_the_service_is_unchanged(cluste
     assert cli.main(["deploy", "--task", "SST-2"]) == 0
     after = api.objects[("bert", "bert-sst2")]
     assert after["spec"] == before["spec"] and after["metadata"]["generation"] == 1
+    # a version whose dev score is NaN (a diverged fine-tuning) is refused, even with --force
+    champion = client.get_model_version_by_alias("bert-sst2", "champion").version
+    finetuned_folder(client, tmp_path / "nan", "nan")
+    assert cli.main(["promote", "SST-2", str(tmp_path / "nan"), "--force"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("dev score 'nan' is not a finite number (a diverged fine-tuning?): "
+                        "not promoted"), err  # fmt: skip
+    assert client.get_model_version_by_alias("bert-sst2", "champion").version == champion
 
 
 def test_the_api_servers_refusal_is_one_line_exit_2(cluster, capsys, monkeypatch):

@@ -43,7 +43,6 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
 from bert_core.errors import NO_ROOM, BertError, atomic_dir, atomic_file
-from bert_core.options import number
 from bert_core.tracking import check_tracking, tracking_uri
 
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")
@@ -343,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bert_core.storage", description=main.__doc__)
     parser.add_argument("paths", nargs="*", help="local or s3:// paths the run will use")
     parser.add_argument("--tracking-uri", default=None, help="default: MLFLOW_TRACKING_URI")
-    parser.add_argument("--timeout", type=number("positive"), default=5.0, help="seconds per check")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per check")
     args = parser.parse_args(argv)
     try:
         preflight(args.tracking_uri or tracking_uri(), args.paths, args.timeout)

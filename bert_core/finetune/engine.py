@@ -192,7 +192,7 @@ def load_model(task: FinetuneTask, model_dir: str | Path, init: str = "pretraine
     `init="random"`: the same architecture (the folder's config.json) with every weight freshly
     initialised from torch's current seed, none read from the checkpoint: the control run that
     shows what pre-training brings (the vocabulary is still the folder's)."""
-    from bert_core.model import heads
+    from bert_core.model import heads, weights
     from bert_core.model import modeling as bert
 
     model_dir = Path(model_dir)
@@ -200,7 +200,7 @@ def load_model(task: FinetuneTask, model_dir: str | Path, init: str = "pretraine
     model.vocab_file = model_dir / "vocab.txt"
     if init == "random":
         return model
-    state = bert.load_state_dict(model_dir)
+    state = weights.read(model_dir)
     if task.replace_mismatched_head:
         own = model.state_dict()
         state = {

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bert_core.errors import Diverged, InputError, atomic_dir
+from bert_core.errors import Diverged, atomic_dir
+from bert_core.model import weights
 from bert_core.model.config import (
     ACTIVATIONS,
     CONFIG_NAME,
-    LEGACY_WEIGHTS_NAME,
     TOKENIZER_FILES,
     VOCAB_NAME,
     WEIGHTS_NAME,
@@ -78,68 +78,6 @@ def _rename_legacy(key: str) -> str:
     if key.endswith(".beta"):
         return key[: -len("beta")] + "bias"
     return key
-
-
-def nonfinite(state: dict[str, torch.Tensor]) -> str | None:
-    """The first floating-point tensor holding a NaN or an infinity, by name; None when none.
-    Such weights come from a diverged training: every prediction from them is NaN (or the class
-    argmax picks over NaN), so no command loads them and none writes them."""
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
-
-
-def check_finite(state: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
-    """`state`, or an error naming `file` and the first non-finite tensor in it."""
-    if (name := nonfinite(state)) is not None:
-        raise InputError(file, f"weight {name} holds NaN or infinite values (a diverged "
-                         "training?): not loaded")  # fmt: skip
-    return state
-
-
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """The weights of a model folder: model.safetensors, else a legacy pytorch_model.bin.
-
-    A damaged file is an error naming it, never a library traceback; a pickle that holds more
-    than tensors is refused (`weights_only`: a checkpoint from the internet must not run code),
-    and so is an int8 model (`int8.check_trainable`: its weights are not for training) and one
-    whose weights are not finite (`check_finite`).
-    """
-    from bert_core.model import int8
-
-    int8.check_trainable(model_dir)
-    if (model_dir / WEIGHTS_NAME).is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            state = load_file(model_dir / WEIGHTS_NAME)
-        except (SafetensorError, OSError) as e:
-            raise InputError(
-                model_dir / WEIGHTS_NAME, f"not a readable safetensors file ({e})"
-            ) from None
-        return check_finite(state, model_dir / WEIGHTS_NAME)
-    if (model_dir / LEGACY_WEIGHTS_NAME).is_file():
-        import pickle
-
-        try:
-            state = torch.load(
-                model_dir / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True
-            )
-        except pickle.UnpicklingError:
-            raise InputError(
-                model_dir / LEGACY_WEIGHTS_NAME,
-                "holds objects other than tensors, which are not loaded (they could run code); "
-                "convert it to model.safetensors where you trust it, e.g. with transformers' "
-                "`from_pretrained(...).save_pretrained(..., safe_serialization=True)`",
-            ) from None
-        except (RuntimeError, EOFError, OSError) as e:
-            raise InputError(
-                model_dir / LEGACY_WEIGHTS_NAME, f"not a readable checkpoint ({e})"
-            ) from None
-        return check_finite(state, model_dir / LEGACY_WEIGHTS_NAME)
-    raise FileNotFoundError(f"{model_dir}: no {WEIGHTS_NAME} or {LEGACY_WEIGHTS_NAME}")
 
 
 def _layer_hint(state: dict[str, torch.Tensor], layers: int) -> str:
@@ -222,11 +160,11 @@ class BertPreTrainedModel(nn.Module):
 
         if int8.quantization(model_dir) is not None:  # `bert quantize`'s: int8 Linears
             model = int8.load(cls, model_dir)
-            check_finite(model.state_dict(), model_dir / WEIGHTS_NAME)  # its scales and biases
+            weights.check_finite(model.state_dict(), model_dir / WEIGHTS_NAME)  # scales, biases
             return model
         config = BertConfig.from_json_file(model_dir / CONFIG_NAME, **config_overrides)
         model = cls(config)
-        model.load_checkpoint_state(load_state_dict(model_dir), source=str(model_dir))
+        model.load_checkpoint_state(weights.read(model_dir), source=str(model_dir))
         if (model_dir / VOCAB_NAME).is_file():
             model.vocab_file = model_dir / VOCAB_NAME
         return model
@@ -286,7 +224,7 @@ class BertPreTrainedModel(nn.Module):
 
         vocab = Path(vocab_file) if vocab_file is not None else self.vocab_file
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        if (name := nonfinite(state)) is not None:
+        if (name := weights.nonfinite(state)) is not None:
             raise Diverged(f"{model_dir}: weight {name} holds NaN or infinite values; not saved")
         with atomic_dir(model_dir) as tmp:
             config = {"architectures": [type(self).__name__], **self.config.to_dict()}

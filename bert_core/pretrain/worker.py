@@ -28,7 +28,7 @@ import torch
 from bert_core.data.tokenizer import read_vocab
 from bert_core.errors import BertError
 from bert_core.model import optim
-from bert_core.model.modeling import nonfinite
+from bert_core.model.weights import nonfinite
 from bert_core.pretrain.config import PretrainConfig
 from bert_core.pretrain.data import (
     InstanceStream,

@@ -13,9 +13,8 @@ import torch
 
 from bert_core import cli
 from bert_core.errors import InputError
-from bert_core.model import int8
+from bert_core.model import int8, weights
 from bert_core.model.heads import BertForSequenceClassification
-from bert_core.model.modeling import load_state_dict
 from bert_core.serve.predictors import load_predictor
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -102,7 +101,7 @@ def test_the_logged_mlflow_model_loads_and_answers(made):
 
 def test_an_int8_model_is_not_for_training(made):
     with pytest.raises(InputError, match="for inference only"):
-        load_state_dict(made / "int8" / "model")
+        weights.read(made / "int8" / "model")
 
 
 def test_the_encoder_of_an_int8_classifier_loads_alone(made):

@@ -32,6 +32,7 @@ builds on this module; nothing here knows about pipelines.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import subprocess
@@ -44,7 +45,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 
 from bert_core.errors import BertError, pid_alive
 
@@ -115,11 +116,31 @@ def sqlite_file(uri: str) -> Path | None:
 OTHER_STORES = ("postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
 
 
+def redacted(uri: str) -> str:
+    """`uri` with the password in its user info hidden (`http://user:***@host`): how every
+    message and log line shows a tracking or database URI."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def credentials(uri: str) -> tuple[str, tuple[str, str] | None]:
+    """(`uri` without its user info, (user, password) or None): what goes on the wire and what
+    goes into an Authorization header, never into a host name or another process's settings."""
+    parts = urlsplit(uri)
+    if parts.username is None:
+        return uri, None
+    bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return bare, (unquote(parts.username), unquote(parts.password or ""))
+
+
 def check_uri(uri: str) -> None:
     """Refuse, in one line naming it, a tracking URI MLflow cannot open: MLflow would end in a
     traceback (`sqlite:/x.db`, `htp://host`) or make a store where the user meant another (a
     folder path that does not exist)."""
-    parsed, what = urlparse(uri), f"MLFLOW_TRACKING_URI {uri!r}"
+    parsed, what = urlparse(uri), f"MLFLOW_TRACKING_URI {redacted(uri)!r}"
     scheme = parsed.scheme.split("+")[0]
     if scheme in OTHER_STORES or uri in OTHER_STORES:  # `databricks` alone is a URI too
         return
@@ -284,16 +305,22 @@ def check_tracking(uri: str, timeout: float = 5.0) -> None:
     check_uri(uri)
     if urlparse(uri).scheme not in {"http", "https"}:
         return
-    url = uri.rstrip("/") + "/health"
+    bare, login = credentials(uri)  # user:password@ is Basic auth, not part of the host name
+    url = bare.rstrip("/") + "/health"
+    request = urllib.request.Request(url)
+    if login is not None:
+        token = base64.b64encode(":".join(login).encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
     try:
-        urllib.request.urlopen(url, timeout=timeout).close()
+        urllib.request.urlopen(request, timeout=timeout).close()
     except urllib.error.HTTPError as e:
-        raise BertError(f"MLflow tracking server {uri} answered {url} with HTTP {e.code}") from None
+        raise BertError(f"MLflow tracking server {redacted(uri)} answered {url} with HTTP "
+                        f"{e.code}") from None  # fmt: skip
     except OSError as e:
         reason = getattr(e, "reason", e)
         raise BertError(
-            f"MLflow tracking server {uri} is unreachable ({reason}); start it or fix "
-            "MLFLOW_TRACKING_URI"
+            f"MLflow tracking server {redacted(uri)} is unreachable ({reason}); start it or "
+            "fix MLFLOW_TRACKING_URI"
         ) from None
 
 

@@ -250,3 +250,50 @@ def test_a_sqlite_store_is_made_under_a_lock_before_its_uri_is_handed_out(tmp_pa
     tables = {r[0] for r in sqlite3.connect(db).execute("select name from sqlite_master")}
     assert {"experiments", "runs", "registered_models", "model_versions"} <= tables
     assert (tmp_path / "new" / "mlflow.db.lock").is_file()
+
+
+def test_a_password_in_the_tracking_uri_is_basic_auth_never_shown(monkeypatch):
+    """`http://user:pw@host` (MLflow's clients take it as Basic auth): /health is asked with an
+    Authorization header at `host` (not at a host named `user:pw@host`), and no message, nor
+    the URI a Ray job is given, holds the password."""
+    import base64
+    import http.server
+    import threading
+
+    from bert_core.errors import BertError
+    from bert_core.pretrain import ray_jobs
+
+    seen = []
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.send_response(200 if seen[-1][1] else 401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        tracking.check_tracking(f"http://ada:s3cr%40t@127.0.0.1:{port}")
+    finally:
+        server.shutdown()
+    assert seen == [("/health", "Basic " + base64.b64encode(b"ada:s3cr@t").decode())]
+    with pytest.raises(BertError) as dead:  # the server is gone now
+        tracking.check_tracking(f"http://ada:s3cr%40t@127.0.0.1:{port}", timeout=2)
+    assert "s3cr" not in str(dead.value) and f"http://ada:***@127.0.0.1:{port}" in str(dead.value)
+    with pytest.raises(BertError, match=r"'htp://ada:\*\*\*@host'") as bad:
+        tracking.check_uri("htp://ada:s3cret@host")
+    assert "s3cret" not in str(bad.value)
+
+    class Jobs:  # what `bert pretrain` hands the Ray Jobs API
+        def submit_job(self, **kw):
+            self.sent = kw
+
+    jobs = Jobs()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://ada:s3cret@mlflow.bert:5000")
+    ray_jobs._submit(jobs, "sid", "bert pretrain", "run", "s3://bert/ray")
+    assert jobs.sent["runtime_env"]["env_vars"]["MLFLOW_TRACKING_URI"] == "http://mlflow.bert:5000"

@@ -45,10 +45,14 @@ from bert_core import hub
 from bert_core import storage as st
 from bert_core.errors import BertError, Interrupted, atomic_dir
 from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig
+from bert_core.tracking import credentials
 
 # Passed to the job when set: the MLflow parent run and experiment (so the job's run nests
-# under the pipeline's), the tracking server the caller checked, the KFP run id, the code's
-# commit and where its code is (PYTHONPATH: a checkout rather than the image's install).
+# under the pipeline's), the tracking server the caller checked (without user:password@: a
+# job's settings are shown by the Ray dashboard and `ray job list`; the cluster's pods take
+# MLflow's credentials from their own environment, MLFLOW_TRACKING_USERNAME/PASSWORD), the KFP
+# run id, the code's commit and where its code is (PYTHONPATH: a checkout rather than the
+# image's install).
 JOB_ENV = (
     "MLFLOW_TRACKING_URI",
     "MLFLOW_EXPERIMENT_NAME",
@@ -198,6 +202,8 @@ def _latest(client, base: str) -> tuple[str | None, str | None]:
 
 def _submit(client, sid: str, entrypoint: str, run_name: str, storage: str) -> None:
     env = {k: os.environ[k] for k in JOB_ENV if os.environ.get(k)}
+    if "MLFLOW_TRACKING_URI" in env:
+        env["MLFLOW_TRACKING_URI"] = credentials(env["MLFLOW_TRACKING_URI"])[0]
     client.submit_job(
         entrypoint=entrypoint,
         submission_id=sid,

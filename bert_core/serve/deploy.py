@@ -41,7 +41,7 @@ import yaml
 from bert_core.errors import BertError
 from bert_core.options import add_options, config_from_args, option
 from bert_core.serve.registry import CHAMPION, NAME_ENV, by_alias, model_name
-from bert_core.tracking import tracking_uri
+from bert_core.tracking import redacted, tracking_uri
 
 API_VERSION = "serving.kserve.io/v1beta1"
 MODEL_FORMAT = "bert-mlflow"  # the format the bert-serve runtime declares
@@ -109,7 +109,7 @@ def served_version(cfg: DeployConfig) -> tuple[str, str]:
     name = cfg.registered_model
     version = by_alias(client, name, cfg.alias)
     if version is None:
-        raise BertError(f"{name}@{cfg.alias}: no such registered model or alias at {uri} "
+        raise BertError(f"{name}@{cfg.alias}: no such registered model or alias at {redacted(uri)} "
                         "(bert finetune registers, bert promote moves champion)")  # fmt: skip
     storage = in_bucket(str(client.get_model_version_download_uri(name, version.version)), cfg)
     if not storage.startswith("s3://"):

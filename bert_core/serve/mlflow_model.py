@@ -209,7 +209,7 @@ def local_model(source: str | os.PathLike) -> Iterator[tuple[Path, dict]]:
     if not is_uri(source):
         yield _layout(Path(source))
         return
-    from bert_core.tracking import tracking_uri
+    from bert_core.tracking import redacted, tracking_uri
 
     quiet_progress()
     mlflow.set_tracking_uri(tracking_uri())
@@ -218,7 +218,8 @@ def local_model(source: str | os.PathLike) -> Iterator[tuple[Path, dict]]:
         try:
             local = mlflow.artifacts.download_artifacts(str(source), dst_path=tmp)
         except MlflowException as e:  # no such model, version or alias: the user's to fix
-            raise BertError(f"{source}: {e.message} (tracking URI {tracking_uri()})") from None
+            where = redacted(tracking_uri())
+            raise BertError(f"{source}: {e.message} (tracking URI {where})") from None
         yield _layout(Path(local))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bert_core.errors import BertError
-from bert_core.tracking import RUN_RECORD, tracking_uri
+from bert_core.tracking import RUN_RECORD, redacted, tracking_uri
 
 NAME_ENV = "BERT_REGISTERED_MODEL"  # registered model name template; "none": do not register
 ALIAS_ENV = "BERT_MODEL_ALIAS"  # alias given to the new version (the pipeline: candidate)
@@ -329,8 +329,8 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
         client.get_registered_model(name)
     except MlflowException:  # not there: no `bert finetune` of the task registered one
         raise BertError(
-            f"no registered model {name!r} at {uri}: `bert finetune` of the task registers "
-            "it (or name another with --registered-model)"
+            f"no registered model {name!r} at {redacted(uri)}: `bert finetune` of the task "
+            "registers it (or name another with --registered-model)"
         ) from None
     if version is None:
         chosen = by_alias(client, name, CANDIDATE)

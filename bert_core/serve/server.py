@@ -169,7 +169,7 @@ def model_files(model: str, overrides: dict) -> Iterator[tuple[Path, object, dic
     from mlflow.models import Model
 
     from bert_core.serve.mlflow_model import CONFIG_KEY
-    from bert_core.tracking import tracking_uri
+    from bert_core.tracking import redacted, tracking_uri
 
     source = model_source(model)
     with tempfile.TemporaryDirectory(prefix="bert-serve-") as tmp:
@@ -180,7 +180,7 @@ def model_files(model: str, overrides: dict) -> Iterator[tuple[Path, object, dic
             try:
                 local = Path(mlflow.artifacts.download_artifacts(source, dst_path=tmp))
             except MlflowException as e:  # no such model, version or alias
-                raise BertError(f"{model}: {e.message} (tracking URI {uri})") from None
+                raise BertError(f"{model}: {e.message} (tracking URI {redacted(uri)})") from None
         if not (local / "MLmodel").is_file():
             raise BertError(f"{model}: not an MLflow model (no MLmodel file)")
         meta = Model.load(str(local / "MLmodel"))

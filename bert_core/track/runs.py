@@ -18,7 +18,7 @@ import argparse
 from typing import Any
 
 from bert_core.track.lineage import PIPELINE_EXPERIMENT, child_runs
-from bert_core.tracking import tracking_uri
+from bert_core.tracking import redacted, tracking_uri
 
 # the settings that usually explain a difference in GLUE score
 SETTINGS = (
@@ -75,7 +75,7 @@ def runs_table(experiment: str = PIPELINE_EXPERIMENT, limit: int = 10):
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        raise ValueError(f"no MLflow experiment {experiment!r} at {uri}")
+        raise ValueError(f"no MLflow experiment {experiment!r} at {redacted(uri)}")
     runs = client.search_runs(
         [exp.experiment_id],
         filter_string="tags.`bert.step` = 'pipeline'",

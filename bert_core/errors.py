@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 
 class BertError(Exception):
@@ -272,3 +273,26 @@ def atomic_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
         if (room := _no_room(e, dest)) is not None:
             raise room from None
         raise
+
+
+# ------------------------------------------------------------------ what a message may show
+
+
+def redacted(uri: str) -> str:
+    """`uri` with the password in its user info hidden (`http://user:***@host`): how every
+    message and log line shows a tracking or database URI."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def credentials(uri: str) -> tuple[str, tuple[str, str] | None]:
+    """(`uri` without its user info, (user, password) or None): what goes on the wire and what
+    goes into an Authorization header, never into a host name or another process's settings."""
+    parts = urlsplit(uri)
+    if parts.username is None:
+        return uri, None
+    bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return bare, (unquote(parts.username), unquote(parts.password or ""))

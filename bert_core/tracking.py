@@ -45,9 +45,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
+from urllib.parse import urlparse
 
-from bert_core.errors import BertError, pid_alive
+from bert_core.errors import BertError, credentials, pid_alive, redacted
 
 DEFAULT_EXPERIMENT = "bert"
 PROCESS_TAG = "bert.step.process"
@@ -114,26 +114,6 @@ def sqlite_file(uri: str) -> Path | None:
 # what MLflow opens besides http(s), sqlite and a folder: SQL databases (a driver may follow a +:
 # postgresql+psycopg2) and Databricks
 OTHER_STORES = ("postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
-
-
-def redacted(uri: str) -> str:
-    """`uri` with the password in its user info hidden (`http://user:***@host`): how every
-    message and log line shows a tracking or database URI."""
-    parts = urlsplit(uri)
-    if parts.password is None:
-        return uri
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
-
-
-def credentials(uri: str) -> tuple[str, tuple[str, str] | None]:
-    """(`uri` without its user info, (user, password) or None): what goes on the wire and what
-    goes into an Authorization header, never into a host name or another process's settings."""
-    parts = urlsplit(uri)
-    if parts.username is None:
-        return uri, None
-    bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-    return bare, (unquote(parts.username), unquote(parts.password or ""))
 
 
 def check_uri(uri: str) -> None:
@@ -306,22 +286,17 @@ def check_tracking(uri: str, timeout: float = 5.0) -> None:
     if urlparse(uri).scheme not in {"http", "https"}:
         return
     bare, login = credentials(uri)  # user:password@ is Basic auth, not part of the host name
-    url = bare.rstrip("/") + "/health"
-    request = urllib.request.Request(url)
-    if login is not None:
-        token = base64.b64encode(":".join(login).encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
+    url, server = bare.rstrip("/") + "/health", f"MLflow tracking server {redacted(uri)}"
+    auth = "Basic " + base64.b64encode(":".join(login).encode()).decode() if login else None
+    request = urllib.request.Request(url, headers={"Authorization": auth} if auth else {})
     try:
         urllib.request.urlopen(request, timeout=timeout).close()
     except urllib.error.HTTPError as e:
-        raise BertError(f"MLflow tracking server {redacted(uri)} answered {url} with HTTP "
-                        f"{e.code}") from None  # fmt: skip
+        raise BertError(f"{server} answered {url} with HTTP {e.code}") from None
     except OSError as e:
         reason = getattr(e, "reason", e)
-        raise BertError(
-            f"MLflow tracking server {redacted(uri)} is unreachable ({reason}); start it or "
-            "fix MLFLOW_TRACKING_URI"
-        ) from None
+        raise BertError(f"{server} is unreachable ({reason}); start it or fix "
+                        "MLFLOW_TRACKING_URI") from None  # fmt: skip
 
 
 def _server_lost(uri: str, step: str, error: BaseException) -> BertError | None:

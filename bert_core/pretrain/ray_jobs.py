@@ -43,9 +43,8 @@ from typing import Any
 
 from bert_core import hub
 from bert_core import storage as st
-from bert_core.errors import BertError, Interrupted, atomic_dir
+from bert_core.errors import BertError, Interrupted, atomic_dir, credentials
 from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig
-from bert_core.tracking import credentials
 
 # Passed to the job when set: the MLflow parent run and experiment (so the job's run nests
 # under the pipeline's), the tracking server the caller checked (without user:password@: a

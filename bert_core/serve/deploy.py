@@ -38,10 +38,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from bert_core.errors import BertError
+from bert_core.errors import BertError, redacted
 from bert_core.options import add_options, config_from_args, option
 from bert_core.serve.registry import CHAMPION, NAME_ENV, by_alias, model_name
-from bert_core.tracking import redacted, tracking_uri
+from bert_core.tracking import tracking_uri
 
 API_VERSION = "serving.kserve.io/v1beta1"
 MODEL_FORMAT = "bert-mlflow"  # the format the bert-serve runtime declares

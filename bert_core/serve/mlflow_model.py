@@ -209,7 +209,8 @@ def local_model(source: str | os.PathLike) -> Iterator[tuple[Path, dict]]:
     if not is_uri(source):
         yield _layout(Path(source))
         return
-    from bert_core.tracking import redacted, tracking_uri
+    from bert_core.errors import redacted
+    from bert_core.tracking import tracking_uri
 
     quiet_progress()
     mlflow.set_tracking_uri(tracking_uri())

@@ -44,8 +44,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bert_core.errors import BertError
-from bert_core.tracking import RUN_RECORD, redacted, tracking_uri
+from bert_core.errors import BertError, redacted
+from bert_core.tracking import RUN_RECORD, tracking_uri
 
 NAME_ENV = "BERT_REGISTERED_MODEL"  # registered model name template; "none": do not register
 ALIAS_ENV = "BERT_MODEL_ALIAS"  # alias given to the new version (the pipeline: candidate)

@@ -168,8 +168,9 @@ def model_files(model: str, overrides: dict) -> Iterator[tuple[Path, object, dic
     from mlflow.exceptions import MlflowException
     from mlflow.models import Model
 
+    from bert_core.errors import redacted
     from bert_core.serve.mlflow_model import CONFIG_KEY
-    from bert_core.tracking import redacted, tracking_uri
+    from bert_core.tracking import tracking_uri
 
     source = model_source(model)
     with tempfile.TemporaryDirectory(prefix="bert-serve-") as tmp:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from bert_core.errors import redacted
 from bert_core.track.lineage import PIPELINE_EXPERIMENT, child_runs
-from bert_core.tracking import redacted, tracking_uri
+from bert_core.tracking import tracking_uri
 
 # the settings that usually explain a difference in GLUE score
 SETTINGS = (

@@ -410,6 +410,7 @@ def _kill_at(run: Run, output: Path, point: KillPoint) -> str:
 @pytest.mark.parametrize(
     "step", [pytest.param(s, marks=[pytest.mark.slow] if s == "finetune" else []) for s in KILLS]
 )
+@pytest.mark.slow
 def test_a_killed_step_leaves_nothing_partial_and_its_rerun_equals_one_go(
     step, refs, tmp_path, empty_store
 ):
@@ -708,6 +709,7 @@ def _limit_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE, FSIZE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", ["clean", "finetune"])
 def test_a_full_disk_fails_clearly_and_leaves_nothing(step, refs, tmp_path, empty_store):
     """RLIMIT_FSIZE (`ulimit -f`) below the size of the step's biggest file: a 2 MB book in one

@@ -365,6 +365,7 @@ def test_tiny_pretrain_logs_to_server_and_checkpoints_to_bucket(
     ]
 
 
+@pytest.mark.slow
 def test_pretrain_fails_fast_before_ray_when_a_service_is_down(s3_env, tiny_instances, tmp_path):
     """Unreachable tracking server, then a missing bucket: exit 2 naming it, no Ray, no output."""
     dead = f"http://127.0.0.1:{services.free_port()}"

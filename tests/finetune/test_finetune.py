@@ -173,6 +173,7 @@ def test_a_left_to_right_model_fine_tunes_left_to_right_with_a_bilstm_on_top(
         NerConfig(feature_based="last", top_bilstm=True)
 
 
+@pytest.mark.slow
 def test_regression_task_sts_b(tmp_path, shared_data, minilm_dir, mlflow_env):
     # A MiniLM classifier with a 2-way head: fine-tuning on STS-B replaces it with a 1-output
     # one. Real weights, so the pairs get scores the file's 3 places can tell apart (a random

@@ -272,6 +272,7 @@ def test_document_context_fills_windows_with_neighbours(tmp_path: Path, minilm_d
     assert [tok.id_to_token(int(t)) for t in plain.input_ids[0]][1:-1] == ["paris", "is", "big"]
 
 
+@pytest.mark.slow
 def test_document_context_and_test_split_end_to_end(
     tmp_path: Path, shared_data: Path, minilm_dir: Path, monkeypatch
 ) -> None:

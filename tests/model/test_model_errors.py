@@ -51,6 +51,7 @@ def test_inconsistent_config_names_config_json(tiny_dir):
         BertModel.from_pretrained(tiny_dir)
 
 
+@pytest.mark.slow
 def test_cli_reports_a_bad_checkpoint_without_traceback(minilm_dir, tmp_path, shared_data):
     model_dir = tmp_path / "minilm"
     shutil.copytree(minilm_dir, model_dir)

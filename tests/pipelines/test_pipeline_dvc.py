@@ -351,6 +351,7 @@ def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch)
     assert any(abs(x - percent) < 0.006 for x in shown), table
 
 
+@pytest.mark.slow
 def test_token_tasks_are_a_foreach_stage_feeding_evaluate(tmp_path, shared_data):
     """No training: an empty `finetune.token_tasks` (the default) makes no token stage, and
     listing conll2003 adds `finetune-token@conll2003` (on the shared CoNLL folder, after

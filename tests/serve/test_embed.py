@@ -51,6 +51,7 @@ def run_embed(tmp_path, minilm_dir, capsys, *options):
     return pq.read_table(out).to_pylist()
 
 
+@pytest.mark.slow
 def test_embed_equals_transformers_hidden_states(
     tmp_path, minilm_dir, reference, capsys, monkeypatch
 ):

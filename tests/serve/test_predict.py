@@ -61,6 +61,7 @@ def write_inputs(root):
     return files
 
 
+@pytest.mark.slow
 def test_every_format_any_chunking_same_answers(env, capsys):
     root, folders = env
     model = str(folders["classification"])
@@ -118,6 +119,7 @@ def test_entities_to_parquet_with_nested_schema(env):
     ]
 
 
+@pytest.mark.slow
 def test_bad_rows_name_file_and_line_and_leave_no_output(env, capsys):
     root, folders = env
     model = str(folders["classification"])

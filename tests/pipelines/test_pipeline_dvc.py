@@ -195,7 +195,7 @@ def test_params_are_wired_to_their_stages(dvc_run):
         ("public", "minilm", {**MINILM, "steps": 3}, {"pretrain-public@minilm"}),
         ("compress", "temperature", 4.0, {"distill@SST-2"}),
         (
-            "public", "minilm", {**MINILM, "init_model": "hf:org/bert@v1"},
+            "public", "minilm", {**MINILM, "init_model": "hf:org/bert@" + "0" * 40},
             {"vocab-public@minilm", "pretrain-public@minilm"},
         ),
         (

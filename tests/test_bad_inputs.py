@@ -12,6 +12,7 @@ and quoted in docs/reliability.md.
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import sys
@@ -369,6 +370,9 @@ CASES = [
     Case("clean-random-bytes", "encoding",
          lambda r: clean(r, "--input", r.file("junk.txt", RANDOM_BYTES)),
          "junk.txt:1: does not look like text"),
+    Case("clean-one-huge-line-in-a-gz", "content",
+         lambda r: clean(r, "--input", r.file("big.txt.gz", gzip.compress(b"word " * (4 << 20)))),
+         "big.txt.gz:1: a line over 16 MiB: one paragraph (or JSON record) per line"),
     Case("clean-random-bytes-in-a-worker", "encoding",
          lambda r: ["clean", "--output", r.out, "--num-workers", "2", "--input",
                     mixed_folder(r)], "junk.txt:1: does not look like text"),  # fmt: skip

@@ -148,8 +148,7 @@ def run_task(name: str, args, cfg: FinetuneConfig, order: int = 0) -> dict:
     # Same start: every weight, the fresh classifier head included, copied from ours.
     missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
     assert not unexpected and all(k.endswith(("position_ids", "token_type_ids")) for k in missing)
-    sides = {"ours": (train, ours), "transformers": (reference_train, ref)}
-    for _, model in sides.values():  # warm up: first-call allocations and kernels, not timed
+    for model in (ours, ref):  # warm up: first-call allocations and kernels, not timed
         model.to(device)
         batch = {k: v.to(device) for k, v in collate(train_set, range(cfg.batch_size)).items()}
         model(**batch).loss.backward()
@@ -166,39 +165,37 @@ def run_task(name: str, args, cfg: FinetuneConfig, order: int = 0) -> dict:
             torch.cuda.synchronize()
         return best, time.perf_counter() - t0, time.process_time() - c0
 
-    # Alternate who goes first, so drift in a shared machine's load favours no side.
-    names = list(sides)
-    names = names[order % len(names) :] + names[: order % len(names)]
-    results = {name: timed(*sides[name]) for name in names}
-    best, ours_s, ours_cpu = results["ours"]
-    ref_best, ref_s, ref_cpu = results["transformers"]
+    # Alternate who goes first, so drift in a shared machine's load favours neither side.
+    if order % 2 == 0:
+        best, ours_s, ours_cpu = timed(train, ours)
+        ref_best, ref_s, ref_cpu = timed(reference_train, ref)
+    else:
+        ref_best, ref_s, ref_cpu = timed(reference_train, ref)
+        best, ours_s, ours_cpu = timed(train, ours)
 
-    def side(b: dict) -> dict:
+    def side(b: dict) -> dict:  # a diverged side reports where, in place of a score
         if "diverged" in b:
             return b
         return {"metrics": b["metrics"], "score": b["score"], "best_epoch": b["epoch"]}
 
-    def diff(a: dict, b: dict) -> float | None:
-        return round(a["score"] - b["score"], 3) if "score" in a and "score" in b else None
-
-    line = {
+    scored = "diverged" not in best and "diverged" not in ref_best
+    diff = best["score"] - ref_best["score"] if scored else None
+    return {
         "task": task.name,
         "train_examples": len(train_set),
         "dev_examples": sum(len(f) for f in dev.values()),
         "epochs": cfg.epochs,
         "ours": side(best),
         "transformers": side(ref_best),
-        "score_diff": diff(best, ref_best),
-        "within_1_point": diff(best, ref_best) is not None and abs(diff(best, ref_best)) <= 1.0,
+        "score_diff": None if diff is None else round(diff, 3),
+        "within_1_point": diff is not None and abs(diff) <= 1.0,
         "ours_s": round(ours_s, 2),
         "transformers_s": round(ref_s, 2),
         "time_ratio": round(ours_s / ref_s, 3),
         "ours_cpu_s": round(ours_cpu, 2),
         "transformers_cpu_s": round(ref_cpu, 2),
         "cpu_time_ratio": round(ours_cpu / ref_cpu, 3),
-    }
-    return line | {
-        "first": names[0],
+        "first": "ours" if order % 2 == 0 else "transformers",
         "device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,

@@ -146,8 +146,8 @@ def _argument(
         kw.update(action="store_false" if default else "store_true", default=bool(default))
     elif typing.get_origin(kind) is tuple:
         items = typing.get_args(kind)
-        convert = number(within)
-        items = tuple(convert if x is float else x for x in items)
+        finite = number(within)  # one converter: `tuple[float, float]` needs equal items
+        items = tuple(finite if x is float else x for x in items)
         if len(items) == 2 and items[1] is Ellipsis:  # tuple[X, ...]: a comma list
             convert = comma_list(items[0])
             kw.update(type=optional(convert) if can_be_none else convert, default=default)

@@ -26,7 +26,8 @@ from bert_core.errors import Diverged, atomic_file
 from bert_core.pretrain.config import PretrainConfig
 from bert_core.storage import filesystem, is_s3, output_dir
 
-# the metric a run reports instead of a checkpoint when its numbers went non-finite
+# the key of rank 0's message to the driver (`MetricSink.tell_driver`) when the numbers went
+# non-finite: the workers stop, the driver raises `errors.Diverged`
 DIVERGED = "diverged"
 CSV_COLUMNS = (
     "step",

@@ -14,6 +14,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("BERT_SHARED_DATA", ROOT.parent / "shared" / "data")).resolve()
 
+# Ray Train's controller for the many few-step pre-trainings of the suite (and the commands they
+# start, which inherit this environment): it polls its workers every 0.2 s, not 2 s (a run's start
+# and end are each seen up to a poll later), and starts no preemption watcher nor metrics actors
+# (cloud spot-instance and dashboard features; each is a process to start). Ray Train v2's own
+# variables (ray/train/v2/_internal/constants.py), propagated by Ray to its actors.
+RAY_TRAIN_QUICK = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+    "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
+}
+for _name, _value in RAY_TRAIN_QUICK.items():
+    os.environ.setdefault(_name, _value)
+
 
 def pytest_collection_modifyitems(config, items):
     """Test files with the most slow tests first, each file's tests in their own order: `make

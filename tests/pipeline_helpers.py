@@ -5,6 +5,7 @@ pod-harness runs stand on (the cluster's servers on loopback, its data slice, it
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
@@ -39,14 +40,20 @@ def small_params(base: dict) -> dict:
     params = {k: dict(v) for k, v in base.items()}
     for section, values in SMALL.items():
         params[section].update(values)
-    # the public checkpoints' branch (MiniLM, real weights): a couple of continued steps
-    params["public"] = {name: {**entry, "steps": 2} for name, entry in base["public"].items()}
+    # two tasks (a classification, a regression) for ours and the control, as the cluster tests
+    params["finetune"].update(tasks=GLUE_TASKS, control_tasks=GLUE_TASKS)
+    # the public checkpoints' branch (MiniLM, real weights): a couple of continued steps, the
+    # held-out MLM on 16 sequences
+    params["public"] = {
+        name: {**entry, "steps": 2, "eval_sequences": 16} for name, entry in base["public"].items()
+    }
     return params
 
 
 def project_copy(tmp: Path, shared_data: Path) -> Path:
     """tmp/repo: the project's files (tracked, plus new ones not ignored) in a new git repo, and
-    tmp/shared -> the shared data, so params.yaml's ../shared/data paths resolve as in a clone."""
+    tmp/shared/data the shared data (`shared_slice`), so params.yaml's ../shared/data paths
+    resolve as in a clone."""
     repo = tmp / "repo"
     files = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z"],
@@ -60,8 +67,7 @@ def project_copy(tmp: Path, shared_data: Path) -> Path:
         if src.is_file() and not src.is_symlink():
             (repo / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, repo / name)
-    (tmp / "shared").mkdir()
-    os.symlink(shared_data, tmp / "shared" / "data")
+    shared_slice(tmp / "shared" / "data", shared_data)
     params = small_params(yaml.safe_load((repo / "params.yaml").read_text()))
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     git = ["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci"]
@@ -69,6 +75,31 @@ def project_copy(tmp: Path, shared_data: Path) -> Path:
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run([*git, "commit", "-qm", "copy"], cwd=repo, check=True)
     return repo
+
+
+def glue_slice(shared_data: Path, task: str, name: str) -> bytes:
+    """The header and first rows of a GLUE file (400 training, 300 dev): the whole-DAG tests'
+    GLUE, so a fine-tuning reads and scores a few hundred rows, not SST-2's 67k and STS-B's
+    1,500 dev pairs (which took most of a 6-layer public model's fine-tuning time here)."""
+    rows = {"train.tsv": 400, "dev.tsv": 300}[name]
+    with (shared_data / "glue" / task / name).open("rb") as f:
+        return b"".join(itertools.islice(f, rows + 1))
+
+
+def shared_slice(dest: Path, shared_data: Path) -> Path:
+    """dest: the shared data as a whole-DAG test reads it: every folder linked, but GLUE's
+    train.tsv and dev.tsv sliced (`glue_slice`)."""
+    dest.mkdir(parents=True)
+    for entry in shared_data.iterdir():
+        if entry.name != "glue":
+            os.symlink(entry, dest / entry.name)
+    for task in (shared_data / "glue").iterdir():
+        (dest / "glue" / task.name).mkdir(parents=True)
+        for name in ("train.tsv", "dev.tsv"):
+            if (task / name).is_file():
+                sliced = glue_slice(shared_data, task.name, name)
+                (dest / "glue" / task.name / name).write_bytes(sliced)
+    return dest
 
 
 def env_for(repo: Path, tracking_uri: str) -> dict[str, str]:
@@ -158,13 +189,12 @@ def upload_data_slice(
     shared_data: Path, client, bucket: str, tasks: list[str] = GLUE_TASKS
 ) -> None:
     """A small slice of the shared data under the cluster's data defaults (`s3://<bucket>/data`):
-    one corpus book and the GLUE `tasks` (the first 400 training and 300 dev rows)."""
+    one corpus book and the GLUE `tasks` (`glue_slice`)."""
     corpus = shared_data / "corpus" / "a_christmas_carol.txt"
     client.upload_file(str(corpus), bucket, f"data/corpus/{corpus.name}")
     for task in tasks:
-        for name, rows in (("train.tsv", 400), ("dev.tsv", 300)):
-            lines = (shared_data / "glue" / task / name).read_text().splitlines(keepends=True)
-            body = "".join(lines[: rows + 1]).encode()
+        for name in ("train.tsv", "dev.tsv"):
+            body = glue_slice(shared_data, task, name)
             client.put_object(Bucket=bucket, Key=f"data/glue/{task}/{name}", Body=body)
 
 

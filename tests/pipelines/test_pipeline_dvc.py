@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.import_graph import imports_of, module_path, parents
-from tests.pipeline_helpers import env_for, local_services, project_copy
+from tests.pipeline_helpers import GLUE_TASKS, env_for, local_services, project_copy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,7 @@ def _dvc(repo: Path, env: dict, *args: str) -> str:
 def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
     repo, env, (first, _) = dvc_run
     results = json.loads((repo / "runs/dvc/evaluate/glue_results.json").read_text())
-    assert sorted(results["tasks"]) == ["MRPC", "SST-2", "STS-B"]
+    assert sorted(results["tasks"]) == sorted(GLUE_TASKS)
     for task, row in results["tasks"].items():
         assert f"| {task} |" in first
         assert -100 <= row["score"] <= 100
@@ -93,7 +93,7 @@ def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
     files = {Path(k).as_posix(): v["data"] for k, v in metrics.items()}
     systems = ("bert_ours", "public_checkpoint_continued_pre_training", "random_init")
     rows = {f"runs/dvc/evaluate/scores/{s}/{t}.json" for s in systems
-            for t in ("SST-2", "MRPC", "STS-B", "GLUE")}  # fmt: skip
+            for t in (*GLUE_TASKS, "GLUE")}  # fmt: skip
     assert set(files) == rows
     for name, row in files.items():
         assert row and all(type(v) in (int, float) for v in row.values()), (name, row)
@@ -109,7 +109,7 @@ def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
     assert len(table.splitlines()) == 1 + len(rows) and max(map(len, table.splitlines())) < 170
     # the random-init control ran beside each task and is a row of its own, with the gain
     control = results["systems"]["random init"]["tasks"]
-    for task in ("SST-2", "MRPC", "STS-B"):
+    for task in GLUE_TASKS:
         row = files[f"runs/dvc/evaluate/scores/random_init/{task}.json"]
         assert row["score"] == pytest.approx(control[task]["score"]) and "gain" not in row
     public = "public checkpoint + continued pre-training"  # the public branch's row (MiniLM)
@@ -216,7 +216,6 @@ def test_params_are_wired_to_their_stages(dvc_run):
     assert json.loads(_dvc(repo, env, "status", "--json")) == {}
 
 
-GLUE_TASKS = ("SST-2", "MRPC", "STS-B")
 FINETUNES = ("finetune", "finetune-control")  # the pre-trained model and the control
 # every fine-tuning of the GLUE tasks: ours, the control, the public checkpoint's
 FINETUNED = {f"{s}@{t}" for s in FINETUNES for t in GLUE_TASKS} | {

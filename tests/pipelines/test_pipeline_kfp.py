@@ -31,7 +31,7 @@ from pipelines.bert_pipeline import (
     parse_overrides,
     section,
 )
-from tests.pipeline_helpers import ROOT, SMALL, env_for
+from tests.pipeline_helpers import ROOT, SMALL, env_for, shared_slice
 
 SPEC = ROOT / "pipelines" / "bert_pipeline.yaml"
 
@@ -540,7 +540,7 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     env = env_for(ROOT, uri)
     settings = {
         "data_corpus": str(shared_data / "corpus" / "a_christmas_carol.txt"),
-        "data_glue": str(shared_data / "glue"),
+        "data_glue": str(shared_slice(tmp_path / "data", shared_data) / "glue"),
         "finetune_tasks": ["SST-2", "STS-B"],  # a fan-out of two keeps CI time down
         "finetune_control_tasks": ["SST-2"],  # and one random-init control
         "compress_task": "STS-B",  # the compression branch, for one iteration: a regression

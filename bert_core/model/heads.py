@@ -109,9 +109,11 @@ class _TokenLevelModel(BertPreTrainedModel):
         p = config.classifier_dropout
         self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
 
-    def load_checkpoint_state(self, state: dict[str, torch.Tensor], source: str = "") -> None:
+    def load_checkpoint_state(
+        self, state: dict[str, torch.Tensor], source: str = "", created: tuple[str, ...] = ()
+    ) -> None:
         kept = {k: v for k, v in state.items() if ".pooler." not in f".{k}"}
-        super().load_checkpoint_state(kept, source)
+        super().load_checkpoint_state(kept, source, created)
 
     def hidden_states(self, input_ids, token_type_ids, attention_mask) -> torch.Tensor:
         return self.bert(input_ids, token_type_ids, attention_mask).last_hidden_state

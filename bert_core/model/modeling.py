@@ -169,7 +169,14 @@ class BertPreTrainedModel(nn.Module):
             model.vocab_file = model_dir / VOCAB_NAME
         return model
 
-    def load_checkpoint_state(self, state: dict[str, torch.Tensor], source: str = "") -> None:
+    def load_checkpoint_state(
+        self, state: dict[str, torch.Tensor], source: str = "", created: tuple[str, ...] = ()
+    ) -> None:
+        """Load `state` by `from_pretrained`'s rules. A weight the checkpoint lacks starts from
+        its fresh initialisation and is a WARNING naming it (as transformers warns: a pooler or
+        head trained from zero changes what the model is), unless it belongs to a module the
+        caller creates on purpose: `created` names them by a part of their key ("classifier"
+        for `bert finetune`'s task head), logged at INFO."""
         own = self.state_dict()
         prefix = self.base_model_prefix + "."
         has_base = any(k.startswith(prefix) for k in own)
@@ -205,8 +212,11 @@ class BertPreTrainedModel(nn.Module):
         ]
         if shapes:
             raise ValueError(f"{source}: shape mismatch: {'; '.join(shapes)}")
-        if missing:
-            log.info("%s: newly initialised (absent in checkpoint): %s", source, missing)
+        planned = [k for k in missing if set(k.split(".")) & set(created)]
+        if planned:
+            log.info("%s: newly initialised, as asked: %s", source, planned)
+        if fresh := [k for k in missing if k not in planned]:
+            log.warning("%s: newly initialised (absent in the checkpoint): %s", source, fresh)
         if unexpected:
             log.info("%s: dropped (not used by %s): %s", source, type(self).__name__, unexpected)
         self.load_state_dict({k: v for k, v in loaded.items() if k in own}, strict=False)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bert_core.errors import BadValue
 from bert_core.model.layers import packed_lstm
 from bert_core.model.modeling import BertConfig, BertModel, BertPreTrainedModel
 
@@ -250,7 +251,7 @@ class BertFeatureTagger(_TokenLevelModel):
 
     def __init__(self, config: BertConfig):
         if config.feature_layers not in FEATURE_LAYERS:
-            raise ValueError(
+            raise BadValue(
                 f"feature_layers {config.feature_layers!r}: one of {', '.join(FEATURE_LAYERS)}"
             )
         super().__init__(config)

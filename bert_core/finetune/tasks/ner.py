@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_core.errors import BadValue
 from bert_core.finetune.engine import (
     FinetuneConfig,
     FinetuneTask,
@@ -87,12 +88,12 @@ class NerConfig(FinetuneConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.feature_based not in ("none", *FEATURE_LAYERS):
-            raise ValueError(
+            raise BadValue(
                 f"--feature-based {self.feature_based!r}: none or one of "
                 + ", ".join(FEATURE_LAYERS)
             )
         if self.feature_based != "none" and self.top_bilstm:
-            raise ValueError("--top-bilstm: the feature-based tagger has its own BiLSTM; "
+            raise BadValue("--top-bilstm: the feature-based tagger has its own BiLSTM; "
                              "use one of --top-bilstm and --feature-based")  # fmt: skip
 
 

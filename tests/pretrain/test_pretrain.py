@@ -34,7 +34,7 @@ from bert_core.pretrain.data import (
     masking_config_from_vocab,
     read_rows,
 )
-from bert_core.pretrain.heldout import HeldOutEval
+from bert_core.pretrain.heldout import HeldOutEval, training_baseline
 from bert_core.pretrain.state import Meter, seed_all
 from bert_core.pretrain.worker import build_model, setup, train_step
 from bert_core.tracking import RUN_RECORD
@@ -371,6 +371,15 @@ def test_ltr_predicts_the_next_token_of_the_unmasked_text_and_learns_it(instance
         assert batch["masked_lm_labels"][i, : n - 1].tolist() == text[1:].tolist()
         assert (batch["masked_lm_labels"][i, n - 1 :] == -100).all()
 
+    # its baseline is the most frequent next token of the training text ([SEP] included), the
+    # label it is scored on, not the most frequent masked token
+    next_tokens = []
+    for ids, _, positions, labels, _ in read_rows(list_row_groups(instances), 10_000):
+        original = ids.astype(np.int64)
+        original[positions] = labels
+        next_tokens.append(original[1:])
+    baseline = training_baseline(list_row_groups(instances), next_token=True)
+    assert baseline.mlm_label == int(np.bincount(np.concatenate(next_tokens)).argmax())
     cfg = small_config(
         instances, tmp_path, objective="ltr", batch_size=16, warmup_steps=10, learning_rate=1e-3
     )

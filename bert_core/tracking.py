@@ -357,9 +357,8 @@ def start_run(
     tags: Mapping[str, str] | None = None,
     name: str | None = None,
 ) -> Iterator[Any]:
-    """Open the MLflow run of one step (nested under the pipeline's run when there is one), named
-    `name` (default: the step), after marking KILLED this step's runs that dead processes of this
-    machine left RUNNING.
+    """Open the MLflow run of one step (nested under the pipeline's run when there is one; named
+    `name`, default the step), after marking KILLED the step's runs dead processes left RUNNING.
     The run ends FINISHED, or FAILED when the block raises (KILLED on Ctrl-C); a lost tracking
     server becomes a `BertError` naming it."""
     import mlflow

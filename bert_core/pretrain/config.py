@@ -71,7 +71,7 @@ class PretrainConfig:
         None, "override the preset's dropout (hidden and attention)", within="share"
     )
     dynamic_masking: bool = option(False, "re-mask on every read (RoBERTa)")
-    # dynamic masking: each default is the instances' own (`pretrain.data.masking_settings`)
+    # dynamic masking: each default is the instances' own (`pretrain.data.dynamic_masking`)
     masked_lm_prob: float | None = option(
         None, "dynamic masking: share of the tokens predicted (default: the instances' own, "
         "from their stats.json)", within="share",

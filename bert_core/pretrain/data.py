@@ -160,53 +160,31 @@ def read_instances_config(instances_dir: str | Path) -> dict:
         raise InputError(path, f"not valid JSON ({e.msg})", line=e.lineno) from None
 
 
-def masking_settings(instances_dir: str | Path, given: dict[str, Any]) -> dict[str, tuple]:
-    """Dynamic masking's settings, each as (value, where from): the option when `given` (not
-    None), else the instances' own (stats.json's config: what `bert instances` masked them with),
-    else MaskingConfig's. Why the instances': they were made for their length (512-token ones
-    for ~76 predictions a sequence), and a 128-token default of 20 would predict 3.9 % of their
-    tokens instead of 15 %, silently. Values read from stats.json are checked like options."""
-    made = read_instances_config(instances_dir)
-    defaults = {"masked_lm_prob": MaskingConfig.masked_lm_prob,
-                "max_predictions_per_seq": MaskingConfig.max_predictions_per_seq,
-                "masking_recipe": masking.DEFAULT_RECIPE}  # fmt: skip
-    settings = {}
-    for name, default in defaults.items():
-        if given.get(name) is not None:
-            settings[name] = (given[name], "option")
-        elif made.get(name) is not None:
-            settings[name] = (made[name], "instances")
-        else:
-            settings[name] = (default, "default")
-    prob, most = settings["masked_lm_prob"][0], settings["max_predictions_per_seq"][0]
-    ok = isinstance(prob, float) and 0 < prob < 1 and isinstance(most, int) and most >= 1
-    try:
-        MaskingRecipe.parse(settings["masking_recipe"][0])
-    except ValueError:
-        ok = False
-    if not ok:
-        raise InputError(
-            _join(instances_dir, "stats.json"),
-            f"its masking settings are not usable (masked_lm_prob {prob!r}, "
-            f"max_predictions_per_seq {most!r}, masking_recipe "
-            f"{settings['masking_recipe'][0]!r}): give --masked-lm-prob, "
-            "--max-predictions-per-seq and --masking-recipe",
-        )
-    return settings
-
-
 def dynamic_masking(
     vocab: dict[str, int], instances_dir: str | Path, given: dict[str, Any]
 ) -> tuple[MaskingConfig, dict[str, tuple]]:
-    """The MaskingConfig of `masking_settings(instances_dir, given)`, and those settings."""
-    settings = masking_settings(instances_dir, given)
-    config = masking_config_from_vocab(
-        vocab,
-        recipe=settings["masking_recipe"][0],
-        masked_lm_prob=settings["masked_lm_prob"][0],
-        max_predictions_per_seq=settings["max_predictions_per_seq"][0],
-    )
-    return config, settings
+    """Dynamic masking for this vocabulary, and its settings as (value, where from): each option
+    `given` (not None), else the instances' own (stats.json's config: what `bert instances`
+    masked them with), else MaskingConfig's. Why the instances': 512-token ones are made for ~76
+    predictions a sequence, and a 128-token default of 20 would predict 3.9 % of their tokens,
+    not 15 %, silently. Values from stats.json are checked as the options are."""
+    made, settings = read_instances_config(instances_dir), {}
+    for name, default in (("masked_lm_prob", MaskingConfig.masked_lm_prob),
+                          ("max_predictions_per_seq", MaskingConfig.max_predictions_per_seq),
+                          ("masking_recipe", masking.DEFAULT_RECIPE)):  # fmt: skip
+        if given.get(name) is not None:
+            settings[name] = (given[name], "option")
+        else:
+            settings[name] = (made[name], "instances") if name in made else (default, "default")
+    (prob, _), (most, _), (recipe, _) = settings.values()
+    if not (isinstance(prob, float) and 0 < prob < 1 and isinstance(most, int) and most >= 1):
+        raise InputError(
+            _join(instances_dir, "stats.json"),
+            f"masked_lm_prob {prob!r}, max_predictions_per_seq {most!r}: not usable; give the "
+            "options --masked-lm-prob and --max-predictions-per-seq",
+        )
+    kw = {"masked_lm_prob": prob, "max_predictions_per_seq": most}
+    return masking_config_from_vocab(vocab, recipe, **kw), settings
 
 
 def masking_config_from_vocab(

@@ -2,9 +2,9 @@
 
 Each step module owns its argument parser and exposes `main(argv) -> int`; this file only
 dispatches, importing the module lazily so `bert clean` never pays for importing Ray or MLflow.
-Errors meant for users (`BertError`, `ValueError`, `FileNotFoundError`) become one line on stderr
+Errors meant for users (`BertError` and its kinds in `bert_core.errors`) become one line on stderr
 and exit code 2 (1 for `errors.Diverged`: a valid input whose training went non-finite); anything
-else is a bug and keeps its traceback.
+else, a ValueError from torch included, is a bug and keeps its traceback (exit 1).
 
 The top of the library: the Kubeflow components (`components/steps.py`) and the DVC runner
 (`pipelines/run_dvc.py`) import this module and nothing else from `bert_core`
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with interrupts_raise():
             return int(module.main(rest) or 0)
-    except (BertError, ValueError, FileNotFoundError) as e:
+    except BertError as e:
         print(f"bert {name}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)  # errors.Diverged: 1, a sound input
     except KeyboardInterrupt as e:  # SIGTERM or SIGINT (errors.Interrupted), or a bare Ctrl-C

@@ -45,6 +45,15 @@ class InputError(BertError, ValueError):
         return type(self), (self.path, self.message, self.line)
 
 
+class BadValue(BertError, ValueError):
+    """A setting or value the command cannot use. Also a ValueError, so a check that catches
+    ValueError (a config's own checks, a parser's) still catches it."""
+
+
+class NotFound(BertError, FileNotFoundError):
+    """A file, folder or object the command needs is not there."""
+
+
 class Diverged(BertError):
     """Training produced a non-finite number (loss or gradient norm): the run failed, not the
     input. The CLI exits 1 (not 2: the input was valid); nothing is written or registered, and

@@ -29,7 +29,7 @@ HEADLINE = "score"
 
 
 def kind(name: str) -> str:
-    """`f1` for `conlleval_f1` or `test_f1`: what the number measures, whatever the prefix."""
+    """`f1` for `strict_f1` or `test_f1`: what the number measures, whatever the prefix."""
     return name.rsplit("_", 1)[-1]
 
 

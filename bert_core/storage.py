@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
-from bert_core.errors import NO_ROOM, BertError, atomic_dir, atomic_file
+from bert_core.errors import NO_ROOM, BertError, NotFound, atomic_dir, atomic_file
 from bert_core.tracking import check_tracking, tracking_uri
 
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")
@@ -143,9 +143,9 @@ def check_apart(outputs: dict[str, object], inputs: dict[str, object]) -> None:
                     )
 
 
-def not_found(uri: str | os.PathLike) -> FileNotFoundError:
+def not_found(uri: str | os.PathLike) -> NotFound:
     """The one error for a missing input, local or s3://: it names the path as given."""
-    return FileNotFoundError(f"{uri}: no such file or folder")
+    return NotFound(f"{uri}: no such file or folder")
 
 
 @contextmanager
@@ -266,7 +266,7 @@ def _entries(uri: str | os.PathLike) -> list[tuple[str, int, str]]:
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
         out = [(p.relative_to(path.parent).as_posix(), p.stat().st_size, _md5(p)) for p in files]
     if not out:
-        raise FileNotFoundError(f"{uri}: no such file, folder, object or prefix (or it is empty)")
+        raise NotFound(f"{uri}: no such file, folder, object or prefix (or it is empty)")
     return out
 
 

@@ -352,10 +352,13 @@ def _end_once(status: str) -> None:
 
 @contextmanager
 def start_run(
-    step: str, params: Mapping[str, Any] | Any = (), tags: Mapping[str, str] | None = None
+    step: str,
+    params: Mapping[str, Any] | Any = (),
+    tags: Mapping[str, str] | None = None,
+    name: str | None = None,
 ) -> Iterator[Any]:
-    """Open the MLflow run of one step (nested under the pipeline's run when there is one),
-    after marking KILLED this step's runs that dead processes of this machine left RUNNING.
+    """Open the MLflow run of one step (nested under the pipeline's run when there is one; named
+    `name`, default the step), after marking KILLED the step's runs dead processes left RUNNING.
     The run ends FINISHED, or FAILED when the block raises (KILLED on Ctrl-C); a lost tracking
     server becomes a `BertError` naming it."""
     import mlflow
@@ -368,7 +371,7 @@ def start_run(
         experiment_id = _set_experiment(parent)
         end_stale_runs(mlflow.MlflowClient(uri), experiment_id, step)
         run = mlflow.start_run(
-            run_name=step, nested=parent is not None, parent_run_id=parent, tags=all_tags
+            run_name=name or step, nested=parent is not None, parent_run_id=parent, tags=all_tags
         )
     try:
         if params:

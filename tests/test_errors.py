@@ -105,3 +105,32 @@ def test_staging_of_a_live_run_is_left_alone(tmp_path):
     with atomic_dir(dest):
         pass
     assert live.is_dir()
+
+
+def test_only_our_errors_are_one_line_anything_else_is_a_bug_with_its_traceback(
+    monkeypatch, capsys
+):
+    """`bert` turns its own errors (BertError and its kinds) into one line, exit 2; a ValueError
+    from elsewhere (torch's, when labels and logits disagree) is a bug in our code: it keeps its
+    traceback (exit 1 from the interpreter), never read as the user's mistake."""
+    from bert_core import cli
+    from bert_core.errors import BadValue, NotFound
+    from bert_core.report import evaluate
+
+    def raising(error: Exception):
+        def main(argv):
+            raise error
+
+        return main
+
+    for error in (BadValue("--epochs must be >= 1"), NotFound("x: no such file or folder")):
+        monkeypatch.setattr(evaluate, "main", raising(error))
+        assert cli.main(["evaluate"]) == 2
+        assert capsys.readouterr().err == f"bert evaluate: error: {error}\n"
+    bug = ValueError("Expected input batch_size (4) to match target batch_size (3).")
+    monkeypatch.setattr(evaluate, "main", raising(bug))
+    with pytest.raises(ValueError, match="batch_size"):
+        cli.main(["evaluate"])
+    monkeypatch.setattr(evaluate, "main", raising(FileNotFoundError("/tmp/x.lock")))
+    with pytest.raises(FileNotFoundError):
+        cli.main(["evaluate"])

@@ -47,7 +47,7 @@ from pathlib import Path
 from bert_core import hub
 from bert_core.compress.distill_loss import Distiller
 from bert_core.compress.student import check_pair, make_student, pick_layers
-from bert_core.errors import BertError
+from bert_core.errors import BadValue, BertError
 from bert_core.finetune.command import load_task, log_result, run_result
 from bert_core.finetune.config import FinetuneConfig
 from bert_core.finetune.engine import fit, load_tokenizer, numeric, save_model
@@ -92,9 +92,9 @@ class DistillConfig(FinetuneConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.temperature <= 0 or not 0.0 <= self.alpha <= 1.0:
-            raise ValueError("--temperature must be > 0 and --alpha in [0, 1]")
+            raise BadValue("--temperature must be > 0 and --alpha in [0, 1]")
         if self.is_sweep:
-            raise ValueError("bert distill trains one student: no --lr-sweep or --restarts")
+            raise BadValue("bert distill trains one student: no --lr-sweep or --restarts")
 
 
 def teacher_model(teacher: Path):

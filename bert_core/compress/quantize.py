@@ -28,7 +28,7 @@ from contextlib import nullcontext
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
-from bert_core.errors import BertError, InputError
+from bert_core.errors import BertError, InputError, NotFound
 from bert_core.finetune.command import load_task
 from bert_core.metrics import task_run
 from bert_core.model import heads, int8
@@ -112,7 +112,7 @@ def quantize(cfg: QuantizeConfig, source: Path, settings: dict, data: Path | Non
                              "model was fine-tuned on")  # fmt: skip
         task = load_task(task_name)
         if not data.is_dir():
-            raise FileNotFoundError(f"--data {cfg.data}: no such folder")
+            raise NotFound(f"--data {cfg.data}: no such folder")
         tcfg = prepare(task, data, source, settings, cfg)
     info = {"source": str(cfg.model)}
     params = {**asdict(cfg), "method": int8.METHOD, "task": task_name or ""}
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                            QuantizeConfig)  # fmt: skip
     check_apart({"--output": cfg.output}, {"--model": cfg.model, "--data": cfg.data})
     if cfg.data is not None and not exists(cfg.data):
-        raise FileNotFoundError(f"--data {cfg.data}: no such folder")
+        raise NotFound(f"--data {cfg.data}: no such folder")
     with (
         local_copy(cfg.data) if cfg.data is not None else nullcontext() as data,  # s3:// too
         local_model(cfg.model) as (source, settings),

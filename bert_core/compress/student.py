@@ -22,7 +22,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from bert_core.errors import InputError
+from bert_core.errors import BadValue, InputError, NotFound
 from bert_core.finetune.engine import FinetuneTask, load_model
 from bert_core.model.config import CONFIG_NAME, BertConfig
 
@@ -31,7 +31,7 @@ LAYER = re.compile(r"^bert\.encoder\.layer\.(\d+)\.(.*)$")
 
 def _config(folder: Path, what: str) -> BertConfig:
     if not (folder / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{what} {folder}: no {CONFIG_NAME} (not a BERT model folder)")
+        raise NotFound(f"{what} {folder}: no {CONFIG_NAME} (not a BERT model folder)")
     return BertConfig.from_json_file(folder / CONFIG_NAME)
 
 
@@ -85,7 +85,7 @@ def pick_layers(available: int, keep: int) -> list[int]:
     """`keep` of `available` layers, evenly spaced from the first to the last: 2 of 6 -> [0, 5],
     3 of 6 -> [0, 3, 5] (one layer: the first, which reads the embeddings it was trained on)."""
     if not 1 <= keep <= available:
-        raise ValueError(f"--student-layers must be 1..{available} (the student's layers), "
+        raise BadValue(f"--student-layers must be 1..{available} (the student's layers), "
                          f"got {keep}")  # fmt: skip
     if keep == 1:
         return [0]

@@ -44,7 +44,7 @@ from bert_core import storage
 from bert_core.data import workers
 from bert_core.data.documents import record_document, text_documents
 from bert_core.data.text_quality import JunkMeter
-from bert_core.errors import InputError
+from bert_core.errors import BadValue, InputError, NotFound
 from bert_core.options import add_options, config_from_args, option
 
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
@@ -102,7 +102,7 @@ class FileStats:
 
 def iter_input_files(path: Path) -> list[Path]:
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory")
+        raise NotFound(f"{path}: no such file or directory")
     if path.is_file():
         if not path.name.endswith(SUFFIXES):
             raise InputError(path, f"unsupported input type (expected one of {SUFFIXES})")
@@ -235,7 +235,7 @@ def _clean_file_task(args: tuple[Path, CleanConfig]) -> tuple[list[list[str]], F
 def clean_corpus(input_path: Path, output_dir: Path, cfg: CleanConfig) -> dict:
     """Clean every input file (in parallel) into `cfg.num_shards` text shards plus stats.json."""
     if cfg.num_shards < 1:
-        raise ValueError(f"--num-shards must be >= 1, got {cfg.num_shards}")
+        raise BadValue(f"--num-shards must be >= 1, got {cfg.num_shards}")
     files = iter_input_files(Path(input_path))
     total = FileStats()
     dropped: Counter[str] = Counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bert_core.data.masking import DEFAULT_RECIPE, MaskingRecipe
+from bert_core.errors import BadValue
 from bert_core.options import option
 
 MIN_SEQ_LENGTH = 8
@@ -61,29 +62,29 @@ class InstanceConfig:
 
     def validate(self) -> None:
         if self.max_seq_length < MIN_SEQ_LENGTH:
-            raise ValueError(
+            raise BadValue(
                 f"--max-seq-length must be >= {MIN_SEQ_LENGTH} ([CLS] A [SEP] B [SEP] needs "
                 f"room), got {self.max_seq_length}"
             )
         limit, model = max_positions(self.preset)
         if self.max_seq_length > limit:
-            raise ValueError(
+            raise BadValue(
                 f"--max-seq-length {self.max_seq_length} exceeds max_position_embeddings {limit} "
                 f"of {model}: `bert pretrain` could not train on these instances"
             )
         if self.max_predictions_per_seq < 1:
-            raise ValueError("--max-predictions-per-seq must be >= 1")
+            raise BadValue("--max-predictions-per-seq must be >= 1")
         if not 0.0 < self.masked_lm_prob < 1.0:
-            raise ValueError("--masked-lm-prob must be in (0, 1)")
+            raise BadValue("--masked-lm-prob must be in (0, 1)")
         if not 0.0 <= self.short_seq_prob <= 1.0:
-            raise ValueError("--short-seq-prob must be in [0, 1]")
+            raise BadValue("--short-seq-prob must be in [0, 1]")
         if self.dupe_factor < 1:
-            raise ValueError("--dupe-factor must be >= 1")
+            raise BadValue("--dupe-factor must be >= 1")
         MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError
         if not 0.0 <= self.heldout_fraction < 1.0:
-            raise ValueError("--heldout-fraction must be in [0, 1)")
+            raise BadValue("--heldout-fraction must be in [0, 1)")
         if self.heldout_documents is not None and self.heldout_documents < 0:
-            raise ValueError("--heldout-documents must be >= 0")
+            raise BadValue("--heldout-documents must be >= 0")
 
     def heldout_count(self, documents: int) -> int:
         """How many of `documents` are held out: --heldout-documents, else --heldout-fraction of
@@ -91,7 +92,7 @@ class InstanceConfig:
         from another held-out document); training always keeps 2 (NSP needs them)."""
         if self.heldout_documents is not None:
             if self.heldout_documents > documents - 2:
-                raise ValueError(
+                raise BadValue(
                     f"--heldout-documents {self.heldout_documents}: the corpus has {documents} "
                     "documents and training needs at least 2"
                 )
@@ -120,4 +121,4 @@ def max_positions(preset: str | None) -> tuple[int, str]:
     try:
         return BertConfig.from_preset(preset).max_position_embeddings, f"the {preset} preset"
     except ValueError as e:
-        raise ValueError(f"--preset: {e}") from None
+        raise BadValue(f"--preset: {e}") from None

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bert_core.errors import BadValue
+
 # What a predicted position shows (the `decisions` of `instance_sampling.mask_batch`).
 MASK, RANDOM, KEEP = 0, 1, 2
 DEFAULT_RECIPE = "80/10/10"
@@ -42,7 +44,7 @@ class MaskingRecipe:
     def __post_init__(self):
         shares = (self.mask_prob, self.random_prob, self.keep_prob)
         if not all(0.0 <= p <= 1.0 for p in shares) or abs(sum(shares) - 1.0) > 1e-9:
-            raise ValueError(
+            raise BadValue(
                 "a masking recipe needs [MASK]/random/keep shares in [0, 1] that sum to 1, got "
                 f"{self.mask_prob}/{self.random_prob}/{self.keep_prob}"
             )
@@ -86,7 +88,7 @@ def _parse(text: str) -> MaskingRecipe:
     except ValueError:
         percent = []
     if len(percent) != 3 or abs(sum(percent) - 100.0) > 1e-6 or min(percent) < 0:
-        raise ValueError(
+        raise BadValue(
             f"--masking-recipe must be MASK/RANDOM/KEEP percentages summing to 100 "
             f"(the paper's is {DEFAULT_RECIPE}), got {text!r}"
         )

@@ -34,7 +34,7 @@ from tokenizers import (
 
 from bert_core import hub, storage
 from bert_core.data.text_quality import JunkMeter
-from bert_core.errors import InputError, utf8_errors
+from bert_core.errors import BadValue, InputError, NotFound, utf8_errors
 from bert_core.options import add_options, config_from_args, option
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -229,7 +229,7 @@ def text_shards(input_dir: str | Path) -> list[Path]:
     what `bert vocab` and `bert instances` read."""
     path = Path(input_dir)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory")
+        raise NotFound(f"{path}: no such file or directory")
     files = [path] if path.is_file() else sorted(path.glob("*.txt"))
     if not files:
         raise InputError(path, "no .txt shards (run `bert clean` first)")
@@ -254,7 +254,7 @@ def iter_text(input_dir: Path) -> Iterator[str]:
 def train_vocab(input_dir: Path, cfg: VocabConfig) -> Tokenizer:
     """Train WordPiece on the cleaned corpus; specials first so [PAD] = 0 as in BERT."""
     if cfg.vocab_size <= len(SPECIAL_TOKENS):
-        raise ValueError(f"--vocab-size must be > {len(SPECIAL_TOKENS)}, got {cfg.vocab_size}")
+        raise BadValue(f"--vocab-size must be > {len(SPECIAL_TOKENS)}, got {cfg.vocab_size}")
     tok = bert_tokenizer(None, lowercase=cfg.lowercase)
     trainer = trainers.WordPieceTrainer(
         vocab_size=cfg.vocab_size,

@@ -91,7 +91,7 @@ def finetune(
     # the control's run is named apart from the pre-trained model's, so one pipeline run's
     # step runs stay one per (task, init) in the MLflow UI and in lineage.child_runs
     step = f"finetune-{task.name}" + ("-random" if cfg.init == "random" else "")
-    with start_run(step, params), output_dir(output) as tmp:
+    with start_run(step, params, run_tags(start), run_name(step, start)), output_dir(output) as tmp:
         import mlflow
 
         if cfg.is_sweep:
@@ -158,6 +158,21 @@ def pretraining(model_dir: Path, model_uri: str) -> dict:
     if hub.is_named(model_uri):
         return {"start_from": hub.identity(model_uri), "continued_pretraining": False}
     return {}
+
+
+def run_name(step: str, start: dict) -> str:
+    """The MLflow run's name: the step's, and for a public checkpoint's start the checkpoint and
+    whether it was pre-trained further, so one pipeline run's fine-tunings of a task from our
+    model and from a public one are told apart in the runs list (the step tag stays the same)."""
+    if start.get("start_from", "random init") == "random init":
+        return step
+    how = "continued" if start["continued_pretraining"] else "as published"
+    return f"{step} ({start['start_from']}, {how})"
+
+
+def run_tags(start: dict) -> dict[str, str]:
+    """`bert.start_from` (what the weights were before fine-tuning), to filter runs by it."""
+    return {"bert.start_from": start.get("start_from", "random init")} if start else {}
 
 
 def finish(out: Path, result: dict) -> dict:

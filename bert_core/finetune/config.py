@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bert_core.errors import BadValue
 from bert_core.options import comma_list, config_from_args, number, option, optional
 
 __all__ = ["FinetuneConfig", "config_from_args", "float_list", "option"]
@@ -69,15 +70,15 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.max_seq_length < 8:
-            raise ValueError("--epochs and --batch-size must be >= 1, --max-seq-length >= 8")
+            raise BadValue("--epochs and --batch-size must be >= 1, --max-seq-length >= 8")
         if self.init not in INITS:
-            raise ValueError(f"--init must be one of {', '.join(INITS)}, not {self.init!r}")
+            raise BadValue(f"--init must be one of {', '.join(INITS)}, not {self.init!r}")
         if self.restarts < 1:
-            raise ValueError("--restarts must be >= 1")
+            raise BadValue("--restarts must be >= 1")
         if self.lr_sweep is not None:
             self.lr_sweep = tuple(float(x) for x in self.lr_sweep)
             if not self.lr_sweep or min(self.lr_sweep) <= 0:
-                raise ValueError("--lr-sweep needs one or more positive learning rates")
+                raise BadValue("--lr-sweep needs one or more positive learning rates")
 
     @property
     def is_sweep(self) -> bool:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_core.errors import Diverged, InputError
+from bert_core.errors import BadValue, Diverged, InputError, NotFound
 from bert_core.finetune.config import FinetuneConfig, option  # noqa: F401 (re-exported)
 from bert_core.metrics import task_run
 from bert_core.model import optim
@@ -123,7 +123,7 @@ def sample(examples: list, n: int | None, seed: int) -> list:
     if n is None or n >= len(examples):
         return examples
     if n < 1:
-        raise ValueError(f"cannot sample {n} examples")
+        raise BadValue(f"cannot sample {n} examples")
     keep = np.sort(np.random.default_rng(seed).choice(len(examples), size=n, replace=False))
     return [examples[i] for i in keep]
 
@@ -160,7 +160,7 @@ def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None
     from bert_core.model import modeling as bert
 
     if not (model_dir / bert.CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{model_dir}: no {bert.CONFIG_NAME} (not a BERT model folder)")
+        raise NotFound(f"{model_dir}: no {bert.CONFIG_NAME} (not a BERT model folder)")
     # label2id too: given id2label alone, the folder's own label2id (a pre-trained model's
     # LABEL_0, LABEL_1) would be kept beside the task's names, the two disagreeing
     names = list(task.labels or ())
@@ -176,7 +176,7 @@ def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None
             f"({model_dir / bert.CONFIG_NAME}): the vocabulary of another model",
         )  # fmt: skip
     if max_seq_length is not None and max_seq_length > config.max_position_embeddings:
-        raise ValueError(
+        raise BadValue(
             f"max_seq_length {max_seq_length} exceeds the model's max_position_embeddings "
             f"{config.max_position_embeddings}"
         )
@@ -208,7 +208,9 @@ def load_model(task: FinetuneTask, model_dir: str | Path, init: str = "pretraine
             for k, v in state.items()
             if not (k.startswith(bert.HEAD_PREFIXES) and k in own and own[k].shape != v.shape)
         }
-    model.load_checkpoint_state(state, source=str(model_dir))
+    # the task's head (and Table 5's BiLSTM under it) is new on purpose: no warning for it
+    created = ("classifier", "qa_outputs", "bilstm")
+    model.load_checkpoint_state(state, str(model_dir), created=created)
     return model
 
 

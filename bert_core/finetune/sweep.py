@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bert_core.errors import Diverged
+from bert_core.errors import Diverged, NotFound
 
 SELECTED_BY = "dev score of each trial's best epoch (the task's score); ties: the earlier trial"
 
@@ -121,7 +121,7 @@ def pick_best(folders: list[str | Path], output: str | Path) -> dict:
     for folder in folders:
         path = Path(folder) / "metrics.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: not found (is {folder} a `bert finetune` output?)")
+            raise NotFound(f"{path}: not found (is {folder} a `bert finetune` output?)")
         results.append(json.loads(path.read_text()))
     tasks = {r["task"] for r in results}
     if len(tasks) != 1:

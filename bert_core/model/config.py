@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.nn.functional as F
 
-from bert_core.errors import InputError, utf8_errors
+from bert_core.errors import BadValue, InputError, utf8_errors
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -81,23 +81,23 @@ class BertConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
+            raise BadValue(
                 f"hidden_size {self.hidden_size} is not divisible by "
                 f"num_attention_heads {self.num_attention_heads}"
             )
         if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(
+            raise BadValue(
                 f"hidden_act {self.hidden_act!r} is unknown: use one of {', '.join(ACTIVATIONS)}"
             )
         if self.top_bilstm and self.hidden_size % 2:
-            raise ValueError(f"top_bilstm needs an even hidden_size (H/2 per direction), not "
+            raise BadValue(f"top_bilstm needs an even hidden_size (H/2 per direction), not "
                              f"{self.hidden_size}")  # fmt: skip
         if self.num_labels < 1:
-            raise ValueError(f"num_labels must be >= 1, got {self.num_labels}")
+            raise BadValue(f"num_labels must be >= 1, got {self.num_labels}")
         if self.id2label is not None:
             self.id2label = {int(i): str(name) for i, name in self.id2label.items()}
             if sorted(self.id2label) != list(range(self.num_labels)):
-                raise ValueError(
+                raise BadValue(
                     f"id2label has ids {sorted(self.id2label)}, expected 0..{self.num_labels - 1} "
                     f"(num_labels {self.num_labels})"
                 )
@@ -116,7 +116,7 @@ class BertConfig:
     def from_dict(cls, d: dict, **overrides) -> BertConfig:
         """Read a transformers/Google config (model and label names), ignoring other keys."""
         if d.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(
+            raise BadValue(
                 f"position_embedding_type {d['position_embedding_type']!r} unsupported"
             )
         d = dict(d)
@@ -164,7 +164,7 @@ def shape(preset: str, layers: int = 0, hidden: int = 0, heads: int = 0,
     rule, so `hidden=1024` alone gives 4096). How Table 6's grid is swept: one preset, three
     numbers."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        raise BadValue(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     L, H, A = PRESETS[preset]  # the paper's names
     H = hidden or H
     return {

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bert_core.errors import BadValue
 from bert_core.model.layers import packed_lstm
 from bert_core.model.modeling import BertConfig, BertModel, BertPreTrainedModel
 
@@ -109,9 +110,11 @@ class _TokenLevelModel(BertPreTrainedModel):
         p = config.classifier_dropout
         self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
 
-    def load_checkpoint_state(self, state: dict[str, torch.Tensor], source: str = "") -> None:
+    def load_checkpoint_state(
+        self, state: dict[str, torch.Tensor], source: str = "", created: tuple[str, ...] = ()
+    ) -> None:
         kept = {k: v for k, v in state.items() if ".pooler." not in f".{k}"}
-        super().load_checkpoint_state(kept, source)
+        super().load_checkpoint_state(kept, source, created)
 
     def hidden_states(self, input_ids, token_type_ids, attention_mask) -> torch.Tensor:
         return self.bert(input_ids, token_type_ids, attention_mask).last_hidden_state
@@ -248,7 +251,7 @@ class BertFeatureTagger(_TokenLevelModel):
 
     def __init__(self, config: BertConfig):
         if config.feature_layers not in FEATURE_LAYERS:
-            raise ValueError(
+            raise BadValue(
                 f"feature_layers {config.feature_layers!r}: one of {', '.join(FEATURE_LAYERS)}"
             )
         super().__init__(config)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bert_core.errors import Diverged, atomic_dir
+from bert_core.errors import BadValue, Diverged, NotFound, atomic_dir
 from bert_core.model import weights
 from bert_core.model.config import (
     ACTIVATIONS,
@@ -129,7 +129,7 @@ class BertPreTrainedModel(nn.Module):
                 f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}"
             )
         if input_ids.shape[1] > c.max_position_embeddings:
-            raise ValueError(
+            raise BadValue(
                 f"sequence length {input_ids.shape[1]} exceeds "
                 f"max_position_embeddings {c.max_position_embeddings}"
             )
@@ -138,7 +138,7 @@ class BertPreTrainedModel(nn.Module):
         if input_ids.numel() and not input_ids.is_cuda:
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= c.vocab_size:
-                raise ValueError(
+                raise BadValue(
                     f"token id {hi if hi >= c.vocab_size else lo} outside vocab_size {c.vocab_size}"
                 )
 
@@ -155,7 +155,7 @@ class BertPreTrainedModel(nn.Module):
         """
         model_dir = Path(model_dir)
         if not (model_dir / CONFIG_NAME).is_file():
-            raise FileNotFoundError(f"{model_dir}: no {CONFIG_NAME} (not a BERT model folder)")
+            raise NotFound(f"{model_dir}: no {CONFIG_NAME} (not a BERT model folder)")
         from bert_core.model import int8
 
         if int8.quantization(model_dir) is not None:  # `bert quantize`'s: int8 Linears
@@ -169,7 +169,14 @@ class BertPreTrainedModel(nn.Module):
             model.vocab_file = model_dir / VOCAB_NAME
         return model
 
-    def load_checkpoint_state(self, state: dict[str, torch.Tensor], source: str = "") -> None:
+    def load_checkpoint_state(
+        self, state: dict[str, torch.Tensor], source: str = "", created: tuple[str, ...] = ()
+    ) -> None:
+        """Load `state` by `from_pretrained`'s rules. A weight the checkpoint lacks starts from
+        its fresh initialisation and is a WARNING naming it (as transformers warns: a pooler or
+        head trained from zero changes what the model is), unless it belongs to a module the
+        caller creates on purpose: `created` names them by a part of their key ("classifier"
+        for `bert finetune`'s task head), logged at INFO."""
         own = self.state_dict()
         prefix = self.base_model_prefix + "."
         has_base = any(k.startswith(prefix) for k in own)
@@ -192,7 +199,7 @@ class BertPreTrainedModel(nn.Module):
         bad_missing = [k for k in missing if not optional(k)]
         bad_unexpected = [k for k in unexpected if not k.startswith(HEAD_PREFIXES)]
         if bad_missing or bad_unexpected:
-            raise ValueError(
+            raise BadValue(
                 f"{source}: checkpoint does not match {type(self).__name__}"
                 f"{_layer_hint(loaded, self.config.num_hidden_layers)}: "
                 f"missing {bad_missing[:10]}{'...' if len(bad_missing) > 10 else ''}, "
@@ -204,9 +211,12 @@ class BertPreTrainedModel(nn.Module):
             if k in own and v.shape != own[k].shape
         ]
         if shapes:
-            raise ValueError(f"{source}: shape mismatch: {'; '.join(shapes)}")
-        if missing:
-            log.info("%s: newly initialised (absent in checkpoint): %s", source, missing)
+            raise BadValue(f"{source}: shape mismatch: {'; '.join(shapes)}")
+        planned = [k for k in missing if set(k.split(".")) & set(created)]
+        if planned:
+            log.info("%s: newly initialised, as asked: %s", source, planned)
+        if fresh := [k for k in missing if k not in planned]:
+            log.warning("%s: newly initialised (absent in the checkpoint): %s", source, fresh)
         if unexpected:
             log.info("%s: dropped (not used by %s): %s", source, type(self).__name__, unexpected)
         self.load_state_dict({k: v for k, v in loaded.items() if k in own}, strict=False)

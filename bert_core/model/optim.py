@@ -22,6 +22,8 @@ import contextlib
 
 import torch
 
+from bert_core.errors import BadValue
+
 
 def resolve_device(name: str = "auto") -> torch.device:
     """`auto` picks cuda, then mps, then cpu; any other name is taken as it is, and refused
@@ -33,10 +35,10 @@ def resolve_device(name: str = "auto") -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"--device {name!r}: use auto, cpu, cuda, cuda:N or mps") from None
+        raise BadValue(f"--device {name!r}: use auto, cpu, cuda, cuda:N or mps") from None
     here = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}
     if device.type in here and not here[device.type]():
-        raise ValueError(f"--device {name}: this machine has no {device.type} device; use auto")
+        raise BadValue(f"--device {name}: this machine has no {device.type} device; use auto")
     return device
 
 
@@ -209,7 +211,7 @@ def optimizer_and_schedule(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """`OPTIMIZERS[name]`'s optimiser over `model` and its schedule."""
     if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer {name!r}: use one of {', '.join(OPTIMIZERS)}")
+        raise BadValue(f"optimizer {name!r}: use one of {', '.join(OPTIMIZERS)}")
     make, schedule = OPTIMIZERS[name]
     optimizer = make(model, learning_rate, weight_decay, eps=eps, betas=betas)
     return optimizer, schedule(optimizer, warmup_steps, total_steps)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from bert_core.errors import InputError
+from bert_core.errors import InputError, NotFound
 from bert_core.model import int8
 from bert_core.model.config import LEGACY_WEIGHTS_NAME, WEIGHTS_NAME
 
@@ -72,4 +72,4 @@ def read(model_dir: Path) -> dict[str, torch.Tensor]:
                 model_dir / LEGACY_WEIGHTS_NAME, f"not a readable checkpoint ({e})"
             ) from None
         return check_finite(state, model_dir / LEGACY_WEIGHTS_NAME)
-    raise FileNotFoundError(f"{model_dir}: no {WEIGHTS_NAME} or {LEGACY_WEIGHTS_NAME}")
+    raise NotFound(f"{model_dir}: no {WEIGHTS_NAME} or {LEGACY_WEIGHTS_NAME}")

@@ -25,8 +25,8 @@ from bert_core.pretrain.data import (
     COLUMNS,
     LABEL_COLUMN,
     check_seq_length,
+    dynamic_masking,
     list_row_groups,
-    masking_config_from_vocab,
     read_instances_config,
     shards,
 )
@@ -65,8 +65,8 @@ def check_inputs(cfg: PretrainConfig) -> int:
         if folder == cfg.instances or exists(folder):
             check_shards(folder, limits)
     read_instances_config(cfg.instances)  # stats.json: the workers read it
-    if cfg.dynamic_masking:  # its special tokens, before a worker needs them
-        masking_config_from_vocab(vocab, recipe=cfg.masking_recipe)
+    if cfg.dynamic_masking:  # its special tokens and settings, before a worker needs them
+        dynamic_masking(vocab, cfg.instances, cfg.masking_options())
     return len(vocab)
 
 

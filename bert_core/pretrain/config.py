@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, dataclass
+from typing import Any
 
 from bert_core.data.masking import DEFAULT_RECIPE, MaskingRecipe
 from bert_core.errors import BertError
@@ -70,13 +71,18 @@ class PretrainConfig:
         None, "override the preset's dropout (hidden and attention)", within="share"
     )
     dynamic_masking: bool = option(False, "re-mask on every read (RoBERTa)")
-    masked_lm_prob: float = option(
-        0.15, "dynamic masking: share of the tokens predicted", within="share"
+    # dynamic masking: each default is the instances' own (`pretrain.data.dynamic_masking`)
+    masked_lm_prob: float | None = option(
+        None, "dynamic masking: share of the tokens predicted (default: the instances' own, "
+        "from their stats.json)", within="share",
+    )  # fmt: skip
+    max_predictions_per_seq: int | None = option(
+        None, "dynamic masking: predictions per sequence, at most (default: the instances' own)"
     )
-    max_predictions_per_seq: int = option(20, "dynamic masking: predictions per sequence, at most")
-    masking_recipe: str = option(
-        DEFAULT_RECIPE, "dynamic masking: predictions shown as [MASK]/random/unchanged, percent"
-    )
+    masking_recipe: str | None = option(
+        None, "dynamic masking: predictions shown as [MASK]/random/unchanged, percent (default: "
+        f"the instances' own, else {DEFAULT_RECIPE})",
+    )  # fmt: skip
     objective: str = option(
         "mlm+nsp",
         "training loss: mlm+nsp (the paper's); mlm (its 'No NSP' ablation, Table 5: the NSP "
@@ -157,6 +163,11 @@ class PretrainConfig:
         """The held-out instances (`bert instances` writes them beside the training shards)."""
         return f"{self.instances.rstrip('/')}/heldout"
 
+    def masking_options(self) -> dict[str, Any]:
+        """Dynamic masking's options as given (None: the instances' own applies)."""
+        names = ("masked_lm_prob", "max_predictions_per_seq", "masking_recipe")
+        return {name: getattr(self, name) for name in names}
+
     @property
     def vocab_file(self) -> str:
         """The instances' vocab.txt (`bert instances` copies it there; local or s3://)."""
@@ -174,7 +185,8 @@ class PretrainConfig:
             raise BertError(f"--export-steps must be within 1..--steps ({self.steps})")
         if self.export_every < 0:
             raise BertError("--export-every must be >= 1, or 0 for none")
-        for name in ("log_every", "checkpoint_every", "eval_every", "eval_sequences"):
+        for name in ("log_every", "checkpoint_every", "eval_every", "eval_sequences",
+                     "max_predictions_per_seq"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise BertError(f"--{name.replace('_', '-')} must be >= 1")
@@ -204,7 +216,8 @@ class PretrainConfig:
             )
         if self.optimizer not in OPTIMIZERS:
             raise BertError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
-        MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError
+        if self.masking_recipe is not None:
+            MaskingRecipe.parse(self.masking_recipe)  # a bad recipe raises ValueError
 
 
 def build_parser() -> argparse.ArgumentParser:

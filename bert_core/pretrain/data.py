@@ -29,6 +29,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -157,6 +158,33 @@ def read_instances_config(instances_dir: str | Path) -> dict:
         return dict(json.loads(text).get("config", {}))
     except json.JSONDecodeError as e:
         raise InputError(path, f"not valid JSON ({e.msg})", line=e.lineno) from None
+
+
+def dynamic_masking(
+    vocab: dict[str, int], instances_dir: str | Path, given: dict[str, Any]
+) -> tuple[MaskingConfig, dict[str, tuple]]:
+    """Dynamic masking for this vocabulary, and its settings as (value, where from): each option
+    `given` (not None), else the instances' own (stats.json's config: what `bert instances`
+    masked them with), else MaskingConfig's. Why the instances': 512-token ones are made for ~76
+    predictions a sequence, and a 128-token default of 20 would predict 3.9 % of their tokens,
+    not 15 %, silently. Values from stats.json are checked as the options are."""
+    made, settings = read_instances_config(instances_dir), {}
+    for name, default in (("masked_lm_prob", MaskingConfig.masked_lm_prob),
+                          ("max_predictions_per_seq", MaskingConfig.max_predictions_per_seq),
+                          ("masking_recipe", masking.DEFAULT_RECIPE)):  # fmt: skip
+        if given.get(name) is not None:
+            settings[name] = (given[name], "option")
+        else:
+            settings[name] = (made[name], "instances") if name in made else (default, "default")
+    (prob, _), (most, _), (recipe, _) = settings.values()
+    if not (isinstance(prob, float) and 0 < prob < 1 and isinstance(most, int) and most >= 1):
+        raise InputError(
+            _join(instances_dir, "stats.json"),
+            f"masked_lm_prob {prob!r}, max_predictions_per_seq {most!r}: not usable; give the "
+            "options --masked-lm-prob and --max-predictions-per-seq",
+        )
+    kw = {"masked_lm_prob": prob, "max_predictions_per_seq": most}
+    return masking_config_from_vocab(vocab, recipe, **kw), settings
 
 
 def masking_config_from_vocab(

@@ -14,8 +14,9 @@ Metrics (`pretrain_state.HELDOUT_COLUMNS`: MLflow metric history and `OUTPUT/hel
 `heldout_mlm_accuracy`, `heldout_nsp_loss`, `heldout_nsp_accuracy`; and the baselines to read
 them against, on the same held-out predictions: `baseline_mlm_accuracy` (always predict the most
 frequent masked-token label of the training instances: a unigram guess, the plateau where a
-model sits before it uses context) and `baseline_nsp_accuracy` (always predict the training
-instances' more frequent NSP label: about 0.5).
+model sits before it uses context; for a left-to-right run the most frequent next token of the
+training text, [SEP] included, as its labels are) and `baseline_nsp_accuracy` (always predict
+the training instances' more frequent NSP label: about 0.5).
 """
 
 from __future__ import annotations
@@ -63,8 +64,18 @@ class Baseline:
     nsp_label: int
 
 
-def training_baseline(groups: list[RowGroup], max_labels: int = BASELINE_LABELS) -> Baseline:
-    """Count the stored labels of the training row groups, in order, up to `max_labels`."""
+def training_baseline(
+    groups: list[RowGroup], max_labels: int = BASELINE_LABELS, next_token: bool = False
+) -> Baseline:
+    """Count the labels of the training row groups, in order, up to about `max_labels`: the
+    stored masked-token labels, or with `next_token` (Table 5's left-to-right LM) the next token
+    of each position of the unmasked text, the labels that objective is scored on."""
+    if next_token:
+        rows = read_rows(groups, max(1, max_labels // 64))  # 64+ tokens a row, mostly
+        labels = collate(rows, next_token=True)["masked_lm_labels"]
+        nsp_labels = [int(row[4]) for row in rows]
+        most = int(np.bincount(labels[labels >= 0].numpy()).argmax())
+        return Baseline(most, int(np.bincount(nsp_labels).argmax()))
     mlm, nsp, n = [], [], 0
     for group in groups:
         table = open_parquet(group.path).read_row_group(
@@ -106,7 +117,8 @@ class HeldOutEval:
             collate(rows[i : i + size], pad_id, next_token=cfg.left_to_right)
             for i in range(0, len(rows), size)
         ]
-        return cls(batches, training_baseline(list_row_groups(cfg.instances)))
+        baseline = training_baseline(list_row_groups(cfg.instances), next_token=cfg.left_to_right)
+        return cls(batches, baseline)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:

@@ -32,8 +32,8 @@ from bert_core.model.weights import nonfinite
 from bert_core.pretrain.config import PretrainConfig
 from bert_core.pretrain.data import (
     InstanceStream,
+    dynamic_masking,
     list_row_groups,
-    masking_config_from_vocab,
     prefetch,
     read_instances_config,
 )
@@ -79,6 +79,8 @@ class Training:
     step: int = 0
     history: list[dict] = field(default_factory=list)
     heldout: list[dict] = field(default_factory=list)  # held-out evaluations (rank 0)
+    # dynamic masking's settings as (value, where from: option, instances or default); {} off
+    masking: dict[str, tuple] = field(default_factory=dict)
 
 
 def freeze_nsp_head(model: torch.nn.Module) -> None:
@@ -130,14 +132,9 @@ def setup(
         step, history, heldout = restore(state, core, optimizer, scheduler, rank, world)
     model = prepare(core) if prepare else core.to(device)
     _optimizer_state_to(optimizer, device)
-    masking = None
+    masking, masking_used = None, {}
     if cfg.dynamic_masking:
-        masking = masking_config_from_vocab(
-            vocab,
-            recipe=cfg.masking_recipe,
-            masked_lm_prob=cfg.masked_lm_prob,
-            max_predictions_per_seq=cfg.max_predictions_per_seq,
-        )
+        masking, masking_used = dynamic_masking(vocab, cfg.instances, cfg.masking_options())
     stream = InstanceStream(
         list_row_groups(cfg.instances),
         cfg.micro_batch,
@@ -150,7 +147,9 @@ def setup(
         next_token=cfg.left_to_right,
     )
     forward = torch.compile(model) if cfg.compile else model
-    return Training(forward, core, optimizer, scheduler, stream, step, history, heldout)
+    return Training(
+        forward, core, optimizer, scheduler, stream, step, history, heldout, masking_used
+    )
 
 
 def _optimizer_state_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -243,6 +242,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if sink is not None:  # what the shards were made with: recipe, length, held-out share...
         config = read_instances_config(cfg.instances)
         sink.log_params({f"instances.{k}": v for k, v in config.items()})
+        # what dynamic masking used, and from where: "0.15 (instances)", "100/0/0 (option)"
+        sink.log_params({f"dynamic_masking.{k}": f"{v} ({source})"
+                         for k, (v, source) in training.masking.items()})  # fmt: skip
     heldout = HeldOutEval.load(cfg, rank, world, pad_id=training.stream.pad_id)
     if heldout is None and rank == 0:
         print(f"[pretrain] no held-out instances in {cfg.heldout}: no held-out evaluation")

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bert_core import storage
-from bert_core.errors import InputError, utf8_errors
+from bert_core.errors import InputError, NotFound, utf8_errors
 from bert_core.finetune.tasks.glue_data import TASKS, get_task, glue_score, task_score
 from bert_core.metrics import CORRELATIONS, HEADLINE, is_ratio, kind, named, task_run
 from bert_core.report.scores import write_scores
@@ -80,7 +80,7 @@ def _read(folder: str | Path) -> tuple[str, dict]:
         if str(folder).rstrip("/").endswith(".json"):  # the file, not its folder
             raise InputError(folder, "--results takes the `bert finetune` output folder that "
                              "holds metrics.json, not the file") from None  # fmt: skip
-        raise FileNotFoundError(f"{e} (is {folder} a `bert finetune` output?)") from None
+        raise NotFound(f"{e} (is {folder} a `bert finetune` output?)") from None
     except json.JSONDecodeError as e:
         raise InputError(uri, f"not valid JSON: {e.msg}", line=e.lineno) from None
 

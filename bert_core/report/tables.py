@@ -18,7 +18,7 @@ from bert_core.finetune.tasks.glue_data import TASKS
 TABLE_ORDER = ["MNLI", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE", "WNLI"]
 # Other tasks (names as their task modules write them): title, table columns (metric -> header).
 # The first column is required; the others are shown when some system has them (SQuAD 2.0's
-# tuned threshold, conlleval's F1, CoNLL's test split). `test_*` come from metrics.json's
+# tuned threshold, seqeval's strict F1, CoNLL's test split). `test_*` come from metrics.json's
 # `test_metrics`.
 TOKEN_TASKS = {
     "squad": ("SQuAD v1.1 (Table 2 layout)", {"exact_match": "Dev EM", "f1": "Dev F1"}),
@@ -27,8 +27,8 @@ TOKEN_TASKS = {
         "best_exact": "Dev EM (tuned null threshold)", "best_f1": "Dev F1 (tuned null threshold)",
     }),
     "conll2003": ("CoNLL-2003 NER", {
-        "f1": "Dev F1", "conlleval_f1": "Dev F1 (conlleval)",
-        "test_f1": "Test F1", "test_conlleval_f1": "Test F1 (conlleval)",
+        "f1": "Dev F1", "strict_f1": "Dev F1 (seqeval strict)",
+        "test_f1": "Test F1", "test_strict_f1": "Test F1 (seqeval strict)",
     }),
     "swag": ("SWAG (Table 4 layout)", {"accuracy": "Dev Acc"}),
 }  # fmt: skip

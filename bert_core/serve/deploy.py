@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from bert_core.errors import BertError, redacted
+from bert_core.errors import BadValue, BertError, redacted
 from bert_core.options import add_options, config_from_args, option
 from bert_core.serve.registry import CHAMPION, NAME_ENV, by_alias, model_name
 from bert_core.tracking import tracking_uri
@@ -80,15 +80,15 @@ class DeployConfig:
 
     def __post_init__(self) -> None:
         if (self.task is None) == (self.model is None):
-            raise ValueError("name the model: --task TASK or --model NAME (one of them)")
+            raise BadValue("name the model: --task TASK or --model NAME (one of them)")
         if self.model is None and model_name(str(self.task)) is None:
-            raise ValueError(f"{NAME_ENV}=none: name the model with --model")
+            raise BadValue(f"{NAME_ENV}=none: name the model with --model")
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
-            raise ValueError("--min-replicas and --max-replicas: 0 <= min <= max, max >= 1")
+            raise BadValue("--min-replicas and --max-replicas: 0 <= min <= max, max >= 1")
         if not 1 <= self.canary_percent <= 99:
-            raise ValueError("--canary-percent must be 1..99")
+            raise BadValue("--canary-percent must be 1..99")
         if self.gpus < 0:
-            raise ValueError("--gpus must be >= 0")
+            raise BadValue("--gpus must be >= 0")
 
     @property
     def registered_model(self) -> str:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bert_core.errors import BadValue
 from bert_core.finetune import engine as finetune
 from bert_core.finetune.tasks import glue as finetune_glue
 from bert_core.finetune.tasks.glue_data import Example
@@ -56,7 +57,7 @@ def parse_layers(spec: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in spec.split(","))
     except ValueError:
-        raise ValueError(f"--layers {spec!r}: integers like -1 or -4,-3,-2,-1, or one of "
+        raise BadValue(f"--layers {spec!r}: integers like -1 or -4,-3,-2,-1, or one of "
                          f"{', '.join(LAYER_SETS)}") from None  # fmt: skip
 
 
@@ -83,17 +84,17 @@ class Embedder(Predictor):
         self, model_dir, settings: Settings, layers=(-1,), combine="concat", pooling="mean"
     ):
         if combine not in COMBINE or pooling not in POOLING:
-            raise ValueError(f"--combine is one of {COMBINE}, --pooling one of {POOLING}")
+            raise BadValue(f"--combine is one of {COMBINE}, --pooling one of {POOLING}")
         super().__init__(model_dir, settings)
         n = self.config.num_hidden_layers
         bad = [x for x in layers if not -(n + 1) <= x <= n]
         if bad or not layers:
             named = ",".join(map(str, bad)) or "none"
-            raise ValueError(
+            raise BadValue(
                 f"--layers {named}: this model has hidden states 0..{n} (or -{n + 1}..-1)"
             )
         if pooling == "cls" and self.config.is_decoder:  # its [CLS] attends to itself alone
-            raise ValueError(f"--pooling cls: {model_dir} is a left-to-right model (is_decoder), "
+            raise BadValue(f"--pooling cls: {model_dir} is a left-to-right model (is_decoder), "
                              "whose [CLS] vector is the same for every text; use mean")  # fmt: skip
         self.layers, self.combine, self.pooling = [x % (n + 1) for x in layers], combine, pooling
         hidden = self.config.hidden_size

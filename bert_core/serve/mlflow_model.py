@@ -40,7 +40,7 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-from bert_core.errors import BertError
+from bert_core.errors import BertError, NotFound
 from bert_core.serve.predictors import (
     BadInput,
     Settings,
@@ -233,7 +233,7 @@ def _layout(path: Path) -> tuple[Path, dict]:
         flavor = Model.load(str(path / "MLmodel")).flavors.get("python_function", {})
         artifact = (flavor.get("artifacts") or {}).get(ARTIFACT)
         if artifact is None:
-            raise FileNotFoundError(
+            raise NotFound(
                 f"{path}: an MLflow model, but not one of `bert_core.serve.mlflow_model`"
             )
         return path / artifact["path"], dict((flavor.get("config") or {}).get(CONFIG_KEY) or {})
@@ -241,8 +241,8 @@ def _layout(path: Path) -> tuple[Path, dict]:
         return path / "model", inference_settings(json.loads((path / "metrics.json").read_text()))
     if not path.is_dir():
         what = "a file, not a model folder" if path.exists() else "no such model folder"
-        raise FileNotFoundError(f"{path}: {what}")
+        raise NotFound(f"{path}: {what}")
     if not (path / "config.json").is_file() and (path / "model" / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: not a model folder (a `bert pretrain` output?); its "
+        raise NotFound(f"{path}: not a model folder (a `bert pretrain` output?); its "
                                 f"model is {path / 'model'}")  # fmt: skip
     return path, {}

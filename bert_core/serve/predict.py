@@ -25,6 +25,7 @@ import os
 import time
 from pathlib import Path
 
+from bert_core.errors import BadValue
 from bert_core.options import number
 from bert_core.serve import records
 from bert_core.serve.predictors import BadInput, Predictor, Settings, load_predictor
@@ -94,7 +95,7 @@ def check_columns(predictor: Predictor, rename: dict[str, str], chunk: records.C
     for model, file in rename.items():
         if model not in (*predictor.inputs, *predictor.optional):
             task = predictor.config.finetuning_task
-            raise ValueError(
+            raise BadValue(
                 f"--column {model}={file}: this {predictor.kind} model"
                 f"{f' (fine-tuned on {task})' if task else ''} takes the fields {predictor.takes()}"
             )
@@ -109,7 +110,7 @@ def parse_columns(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         model, sep, file = pair.partition("=")
         if not sep or not model or not file:
-            raise ValueError(f"--column {pair!r}: expected MODEL_COLUMN=FILE_COLUMN")
+            raise BadValue(f"--column {pair!r}: expected MODEL_COLUMN=FILE_COLUMN")
         out[model] = file
     return out
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from bert_core.errors import InputError, utf8_errors
+from bert_core.errors import BadValue, InputError, NotFound, utf8_errors
 from bert_core.finetune.engine import load_tokenizer
 from bert_core.model import int8, optim
 from bert_core.model.config import CONFIG_NAME, BertConfig
@@ -53,7 +53,7 @@ class Settings:
                      "max_answer_length", "n_best_size", "max_seq_length"):  # fmt: skip
             value, least = getattr(self, name), 8 if name == "max_seq_length" else 1
             if value is not None and value < least:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+                raise BadValue(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
 
     @classmethod
     def from_dict(cls, values: dict | None) -> Settings:
@@ -65,7 +65,7 @@ class Settings:
 def read_config(model_dir: str | Path) -> dict:
     path = Path(model_dir) / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{model_dir}: no {CONFIG_NAME} (not a BERT model folder)")
+        raise NotFound(f"{model_dir}: no {CONFIG_NAME} (not a BERT model folder)")
     try:
         with utf8_errors(path):
             return json.loads(path.read_text(encoding="utf-8"))

@@ -17,6 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
+from bert_core.errors import BadValue
 from bert_core.serve.deploy import cluster, full_traffic
 from bert_core.serve.registry import CANDIDATE, NAME_ENV, model_name, promote, version_of
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     name = args.registered_model or model_name(args.task)
     if name is None:
-        raise ValueError(f"{NAME_ENV}=none: name the model with --registered-model")
+        raise BadValue(f"{NAME_ENV}=none: name the model with --registered-model")
     if args.full_traffic:
         service = args.inference_service or name
         print(json.dumps(full_traffic(cluster(), args.namespace, service)))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bert_core import storage
-from bert_core.errors import InputError, utf8_errors
+from bert_core.errors import BadValue, InputError, NotFound, utf8_errors
 
 INPUT_FORMATS = {".txt": "text", ".tsv": "tsv", ".jsonl": "jsonl", ".parquet": "parquet"}
 OUTPUT_FORMATS = (".jsonl", ".parquet")
@@ -35,7 +35,7 @@ def input_format(path: Path) -> str:
     if fmt is None:
         raise InputError(path, f"unknown input format: use one of {', '.join(INPUT_FORMATS)}")
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such input file")
+        raise NotFound(f"{path}: no such input file")
     return fmt
 
 
@@ -79,7 +79,7 @@ def read_chunks(
     path = Path(path)
     fmt = input_format(path)
     if chunk_size < 1:
-        raise ValueError(f"--chunk-size must be >= 1, got {chunk_size}")
+        raise BadValue(f"--chunk-size must be >= 1, got {chunk_size}")
     to_model = {file: model for model, file in (rename or {}).items()}
     start = 0
     if fmt == "parquet":

@@ -44,7 +44,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bert_core.errors import BertError, redacted
+from bert_core.errors import BadValue, BertError, NotFound, redacted
 from bert_core.tracking import RUN_RECORD, tracking_uri
 
 NAME_ENV = "BERT_REGISTERED_MODEL"  # registered model name template; "none": do not register
@@ -284,7 +284,7 @@ def _score(version) -> float:
     """The version's dev score; a version without a finite one is no candidate for champion
     (a NaN score would win any comparison that does not look)."""
     if SCORE_TAG not in version.tags:
-        raise ValueError(f"{version.name} version {version.version} has no {SCORE_TAG} tag")
+        raise BadValue(f"{version.name} version {version.version} has no {SCORE_TAG} tag")
     try:
         score = float(version.tags[SCORE_TAG])
     except ValueError:
@@ -304,10 +304,10 @@ def version_of(out: Path, name: str) -> str:
 
     path = out / RECORD
     if not path.is_file():
-        raise FileNotFoundError(f"{out}: no {RECORD} (not a `bert finetune` output folder)")
+        raise NotFound(f"{out}: no {RECORD} (not a `bert finetune` output folder)")
     record = json.loads(path.read_text())
     if record.get("registered_model") != name:
-        raise ValueError(f"{path}: its model is registered as "
+        raise BadValue(f"{path}: its model is registered as "
                          f"{record.get('registered_model')!r}, not {name!r}")  # fmt: skip
     found = MlflowClient(tracking_uri()).search_model_versions(f"run_id='{record['run_id']}'")
     versions = [v.version for v in found if v.name == name]
@@ -335,7 +335,7 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
     if version is None:
         chosen = by_alias(client, name, CANDIDATE)
         if chosen is None:
-            raise ValueError(f"{name} has no {CANDIDATE!r} version: name the VERSION")
+            raise BadValue(f"{name} has no {CANDIDATE!r} version: name the VERSION")
     else:
         try:
             chosen = client.get_model_version(name, str(version))

@@ -54,7 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from bert_core.errors import BertError
+from bert_core.errors import BertError, NotFound
 from bert_core.options import number
 from bert_core.storage import is_uri
 
@@ -152,7 +152,7 @@ def model_source(model: str) -> str:
     if (path / "mlflow_model.json").is_file():
         return json.loads((path / "mlflow_model.json").read_text())["model_uri"]
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such model folder")
+        raise NotFound(f"{path}: no such model folder")
     raise BertError(
         f"{path}: not an MLflow model (no MLmodel file): serve a registered model "
         "(models:/<name>@<alias>), runs:/<run>/model or a `bert finetune` output folder"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bert_core.errors import redacted
+from bert_core.errors import BadValue, redacted
 from bert_core.track.lineage import PIPELINE_EXPERIMENT, child_runs
 from bert_core.tracking import tracking_uri
 
@@ -76,7 +76,7 @@ def runs_table(experiment: str = PIPELINE_EXPERIMENT, limit: int = 10):
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        raise ValueError(f"no MLflow experiment {experiment!r} at {redacted(uri)}")
+        raise BadValue(f"no MLflow experiment {experiment!r} at {redacted(uri)}")
     runs = client.search_runs(
         [exp.experiment_id],
         filter_string="tags.`bert.step` = 'pipeline'",

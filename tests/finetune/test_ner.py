@@ -45,11 +45,14 @@ def test_seqeval_strict_scores_on_hand_made_tags() -> None:
     ]
     m = entity_metrics(gold, pred)
     # 4 gold entities, 3 predicted (PER, ORG[0:2], MISC), 2 right
-    assert m["precision"] == pytest.approx(2 / 3)
-    assert m["recall"] == pytest.approx(2 / 4)
-    assert m["f1"] == pytest.approx(2 * (2 / 3) * 0.5 / (2 / 3 + 0.5))
-    assert m["per_type"]["PER"]["f1"] == 1.0 and m["per_type"]["LOC"]["recall"] == 0.0
-    assert m["per_type"]["ORG"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 1}
+    assert m["strict_precision"] == pytest.approx(2 / 3)
+    assert m["strict_recall"] == pytest.approx(2 / 4)
+    assert m["strict_f1"] == pytest.approx(2 * (2 / 3) * 0.5 / (2 / 3 + 0.5))
+    strict = m["strict_per_type"]
+    assert strict["PER"]["f1"] == 1.0 and strict["LOC"]["recall"] == 0.0
+    assert strict["ORG"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 1}
+    # the headline is conlleval's: it reads the I-LOC as a LOC chunk, right (3 of 4 found)
+    assert m["f1"] == pytest.approx(conlleval(gold, pred)["f1"]) and m["recall"] == 0.75
     assert m["accuracy"] == pytest.approx(7 / 9)
     # the same IOB1 prediction, normalised to IOB2 first, finds the LOC entity
     m = entity_metrics(gold[:1], [iob1_to_iob2(pred[0])])
@@ -207,9 +210,12 @@ def test_conlleval_reads_chunks_tolerantly_unlike_seqeval_strict() -> None:
     assert c["per_type"]["ORG"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 1,
                                     "found": 2}  # fmt: skip
     assert c["per_type"]["LOC"]["precision"] == 0.5 and c["per_type"]["LOC"]["recall"] == 1.0
-    strict = entity_metrics(gold, pred)  # seqeval strict: only ORG[0] is an entity, and wrong
-    assert strict["f1"] == 0.0 and strict["precision"] == 0.0
-    assert strict["conlleval_f1"] == pytest.approx(0.6)  # both scores side by side
+    both = entity_metrics(gold, pred)  # seqeval strict: only ORG[0] is an entity, and wrong
+    assert both["strict_f1"] == 0.0 and both["strict_precision"] == 0.0
+    assert both["f1"] == pytest.approx(0.6)  # the headline is conlleval's, strict beside it
+    # the case: gold B-PER I-PER, predicted I-PER I-PER: strict 0.0, conlleval 1.0
+    one = entity_metrics([["B-PER", "I-PER"]], [["I-PER", "I-PER"]])
+    assert (one["f1"], one["strict_f1"]) == (1.0, 0.0)
 
     # IOB1 gold (B- only between two adjacent chunks of one type) reads as its IOB2 form
     iob1 = [["I-PER", "I-PER", "B-PER", "O", "I-LOC"]]
@@ -303,8 +309,8 @@ def test_document_context_and_test_split_end_to_end(
         assert len(sentences) == 60
         gold = [[r[3] for r in s] for s in sentences]
         pred = [[r[4] for r in s] for s in sentences]
-        assert conlleval(gold, pred)["f1"] == pytest.approx(metrics["conlleval_f1"])
-        assert entity_metrics(gold, pred)["f1"] == pytest.approx(metrics["f1"])
+        assert conlleval(gold, pred)["f1"] == pytest.approx(metrics["f1"])
+        assert entity_metrics(gold, pred)["strict_f1"] == pytest.approx(metrics["strict_f1"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -279,3 +279,25 @@ def test_label_names_round_trip_through_config_json_and_transformers(tmp_path: P
     assert fresh.id2label is None and fresh.label2id is None and fresh.num_labels == 2
     with pytest.raises(ValueError, match=r"id2label has ids \[0\], expected 0..1"):
         BertConfig(num_labels=2, id2label={0: "a"})
+
+
+def test_a_weight_the_checkpoint_lacks_warns_unless_created_on_purpose(
+    minilm_dir: Path, caplog
+) -> None:
+    """MiniLM ships no MLM/NSP heads: loading it to continue its pre-training starts them from
+    zero, a WARNING naming them (as transformers warns); `bert finetune`'s task head on it is
+    new on purpose, INFO only."""
+    import logging
+
+    from bert_core.finetune.command import load_task
+    from bert_core.finetune.engine import load_model
+
+    with caplog.at_level(logging.INFO, logger="bert_core.model.modeling"):
+        BertForPreTraining.from_pretrained(minilm_dir)
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "newly initialised" in warning.message and "cls.predictions.bias" in warning.message
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="bert_core.model.modeling"):
+        load_model(load_task("sst2"), minilm_dir)
+    assert [r.levelno for r in caplog.records] == [logging.INFO], caplog.text
+    assert "classifier.weight" in caplog.records[0].message

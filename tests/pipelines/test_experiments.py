@@ -187,5 +187,8 @@ def test_table6_and_table8_pretrain_a_model_per_shape_and_recipe(
                                 filter_string="tags.`bert.step` = 'pretrain'")  # fmt: skip
     assert run.data.params["masking_recipe"] == "100/0/0"
     assert run.data.params["dynamic_masking"] == "True"
+    # the row's recipe given as an option, the rest the instances' own (the run records which)
+    assert run.data.params["dynamic_masking.masking_recipe"] == "100/0/0 (option)"
+    assert run.data.params["dynamic_masking.masked_lm_prob"] == "0.15 (instances)"
     table = (t8 / "report" / "glue_table.md").read_text()
     assert "| masking 100/0/0 | - / 84.3 | - / 94.9 |" in table

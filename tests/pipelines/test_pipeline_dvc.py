@@ -158,9 +158,17 @@ def test_the_public_branch_continues_the_packaged_checkpoint(dvc_run):
     run = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(record["run_id"])
     assert run.data.tags["bert.start_from"] == identity
     assert run.data.params["init_model"] == str(minilm)  # the folder it read
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     for task in GLUE_TASKS:
         result = json.loads((repo / f"runs/dvc/glue/minilm-{task}/metrics.json").read_text())
         assert result["start_from"] == identity and result["continued_pretraining"], task
+        # the task's two fine-tunings from a pre-trained start are told apart by name (#45)
+        ids = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(ids, f"tags.`bert.step` = 'finetune-{task}'")
+        assert sorted(r.info.run_name for r in runs) == [
+            f"finetune-{task}", f"finetune-{task} ({identity}, continued)"
+        ], task  # fmt: skip
+        assert {r.data.tags.get("bert.start_from") for r in runs} == {"random init", identity}
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ from bert_core.pretrain.data import (
     masking_config_from_vocab,
     read_rows,
 )
-from bert_core.pretrain.heldout import HeldOutEval
+from bert_core.pretrain.heldout import HeldOutEval, training_baseline
 from bert_core.pretrain.state import Meter, seed_all
 from bert_core.pretrain.worker import build_model, setup, train_step
 from bert_core.tracking import RUN_RECORD
@@ -194,13 +194,13 @@ def test_the_shape_options_build_that_model_and_refuse_what_cannot_be_built():
 
 
 # the options of `bert pretrain` before the CLI was generated from PretrainConfig (DVC and KFP
-# call these): each keeps its name and its default
+# call these): each keeps its name and its default (the dynamic-masking settings: the instances')
 OPTIONS = {
     "--instances": None, "--output": None, "--preset": "tiny", "--steps": 1000,
     "--batch-size": 256, "--num-workers": 1, "--use-gpu": False, "--cpus-per-worker": 1,
     "--grad-accum": 1, "--learning-rate": 1e-4, "--warmup-steps": None, "--weight-decay": 0.01,
     "--max-grad-norm": 1.0, "--dropout": None, "--dynamic-masking": False,
-    "--masked-lm-prob": 0.15, "--max-predictions-per-seq": 20, "--init-model": None,
+    "--masked-lm-prob": None, "--max-predictions-per-seq": None, "--init-model": None,
     "--compile": False, "--seed": 12345, "--log-every": 50, "--checkpoint-every": 500,
     "--keep-checkpoints": 3, "--max-failures": 3, "--storage-path": None,
     "--run-name": "pretrain", "--stop-after": None, "--peak-tflops": None,
@@ -249,7 +249,7 @@ def test_cli_is_generated_from_the_config():
     assert actions["--instances"].required and actions["--output"].required
     help_text = parser.format_help()
     assert "--inject-failure-at" not in help_text and "1% of --steps" in help_text
-    assert "(default: 80/10/10)" in help_text and "--adam-betas B1 B2" in help_text
+    assert "instances' own, else 80/10/10)" in help_text and "--adam-betas B1 B2" in help_text
 
     cfg = parse_args(["--instances", "i", "--output", "o"])
     assert cfg == defaults
@@ -291,6 +291,35 @@ def test_masking_recipe_reaches_dynamic_masking(instances, tmp_path):
             assert torch.equal(shown[predicted], labels[predicted])
     with pytest.raises(ValueError, match="--masking-recipe must be"):
         pt.main(["--instances", str(instances), "--output", str(tmp_path), "--masking-recipe", "1"])
+
+
+def test_dynamic_masking_takes_the_instances_settings_unless_given(instances, tmp_path):
+    """512-token instances made for 76 predictions a sequence: `--dynamic-masking` alone masks
+    ~15 % of their tokens as they were made (the 128-token default of 20 would mask ~4 %), and
+    says it took the instances' settings; an option given still wins (Table 8's recipes)."""
+    from bert_core import cli
+
+    i512 = tmp_path / "i512"
+    argv = ["instances", "--input", instances.parent / "clean", "--vocab",
+            instances / "vocab.txt", "--output", i512, "--max-seq-length", 512,
+            "--max-predictions-per-seq", 76, "--dupe-factor", 1, "--num-workers", 1]  # fmt: skip
+    assert cli.main([str(a) for a in argv]) == 0
+
+    def share(*options: str) -> tuple[float, dict]:
+        args = ["--instances", str(i512), "--output", str(tmp_path / "o"), "--batch-size", "16",
+                "--dynamic-masking", *options]  # fmt: skip
+        t = setup(parse_args(args))
+        batch = next(iter(t.stream))
+        tokens = (batch["input_ids"] != 0).sum() - 3 * len(batch["input_ids"])  # less CLS/SEPs
+        return float((batch["masked_lm_labels"] != -100).sum() / tokens), t.masking
+
+    masked, used = share()
+    assert 0.13 < masked < 0.16, masked
+    assert used == {"masked_lm_prob": (0.15, "instances"),
+                    "max_predictions_per_seq": (76, "instances"),
+                    "masking_recipe": ("80/10/10", "instances")}  # fmt: skip
+    masked, used = share("--max-predictions-per-seq", "20")
+    assert masked < 0.05 and used["max_predictions_per_seq"] == (20, "option"), masked
 
 
 @pytest.mark.parametrize("objective", ["mlm", "mlm+nsp", "ltr", "ltr+nsp"])
@@ -342,6 +371,15 @@ def test_ltr_predicts_the_next_token_of_the_unmasked_text_and_learns_it(instance
         assert batch["masked_lm_labels"][i, : n - 1].tolist() == text[1:].tolist()
         assert (batch["masked_lm_labels"][i, n - 1 :] == -100).all()
 
+    # its baseline is the most frequent next token of the training text ([SEP] included), the
+    # label it is scored on, not the most frequent masked token
+    next_tokens = []
+    for ids, _, positions, labels, _ in read_rows(list_row_groups(instances), 10_000):
+        original = ids.astype(np.int64)
+        original[positions] = labels
+        next_tokens.append(original[1:])
+    baseline = training_baseline(list_row_groups(instances), next_token=True)
+    assert baseline.mlm_label == int(np.bincount(np.concatenate(next_tokens)).argmax())
     cfg = small_config(
         instances, tmp_path, objective="ltr", batch_size=16, warmup_steps=10, learning_rate=1e-3
     )

@@ -211,9 +211,9 @@ def test_control_and_systems_are_rows_of_one_table_with_the_gain(tmp_path, mlflo
     from bert_core.track import lineage
 
     ours = {"SST-2": {"accuracy": 0.9}, "MRPC": {"f1": 0.8, "accuracy": 0.7},
-            "conll2003": {"f1": 0.9, "conlleval_f1": 0.91}}  # fmt: skip
+            "conll2003": {"f1": 0.9, "strict_f1": 0.91}}  # fmt: skip
     control = {"SST-2": {"accuracy": 0.6}, "MRPC": {"f1": 0.81, "accuracy": 0.69},
-               "CoLA": {"mcc": 0.0}, "conll2003": {"f1": 0.5, "conlleval_f1": 0.52}}  # fmt: skip
+               "CoLA": {"mcc": 0.0}, "conll2003": {"f1": 0.5, "strict_f1": 0.52}}  # fmt: skip
     a = _system(tmp_path / "ours", ours, "pretrained")
     b = _system(tmp_path / "control", control, "random")
     out = tmp_path / "eval"
@@ -237,7 +237,7 @@ def test_control_and_systems_are_rows_of_one_table_with_the_gain(tmp_path, mlflo
         "| BERT (ours) gain over random init | - | - | - | +30.0 | - | - | -1.0 | - | - | +15.0 |",
     ]
     text = "\n".join(table)
-    assert "| System | Dev F1 | Dev F1 (conlleval) |" in text
+    assert "| System | Dev F1 | Dev F1 (seqeval strict) |" in text
     assert "| BERT (ours) gain over random init | +40.0 | +39.0 |" in text
     assert "| random init | CoLA | mcc 0.0 | 0.0 |" in text
 

@@ -10,11 +10,11 @@ import pytest
 
 from bert_core.report.evaluate import evaluate
 
-NER = {"f1": 0.9, "conlleval_f1": 0.91, "precision": 0.9, "recall": 0.9}  # P/R: not in its table
+NER = {"f1": 0.9, "strict_f1": 0.91, "precision": 0.9, "recall": 0.9}  # P/R: not in its table
 PRETRAINED = {"SST-2": {"accuracy": 0.9}, "STS-B": {"pearson": 0.8, "spearman": 0.7},
               "conll2003": NER}  # fmt: skip
 RANDOM = {"SST-2": {"accuracy": 0.6}, "STS-B": {"pearson": 0.1, "spearman": 0.2},
-          "conll2003": {"f1": 0.5, "conlleval_f1": 0.52}}  # fmt: skip
+          "conll2003": {"f1": 0.5, "strict_f1": 0.52}}  # fmt: skip
 
 
 def _finetuned(root, init: str, tasks: dict[str, dict]) -> list[str]:
@@ -59,7 +59,7 @@ def test_a_row_per_system_and_task_numbers_only_on_the_table_scale(written):
     assert sts["score"] == pytest.approx(results["tasks"]["STS-B"]["score"])  # the table's number
     # another task: its table's columns, its first one as the score; the control has no gain
     assert rows["scores/bert_ours/conll2003.json"] == pytest.approx(
-        {"score": 90.0, "f1": 90.0, "conlleval_f1": 91.0, "best_epoch": 2, "gain": 40.0}
+        {"score": 90.0, "f1": 90.0, "strict_f1": 91.0, "best_epoch": 2, "gain": 40.0}
     )
     assert "gain" not in rows["scores/random_init/SST-2.json"]
     glue = rows["scores/bert_ours/GLUE.json"]

@@ -1,7 +1,8 @@
 """The CoNLL shared tasks' official scorer, `conlleval` (Tjong Kim Sang), in Python.
 
-The paper's CoNLL-2003 F1 is conlleval's. It differs from seqeval's strict IOB2 mode (the score
-`bert_core.finetune.tasks.ner` selects epochs by) on ill-formed predictions, because conlleval reads
+The paper's CoNLL-2003 F1 is conlleval's, and so is `bert finetune --task conll2003`'s headline
+(epoch choice, tables, MLflow, registry). It differs from seqeval's strict IOB2 mode (the second
+metric, `strict_f1`) on ill-formed predictions, because conlleval reads
 chunks tolerantly, tag by tag, the same rules for IOB1 and IOB2:
 
 - a chunk starts at B-X, at I-X after O, and at any tag whose type differs from the previous

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bert_core.errors import InputError, utf8_errors
+from bert_core.errors import BadValue, InputError, NotFound, utf8_errors
 
 csv.field_size_limit(sys.maxsize)
 
@@ -229,7 +229,7 @@ def get_task(name: str) -> GlueTask:
     for task in TASKS.values():
         if task.name.replace("-", "").lower() == key:
             return task
-    raise ValueError(f"unknown GLUE task {name!r}; known tasks: {', '.join(TASKS)}")
+    raise BadValue(f"unknown GLUE task {name!r}; known tasks: {', '.join(TASKS)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ def read_task(task: GlueTask, data_dir: str | Path, which: str) -> dict[str, lis
         if not path.is_file():
             if which == "test":
                 continue
-            raise FileNotFoundError(f"{path}: {task.name} {which} file not found")
+            raise NotFound(f"{path}: {task.name} {which} file not found")
         out[split.name] = read_split(task, split, path)
     return out
 
@@ -395,12 +395,12 @@ def task_score(task: GlueTask, metrics: dict[str, float]) -> float:
     try:
         values = [metrics[name] for name in task.metric_names()]
     except KeyError as e:
-        raise ValueError(f"{task.name}: metric {e.args[0]!r} missing from {sorted(metrics)}") from e
+        raise BadValue(f"{task.name}: metric {e.args[0]!r} missing from {sorted(metrics)}") from e
     return 100.0 * float(np.mean(values))
 
 
 def glue_score(scores: dict[str, float]) -> float:
     """The GLUE score: unweighted mean of the task scores (percent) it is given."""
     if not scores:
-        raise ValueError("no task scores to average")
+        raise BadValue("no task scores to average")
     return float(np.mean(list(scores.values())))

@@ -4,9 +4,11 @@ The recipe is the paper's: a linear layer on every token's final hidden state; e
 into WordPiece tokens and only its first sub-token carries the label (the others are ignored in
 the loss and at prediction), no CRF. Sentences longer than `max_seq_length` are split at word
 boundaries into consecutive windows, so every word is predicted exactly once: never silently
-truncated. Scores are entity-level precision, recall and F1 per type and overall with `seqeval`
-in strict IOB2 mode (an entity counts only if its type and both boundaries are right), the
-CoNLL-2003 shared task's metric and the one the paper reports.
+truncated. The headline scores are entity-level precision, recall and F1 per type and overall by
+the CoNLL shared task's own scorer, `conlleval` (`bert_core.finetune.tasks.conlleval`: its
+tolerant chunk reading), the metric the paper reports; epochs are chosen by its F1. seqeval's
+strict IOB2 mode (an entity counts only if it starts with B- and its type and both boundaries
+are right) is the second metric, `strict_precision/recall/f1` and `strict_per_type`.
 
 Input: the task folder holds the original CoNLL-2003 files (`train.txt`/`valid.txt`, or the
 official `eng.train`/`eng.testa`): one token a line with four space-separated columns
@@ -19,8 +21,7 @@ Two things from the paper beside the default recipe:
 - `--document-context`: "we include the maximal document context provided by the data": each
   window is filled up with the document's neighbouring tokens on both sides (as many left as
   right, the rest to whichever side has more), labels only on the target sentence's words;
-- the official `conlleval` score (`bert_core.finetune.tasks.conlleval`: its tolerant chunk reading)
-  beside seqeval's strict one: `conlleval_precision/recall/f1` in the metrics.
+- the official `conlleval` score as the headline, seqeval's strict one beside it.
 
 And the feature-based approach of section 5.3 (`--feature-based CHOICE`, the paper's Table 7):
 BERT frozen, a two-layer BiLSTM trained on the hidden states CHOICE names
@@ -43,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_core.errors import BadValue
 from bert_core.finetune.engine import (
     FinetuneConfig,
     FinetuneTask,
@@ -87,12 +89,12 @@ class NerConfig(FinetuneConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.feature_based not in ("none", *FEATURE_LAYERS):
-            raise ValueError(
+            raise BadValue(
                 f"--feature-based {self.feature_based!r}: none or one of "
                 + ", ".join(FEATURE_LAYERS)
             )
         if self.feature_based != "none" and self.top_bilstm:
-            raise ValueError("--top-bilstm: the feature-based tagger has its own BiLSTM; "
+            raise BadValue("--top-bilstm: the feature-based tagger has its own BiLSTM; "
                              "use one of --top-bilstm and --feature-based")  # fmt: skip
 
 
@@ -235,9 +237,8 @@ def predict(
 
 
 def entity_metrics(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]]) -> dict:
-    """Entity-level P/R/F1 (seqeval, strict IOB2), overall (micro) and per type, plus the
-    word-level tag accuracy; and conlleval's P/R/F1 (`conlleval_*`, its per-type table under
-    `conlleval_per_type`)."""
+    """conlleval's entity-level P/R/F1 (the paper's), overall (micro) and `per_type`; seqeval's
+    strict IOB2 ones as `strict_*` and `strict_per_type`; the word-level tag accuracy."""
     from seqeval.metrics import accuracy_score, classification_report
     from seqeval.scheme import IOB2
 
@@ -248,13 +249,13 @@ def entity_metrics(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]])
     micro = report["micro avg"]
     official = conlleval(gold, pred)
     return {
-        **{f"conlleval_{k}": official[k] for k in ("precision", "recall", "f1")},
-        "conlleval_per_type": official["per_type"],
-        "precision": float(micro["precision"]),
-        "recall": float(micro["recall"]),
-        "f1": float(micro["f1-score"]),
+        **{k: official[k] for k in ("precision", "recall", "f1")},
+        "per_type": official["per_type"],
+        "strict_precision": float(micro["precision"]),
+        "strict_recall": float(micro["recall"]),
+        "strict_f1": float(micro["f1-score"]),
         "accuracy": float(accuracy_score(gold, pred)),
-        "per_type": {
+        "strict_per_type": {
             t: {
                 "precision": float(r["precision"]),
                 "recall": float(r["recall"]),
@@ -272,7 +273,7 @@ def entity_metrics(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]])
 
 
 class NerFinetune(FinetuneTask):
-    """CoNLL-2003 for the engine: windows of sentences, a tag per word, seqeval's entity F1."""
+    """CoNLL-2003 for the engine: windows of sentences, a tag per word, conlleval's entity F1."""
 
     config_class = NerConfig
     model_class = "BertForTokenClassification"
@@ -329,7 +330,7 @@ class NerFinetune(FinetuneTask):
         test = {"test_per_type": self.test_metrics["per_type"]} if self.test else {}
         return {
             "per_type": best["metrics"]["per_type"],
-            "conlleval_per_type": best["metrics"]["conlleval_per_type"],
+            "strict_per_type": best["metrics"]["strict_per_type"],
             **test,
             "num_train_sentences": self.num_train_examples,
             "num_dev_sentences": len(self.dev_sentences),

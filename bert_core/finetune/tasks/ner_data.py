@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bert_core import storage
-from bert_core.errors import InputError, utf8_errors
+from bert_core.errors import InputError, NotFound, utf8_errors
 
 ENTITY_TYPES = ("PER", "ORG", "LOC", "MISC")
 LABELS = ("O",) + tuple(f"{p}-{t}" for t in ENTITY_TYPES for p in "BI")
@@ -106,7 +106,7 @@ def find_split(data_dir: str | Path, split: str, required: bool = True) -> Path 
             return data_dir / name
     if not required:
         return None
-    raise FileNotFoundError(f"{data_dir}: no {split} file (looked for {SPLIT_FILES[split]})")
+    raise NotFound(f"{data_dir}: no {split} file (looked for {SPLIT_FILES[split]})")
 
 
 def download(dest: str | Path, url: str = CONLL_URL) -> Path:

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_core.errors import InputError
+from bert_core.errors import BadValue, InputError
 from bert_core.finetune.engine import (
     FinetuneConfig,
     FinetuneTask,
@@ -82,7 +82,7 @@ class SquadConfig(FinetuneConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.doc_stride < 1 or self.max_query_length < 1 or self.max_answer_length < 1:
-            raise ValueError("--doc-stride, --max-query-length, --max-answer-length must be >= 1")
+            raise BadValue("--doc-stride, --max-query-length, --max-answer-length must be >= 1")
 
 
 @dataclass
@@ -167,7 +167,7 @@ def featurize(
             raise InputError(source, f"question {ex.qid}: context has no tokens")
         max_tokens = cfg.max_seq_length - len(q.ids) - 3
         if max_tokens < 1:
-            raise ValueError(f"max_seq_length {cfg.max_seq_length} leaves no room for context")
+            raise BadValue(f"max_seq_length {cfg.max_seq_length} leaves no room for context")
         answer = None
         if train and ex.answers:
             text, char_start = ex.answers[0]

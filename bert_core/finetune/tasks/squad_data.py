@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bert_core import storage
-from bert_core.errors import InputError, utf8_errors
+from bert_core.errors import InputError, NotFound, utf8_errors
 
 VERSIONS = {"squad": "1.1", "squad_v2": "2.0"}
 OFFICIAL_URL = "https://rajpurkar.github.io/SQuAD-explorer/dataset/"
@@ -100,7 +100,7 @@ def find_files(data_dir: str | Path, version: str) -> tuple[Path, Path | None]:
 
     train = first(f"train-v{version}.json", "train.json")
     if train is None:
-        raise FileNotFoundError(f"{data_dir}: no train-v{version}.json or train.json")
+        raise NotFound(f"{data_dir}: no train-v{version}.json or train.json")
     return train, first(f"dev-v{version}.json", "dev.json")
 
 

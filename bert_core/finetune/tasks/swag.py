@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from bert_core import storage
-from bert_core.errors import InputError, utf8_errors
+from bert_core.errors import InputError, NotFound, utf8_errors
 from bert_core.finetune.engine import (
     FinetuneConfig,
     FinetuneTask,
@@ -179,7 +179,7 @@ class SwagFinetune(FinetuneTask):
         self.files = {s: Path(data_dir) / n for s, n in SPLIT_FILES.items()}
         for split, path in self.files.items():
             if not path.is_file():
-                raise FileNotFoundError(f"{data_dir}: no {path.name} (SWAG's {split} file)")
+                raise NotFound(f"{data_dir}: no {path.name} (SWAG's {split} file)")
         train = sample_examples(read_swag(self.files["train"]), cfg.max_train_examples, cfg.seed)
         self.dev_examples = sample_examples(
             read_swag(self.files["dev"]), cfg.max_eval_examples, cfg.seed

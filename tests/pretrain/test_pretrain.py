@@ -524,9 +524,10 @@ def test_two_workers_learn_and_survive_a_worker_failure(
     steps = Counter(m.step for m in client.get_metric_history(run.info.run_id, "mlm_loss"))
     assert {s for s, n in steps.items() if n > 1} == {110, 120}
     assert set(steps) == set(range(10, 201, 10))
-    # the data's settings are parameters of the run too (static masks: the instances' recipe)
+    # the data's settings are parameters of the run too (static masks: the instances' recipe;
+    # dynamic masking's own, not given, would be the instances')
     params = run.data.params
-    assert params["instances.masking_recipe"] == params["masking_recipe"] == "80/10/10"
+    assert params["instances.masking_recipe"] == "80/10/10" and params["masking_recipe"] == "None"
     assert params["objective"] == "mlm+nsp" and params["instances.heldout_fraction"] == "0.02"
 
     # held-out evaluation at the start, at every logged step (--log-every 10: the default

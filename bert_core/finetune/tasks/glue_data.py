@@ -354,11 +354,13 @@ def prediction_names(task: GlueTask, predictions: np.ndarray) -> list[str]:
 
 
 def compute_metrics(task: GlueTask, predictions, labels) -> dict[str, float]:
-    """The task's official metrics for one dev split (fractions, not percent).
-
-    `predictions` and `labels` are class ids (or scores for STS-B), as from `label_ids`.
-    """
+    """The task's official metrics for one dev split (fractions, not percent). `predictions` and
+    `labels` are class ids (or scores for STS-B), as from `label_ids`."""
     from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+    def correlation(name: str) -> float:  # scipy.stats: over a second to import, STS-B's only
+        from scipy import stats
+        return 0.0 if constant else getattr(stats, f"{name}r")(y_pred, y_true)[0]
 
     y_pred, y_true = np.asarray(predictions), np.asarray(labels)
     if y_pred.shape != y_true.shape or y_true.size == 0:
@@ -369,18 +371,10 @@ def compute_metrics(task: GlueTask, predictions, labels) -> dict[str, float]:
         "f1": lambda: f1_score(y_true, y_pred, pos_label=1, zero_division=0.0),
         "mcc": lambda: matthews_corrcoef(y_true, y_pred),
         # A constant prediction has no correlation: scipy says NaN, GLUE would count it as 0.
-        "pearson": lambda: 0.0 if constant else _scipy_stats().pearsonr(y_pred, y_true)[0],
-        "spearman": lambda: 0.0 if constant else _scipy_stats().spearmanr(y_pred, y_true)[0],
+        "pearson": lambda: correlation("pearson"),
+        "spearman": lambda: correlation("spearman"),
     }
     return {m: float(fns[m]()) for m in task.metrics}
-
-
-def _scipy_stats():
-    """scipy.stats, imported for STS-B's correlations only: it takes over a second to import,
-    a share of every other task's `bert finetune` process."""
-    import scipy.stats
-
-    return scipy.stats
 
 
 def task_metrics(task: GlueTask, per_split: dict[str, dict[str, float]]) -> dict[str, float]:

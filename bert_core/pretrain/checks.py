@@ -64,9 +64,10 @@ def check_inputs(cfg: PretrainConfig) -> int:
     for folder in (cfg.instances, cfg.heldout):
         if folder == cfg.instances or exists(folder):
             check_shards(folder, limits)
-    read_instances_config(cfg.instances)  # stats.json: the workers read it
-    if cfg.dynamic_masking:  # its special tokens and settings, before a worker needs them
+    if cfg.dynamic_masking:  # its special tokens and settings (stats.json's), before a worker
         dynamic_masking(vocab, cfg.instances, cfg.masking_options())
+    else:
+        read_instances_config(cfg.instances)  # stats.json: the workers read it
     return len(vocab)
 
 

@@ -15,15 +15,25 @@ head, as a cluster's DNS maps it to the RayCluster's head service. Nothing here 
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bert_core import storage
 from pipelines import cluster
 from pipelines.bert_pipeline import DEFAULTS, P
-from tests.cluster import pod_env, pod_harness
+from tests.cluster import pod_env, pod_harness, secrets
+from tests.cluster.secrets import Items, Planted
 from tests.pipeline_helpers import (
     GLUE_TASKS,
     ROOT,
@@ -43,6 +53,17 @@ BUCKET = cluster.BUCKET.removeprefix("s3://")
 SMALL_ARGS = pipeline_args(GLUE_TASKS)
 # the compression branch on for SST-2: the tiny model's student keeps 1 of its 2 layers
 COMPRESS = {"compress_task": "SST-2", "compress_student_layers": 1}
+TRAIN_IMAGE = "registry.example/bert-cuda:ci"
+IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "BERT_GIT_COMMIT": git_head(), "OMP_NUM_THREADS": "1"}
+# Two runs at once that differ in every setting a mix-up would show: tasks, steps, seed, where
+# pre-training runs (the Ray head's Jobs API, a private Ray in the pod)
+RUNS = {
+    "a": {**SMALL_ARGS, **COMPRESS, "cluster_train_image": TRAIN_IMAGE},
+    "b": pipeline_args(
+        ["MRPC"], pretrain_steps=7, instances_random_seed=22, finetune_control_tasks=[]
+    ),
+}
+RAY_TMP = Path("/tmp/ray")  # where a local Ray keeps its session folders (logs, sockets)
 
 
 def _secret() -> dict[str, str]:
@@ -54,21 +75,33 @@ def _config() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    """S3 with the cluster's bucket (`bert`), started with the Secret's example credentials, so
-    the pods' credentials are the server's (moto takes any)."""
-    s3 = start_cluster_s3(tmp_path_factory.mktemp("cluster-s3"), BUCKET, _secret())
+def planted() -> Planted:
+    """The fake credentials this module's cluster holds (tests/cluster/secrets.py): the S3
+    Secret's keys, the optional `bert-mlflow-auth` Secret and a token in the image."""
+    return Planted.new()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """The servers' and the whole runs' pods' folders: what the secret search walks."""
+    return tmp_path_factory.mktemp("cluster")
+
+
+@pytest.fixture(scope="module")
+def s3_server(root, planted):
+    """S3 with the cluster's bucket (`bert`), started with the planted S3 keys, so the pods'
+    credentials are the server's (moto takes any)."""
+    s3 = start_cluster_s3(root / "s3", BUCKET, planted.s3())
     yield s3
     s3.stop()
 
 
 @pytest.fixture(scope="module")
-def servers(s3_server, tmp_path_factory):
+def servers(s3_server, root, planted):
     """(S3, MLflow): the MLflow server keeps its artifacts in s3://bert/mlflow."""
     mlflow = start_cluster_mlflow(
-        tmp_path_factory.mktemp("cluster-mlflow"), s3_server.url, f"{cluster.BUCKET}/mlflow",
-        _secret(),
-    )  # fmt: skip
+        root / "mlflow", s3_server.url, f"{cluster.BUCKET}/mlflow", planted.s3()
+    )
     yield s3_server, mlflow
     mlflow.stop()
 
@@ -84,20 +117,26 @@ def s3_client_env(monkeypatch, s3_server):
     return s3
 
 
-def _objects(servers, ray_dashboard: str = "") -> pod_env.Objects:
+def _objects(servers, ray_dashboard: str = "", planted: Planted | None = None) -> pod_env.Objects:
     """The manifests' ConfigMap and Secrets, their service URLs mapped to the test servers (the
-    Ray head's to `ray_dashboard`; "": pretrain trains in its own pod on a private local Ray)."""
+    Ray head's to `ray_dashboard`; "": pretrain trains in its own pod on a private local Ray);
+    with `planted`, the S3 Secret's keys and the optional MLflow auth Secret are those."""
     s3, mlflow = servers
-    return cluster_objects(pod_env.manifest_objects(), s3.url, mlflow.url, ray_dashboard)
+    objects = pod_env.manifest_objects()
+    if planted is not None:
+        objects[("Secret", cluster.SECRET)] = planted.s3()
+        objects[("Secret", cluster.AUTH_SECRET)] = planted.mlflow_auth()
+    return cluster_objects(objects, s3.url, mlflow.url, ray_dashboard)
 
 
 @pytest.fixture(scope="module")
-def ray_head(servers):
+def ray_head(servers, planted):
     """The RayCluster's head: the Jobs API behind the token of the `bert-ray-auth` Secret, with
-    what KubeRay gives the Ray pods (the ConfigMap and the S3 Secret, services mapped here)."""
-    s3, mlflow = servers
-    objects = _objects(servers)
+    what KubeRay gives the Ray pods (infra/k8s/raycluster.yaml's envFrom: the ConfigMap, the S3
+    Secret and the optional MLflow auth Secret, here the planted ones; services mapped here)."""
+    objects = _objects(servers, planted=planted)
     pods = {**objects[("ConfigMap", cluster.CONFIG_MAP)], **objects[("Secret", cluster.SECRET)]}
+    pods |= objects[("Secret", cluster.AUTH_SECRET)]
     pods.pop("RAY_ADDRESS")
     env = {**os.environ, **pods, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("AWS_ENDPOINT_URL_S3", None)
@@ -221,26 +260,61 @@ def cache():
     return pod_harness.Cache()
 
 
+@dataclass
+class Runs:
+    """The two pipeline runs made at once (RUNS' names -> harness, final state)."""
+
+    harnesses: dict[str, pod_harness.Harness]
+    states: dict[str, str]
+    seconds: float
+    ray_sessions: list[Path]  # the Ray session folders of the runs (private Rays, the head's)
+
+    def logs(self, name: str) -> str:
+        return _logs(self.harnesses[name])
+
+
+def _ray_sessions() -> set[Path]:
+    return set(RAY_TMP.glob("session_2*")) if RAY_TMP.is_dir() else set()
+
+
 @pytest.fixture(scope="module")
-def pipeline_run(servers, ray_head, cache, shared_data, tmp_path_factory):
-    """The compiled pipeline, run once by the harness on the cluster defaults (s3:// data) with
-    small settings and the compression branch on for SST-2, pre-training submitted to the Ray
-    head's Jobs API; a GPU image named for the fine-tuning tasks (resolved, not pulled)."""
-    harness = pod_harness.Harness(
-        SPEC,
-        _objects(servers, ray_head.url),
-        tmp_path_factory.mktemp("pods"),
-        pipeline_root=f"{cluster.BUCKET}/kfp",
-        image_env=IMAGE_ENV,
-        cache=cache,
-    )
-    upload_data_slice(shared_data, harness.s3, BUCKET)
-    state = harness.run({**SMALL_ARGS, **COMPRESS, "cluster_train_image": TRAIN_IMAGE})
-    return harness, state, _logs(harness)
+def runs(servers, ray_head, planted, cache, root, shared_data) -> Runs:
+    """The compiled pipeline run twice at once, a thread each, against one S3 server with one
+    bucket, one MLflow server and one Ray head, every pod and the servers holding the planted
+    keys. `a`: small settings, the random-init control and the compression branch on for
+    SST-2, pre-training submitted to the Ray head's Jobs API, a GPU image named for the
+    trainings (resolved, not pulled). `b`: other tasks, steps and seed, pre-training on a
+    private Ray in its pod (a cluster without a RayCluster)."""
+    image_env = {**IMAGE_ENV, "MLFLOW_TRACKING_TOKEN": planted.mlflow_token}  # beside the Secret
+    harnesses = {
+        name: pod_harness.Harness(
+            SPEC,
+            _objects(servers, ray_head.url if name == "a" else "", planted),
+            root / f"pods-{name}",
+            f"{cluster.BUCKET}/kfp",
+            image_env=image_env,
+            cache=cache if name == "a" else None,
+        )  # fmt: skip
+        for name in RUNS
+    }
+    tasks = sorted({t for args in RUNS.values() for t in args["finetune_tasks"]})
+    upload_data_slice(shared_data, harnesses["a"].s3, BUCKET, tasks)
+    before, start = _ray_sessions(), time.monotonic()
+    with ThreadPoolExecutor(len(RUNS)) as pool:
+        futures = {name: pool.submit(h.run, RUNS[name]) for name, h in harnesses.items()}
+        states = {name: f.result() for name, f in futures.items()}
+    seconds = time.monotonic() - start
+    print(f"\ntwo pipeline runs at once: {seconds:.0f} s")
+    sessions = [*sorted(_ray_sessions() - before), Path(ray_head.tmp)]
+    return Runs(harnesses, states, seconds, sessions)
 
 
-TRAIN_IMAGE = "registry.example/bert-cuda:ci"
-IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "BERT_GIT_COMMIT": git_head(), "OMP_NUM_THREADS": "1"}
+@pytest.fixture(scope="module")
+def pipeline_run(runs):
+    """Run `a`: (harness, final state, its pods' logs)."""
+    return runs.harnesses["a"], runs.states["a"], runs.logs("a")
+
+
 BODY = "/exit-handler-1"
 LOOP = f"{BODY}/for-loop-2"  # the fine-tuning fan-out
 
@@ -268,7 +342,7 @@ def _parent(mlflow_url: str, harness):
 
 
 @pytest.mark.slow
-def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head):
+def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head, planted):
     harness, state, logs = pipeline_run
     assert state == pod_harness.SUCCEEDED, logs
     ran = [(t.path, t.state) for t in harness.tasks]
@@ -307,7 +381,7 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head):
         assert task.env["KFP_RUN_ID"] == harness.run_id
         assert task.env["MLFLOW_TRACKING_URI"].startswith("http://127.0.0.1:")
         assert task.env["RAY_ADDRESS"] == ray_head.url
-        assert not set(task.env) & set(cluster.AUTH_KEYS)
+        assert {k: task.env[k] for k in cluster.AUTH_KEYS} == planted.mlflow_auth()
         pretrain = task.path.endswith("/pretrain")  # the one that submits Ray jobs
         assert ("RAY_AUTH_TOKEN" in task.env) == pretrain, task.path
         finetune = task.path.endswith(("/finetune", "/distill"))  # the trainings: GPU nodes
@@ -343,7 +417,7 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head):
 
 @pytest.mark.slow
 def test_a_rerun_is_cached_and_the_exit_handler_still_closes_the_run(
-    pipeline_run, servers, ray_head, cache, tmp_path
+    pipeline_run, servers, ray_head, planted, cache, tmp_path
 ):
     """The same run again, against the backend's cache: every cached step is a cache hit (no
     pod), and the four uncached tasks run. No launcher published in the fan-out or after the
@@ -353,10 +427,10 @@ def test_a_rerun_is_cached_and_the_exit_handler_still_closes_the_run(
     first, state, logs = pipeline_run
     assert state == pod_harness.SUCCEEDED, logs
     harness = pod_harness.Harness(
-        SPEC, _objects(servers, ray_head.url), tmp_path, f"{cluster.BUCKET}/kfp",
+        SPEC, _objects(servers, ray_head.url, planted), tmp_path, f"{cluster.BUCKET}/kfp",
         image_env=IMAGE_ENV, cache=cache,
     )  # fmt: skip
-    state = harness.run({**SMALL_ARGS, **COMPRESS, "cluster_train_image": TRAIN_IMAGE})
+    state = harness.run(RUNS["a"])
     assert state == pod_harness.SUCCEEDED, _logs(harness)
     states = {t.path: t.state for t in harness.tasks}
     uncached = {f"{BODY}/pipeline-run", f"{BODY}/finetune-jobs", f"{BODY}/evaluate"}
@@ -433,8 +507,9 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     assert all(f"| {task} |" in markdown for task in GLUE_TASKS), markdown
     assert "| random init |" in markdown and "gain" in markdown, markdown  # the control's row
     assert "random_init/eval/SST-2/score" in evaluate.data.metrics
-    (version,) = client.search_model_versions(f"name='{registry.PRETRAINED}'")
-    assert version.run_id == steps["pretrain"].info.run_id
+    # its pre-trained model, registered once (the other run registers its own)
+    versions = client.search_model_versions(f"name='{registry.PRETRAINED}'")
+    assert [v.run_id for v in versions].count(steps["pretrain"].info.run_id) == 1
 
 
 @pytest.mark.slow
@@ -459,6 +534,237 @@ def test_outputs_are_artifacts_in_the_bucket_under_the_pipeline_root(pipeline_ru
     # every pod ran in an empty working folder of its own, and no parameter named a local path
     for task in harness.tasks:
         pod_harness.reject_workstation_paths(task.path, task.parameters)
+
+
+def _keys(client, prefix: str = "") -> list[str]:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+def _tasks(name: str) -> list[str]:
+    return RUNS[name]["finetune_tasks"]
+
+
+def _steps(name: str) -> set[str]:
+    """The step runs (`bert.step`) a run of RUNS makes under its parent."""
+    args = RUNS[name]
+    steps = {"clean", "vocab", "instances", "pretrain", "evaluate"}
+    steps |= {f"finetune-{t}" for t in args["finetune_tasks"]}
+    steps |= {f"finetune-{t}-random" for t in args["finetune_control_tasks"]}
+    if args.get("compress_task", "none") != "none":
+        steps |= {f"distill-{args['compress_task']}", "quantize"}
+    return steps
+
+
+def _task_rows(markdown: str) -> dict[str, str]:
+    """The GLUE table's per-task lines of our model (`| SST-2 | accuracy 48.3 | 48.3 |`, with
+    `| BERT (ours) ` before it when a control's rows are there too), by task."""
+    rows = (re.match(r"\| (?:BERT \(ours\) \| )?([A-Z][\w-]*) \| [a-z]", line) for line in
+            markdown.splitlines())  # fmt: skip
+    return {row.group(1): row.string.rstrip() for row in rows if row}
+
+
+@pytest.mark.slow
+def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, servers, tmp_path):
+    """Issue #18, point 5: both runs succeed against one MLflow server and one bucket, each with
+    its own parent run, its own steps nested under it, its own GLUE table, registered models
+    and artifacts; nothing is left RUNNING."""
+    from mlflow import MlflowClient
+    from mlflow.entities import ViewType
+
+    from bert_core.model.heads import BertForSequenceClassification
+    from bert_core.model.modeling import BertForPreTraining
+    from bert_core.serve import registry
+    from bert_core.track import lineage
+
+    for name, state in runs.states.items():
+        assert state == pod_harness.SUCCEEDED, runs.logs(name)
+    ids = {name: h.run_id for name, h in runs.harnesses.items()}
+    assert len(set(ids.values())) == len(RUNS)
+    # at the same time: one after the other, they would take longer than their pods together
+    assert runs.seconds < sum(t.seconds for h in runs.harnesses.values() for t in h.tasks)
+    loop = [f"{LOOP}[0]/finetune"]  # run b's one task (run a's pods: the test above)
+    assert [t.path for t in runs.harnesses["b"].tasks] == [
+        f"{BODY}/pipeline-run", f"{BODY}/finetune-jobs", f"{BODY}/clean", f"{BODY}/vocab",
+        f"{BODY}/instances", f"{BODY}/pretrain", *loop, f"{BODY}/evaluate", "/pipeline-end",
+    ]  # fmt: skip
+    for h in runs.harnesses.values():
+        assert {t.state for t in h.tasks} == {pod_harness.COMPLETE}
+        assert {t.env["KFP_RUN_ID"] for t in h.tasks} == {h.run_id}
+
+    _, mlflow = servers
+    client = MlflowClient(mlflow.url)
+    experiment = client.get_experiment_by_name(lineage.PIPELINE_EXPERIMENT)
+    found = client.search_runs([experiment.experiment_id], run_view_type=ViewType.ALL)
+    parents = {
+        r.data.tags["kfp.run_id"]: r for r in found if r.data.tags["bert.step"] == "pipeline"
+    }
+    assert set(ids.values()) <= set(parents)  # one parent per KFP run (the rerun test's too)
+    steps: dict[str, dict[str, Any]] = {kfp_id: {} for kfp_id in parents}
+    for run in found:  # every step run sits under the parent of its own KFP run, once
+        if run.data.tags["bert.step"] != "pipeline":
+            kfp_id = run.data.tags["kfp.run_id"]
+            assert run.data.tags["mlflow.parentRunId"] == parents[kfp_id].info.run_id
+            assert run.data.tags["bert.step"] not in steps[kfp_id]
+            steps[kfp_id][run.data.tags["bert.step"]] = run
+    versions = client.search_model_versions(f"name='{registry.PRETRAINED}'")
+    assert len(versions) == len(RUNS)  # one pre-trained model per run (the rerun is cached)
+    for name, args in RUNS.items():
+        kfp_id, parent, own = ids[name], parents[ids[name]], steps[ids[name]]
+        assert parent.info.status == "FINISHED"  # closed by its own exit handler
+        assert parent.data.params["pretrain.steps"] == str(args["pretrain_steps"])
+        assert parent.data.params["instances.random_seed"] == str(args["instances_random_seed"])
+        assert set(own) == _steps(name)
+        assert {r.info.status for r in own.values()} == {"FINISHED"}
+        assert own["pretrain"].data.params["steps"] == str(args["pretrain_steps"])
+        assert own["instances"].data.params["random_seed"] == str(args["instances_random_seed"])
+        (version,) = [v for v in versions if v.run_id == own["pretrain"].info.run_id]
+        assert version.status == "READY"
+        prefix = f"kfp/{kfp_id}/exit-handler-1"
+        own_ids = {r.info.run_id for r in own.values()}
+        for task in _tasks(name):
+            params = own[f"finetune-{task}"].data.params
+            # fine-tuned from its own pipeline's pre-trained model, on its own task's data
+            assert params["model"].endswith(f"/{prefix}/pretrain/pretrained/model"), params
+            assert params["data"] == f"{cluster.BUCKET}/data/glue/{task}"
+            # its task's registered model: versions from this run's steps only
+            tuned = {v.run_id for v in client.search_model_versions(
+                f"name='{registry.model_name(task)}'")}  # fmt: skip
+            assert own[f"finetune-{task}"].info.run_id in tuned and tuned <= own_ids, task
+        # its GLUE table: a row for each of its own tasks, with its own score, and no other
+        table = client.download_artifacts(
+            own["evaluate"].info.run_id, "glue/glue_table.md", str(tmp_path)
+        )
+        rows = _task_rows(Path(table).read_text())
+        assert sorted(rows) == sorted(_tasks(name)), rows
+        # its artifacts: complete under its own prefix, the models load, its own checkpoints
+        s3 = runs.harnesses[name].s3
+        keys = set(_keys(s3, f"{prefix}/"))
+        pretrained = f"{prefix}/pretrain/pretrained"
+        for key in ("model/model.safetensors", "model/config.json", "model/vocab.txt",
+                    "pretrain_metrics.csv"):  # fmt: skip
+            assert f"{pretrained}/{key}" in keys, sorted(keys)
+        assert f"{prefix}/evaluate/table" in keys
+        with pods_s3_env(runs.harnesses[name].objects):
+            with storage.local_copy(f"{cluster.BUCKET}/{pretrained}/model") as model:
+                BertForPreTraining.from_pretrained(model)
+        csv = s3.get_object(Bucket=BUCKET, Key=f"{pretrained}/pretrain_metrics.csv")
+        last = csv["Body"].read().decode().strip().splitlines()[-1]
+        assert last.split(",")[0] == str(args["pretrain_steps"])  # trained its own steps
+        for i, task in enumerate(_tasks(name)):
+            out = f"{prefix}/for-loop-2[{i}]/finetune/finetuned"
+            body = s3.get_object(Bucket=BUCKET, Key=f"{out}/metrics.json")["Body"].read()
+            metrics = json.loads(body)
+            assert metrics["task"] == task
+            assert f"| {metrics['score']:.1f} |" in rows[task], rows[task]
+            with pods_s3_env(runs.harnesses[name].objects):
+                with storage.local_copy(f"{cluster.BUCKET}/{out}/model") as model:
+                    loaded = BertForSequenceClassification.from_pretrained(model)
+            assert loaded.config.num_labels == (1 if task == "STS-B" else 2)
+        assert _keys(s3, f"ray/kfp-{kfp_id}/"), "no Ray checkpoints of its own"
+    # nothing left running, in any experiment of the shared server
+    experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    every = client.search_runs(experiments, run_view_type=ViewType.ALL, max_results=1000)
+    assert [r.info.run_name for r in every if r.info.status == "RUNNING"] == []
+
+
+def _outputs(runs: Runs, root: Path, servers, fresh_spec: Path) -> dict[str, Items]:
+    """Every output of the two runs, by kind."""
+    from mlflow import MlflowClient
+
+    s3, mlflow = servers
+    client = runs.harnesses["a"].s3
+    pods = [root / f"pods-{name}" for name in RUNS]
+    metrics = [k for k in _keys(client) if k.endswith("/metrics.json")]
+    return {
+        "step logs": lambda: secrets.files(
+            *(t.log for h in runs.harnesses.values() for t in h.tasks)
+        ),
+        # the pods' folders (work, home, /s3 copies, KFP outputs), the servers' (their logs,
+        # mlflow.db and its journals), the Rays' session folders (the head's: its jobs' logs)
+        "files": lambda: secrets.files(root, *runs.ray_sessions),
+        "metrics.json": lambda: (
+            item
+            for item in [*secrets.files(*pods), *secrets.bucket_objects(client, BUCKET, metrics)]
+            if item[0].endswith("/metrics.json")
+        ),
+        "bucket objects": lambda: secrets.bucket_objects(client, BUCKET, _keys(client)),
+        "MLflow records": lambda: secrets.mlflow_records(MlflowClient(mlflow.url)),
+        "compiled pipeline": lambda: secrets.files(SPEC, fresh_spec),
+    }
+
+
+@pytest.mark.slow
+def test_no_planted_credential_reaches_any_output_of_the_runs(
+    runs, servers, planted, root, tmp_path
+):
+    """Issue #18, point 6: the two runs held fake credentials where a cluster puts the real ones
+    (the `bert-s3` Secret, the optional `bert-mlflow-auth` Secret, a token in the image's
+    environment); every output is searched for them (`_outputs`) and none may appear, while a
+    marker written on purpose into each kind of output must be found."""
+    from mlflow import MlflowClient
+
+    s3, mlflow = servers
+    for name, state in runs.states.items():
+        assert state == pod_harness.SUCCEEDED, runs.logs(name)
+    hidden, user, key_id = planted.secrets(), planted.mlflow_username, planted.s3_key_id
+    for task in (t for h in runs.harnesses.values() for t in h.tasks):  # the pods did hold them
+        assert {*hidden, user, key_id} <= set(task.env.values()), task.path
+    # the pipeline compiled afresh in an environment holding them, its image named on purpose
+    control = f"planted-CONTROL-{uuid.uuid4().hex}"
+    fresh = tmp_path / "bert_pipeline.yaml"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **planted.s3(), **planted.mlflow_auth(),
+           "MLFLOW_TRACKING_TOKEN": planted.mlflow_token}  # fmt: skip
+    compiled = subprocess.run(
+        [sys.executable, "-m", "pipelines.bert_pipeline", "compile", "--output", str(fresh),
+         "--image", f"registry.example/{control}:1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert compiled.returncode == 0, compiled.stderr
+    # the positive control: the marker, written on purpose into one output of each kind
+    a = runs.harnesses["a"]
+    with a.tasks[-1].log.open("a") as log:
+        log.write(f"\n{control}\n")
+    finetuned = next(a.workdir.glob("pod-*-finetune/s3/**/finetuned/metrics.json"))
+    finetuned.write_text(finetuned.read_text() + control)
+    a.s3.put_object(Bucket=BUCKET, Key="control/marker.txt", Body=control.encode())
+    client = MlflowClient(mlflow.url)
+    experiment = client.get_experiment_by_name("bert-pipeline").experiment_id
+    (parent,) = client.search_runs(
+        [experiment], f"tags.`kfp.run_id` = '{a.run_id}' and tags.`bert.step` = 'pipeline'"
+    )
+    client.set_tag(parent.info.run_id, "control", control)
+
+    places = _outputs(runs, root, servers, fresh)
+    hits, counts = secrets.search(places, [*hidden, user, key_id, control])
+    hits += secrets.git_grep([*hidden, user, key_id, secrets.GIT_CONTROL])
+    print(f"\nsearched {counts} and git for {len(hidden)} secrets, 2 identities, 2 controls; "
+          f"{len(runs.ray_sessions)} Ray session folders")  # fmt: skip
+    found = {n: [(place, where) for place, where, needle in hits if needle == n]
+             for n in [*hidden, user, key_id, control, secrets.GIT_CONTROL]}  # fmt: skip
+    assert {place for place, _ in found[control]} == set(places), found[control]
+    assert found[secrets.GIT_CONTROL] == [("git", "tests/cluster/secrets.py")]
+    assert counts["step logs"] == sum(len(h.tasks) for h in runs.harnesses.values())
+    assert counts["metrics.json"] >= 2 * sum(len(_tasks(n)) for n in RUNS)  # pod + bucket
+    assert len(runs.ray_sessions) >= len(RUNS)  # run b's pod's private Ray, the Ray head
+    # no secret anywhere
+    assert [hit for n in hidden for hit in found[n]] == []
+    # The auth user name is an identity: MLflow records it as the runs' user (`mlflow.user`, as
+    # it records the login name without auth), in its store and nowhere else.
+    assert {place for place, _ in found[user]} == {"files", "MLflow records"}
+    stores = {Path(where).parent for place, where in found[user] if place == "files"}
+    assert stores == {mlflow.log.parent}, found[user]  # mlflow.db (and its journal)
+    records = [
+        json.loads(body) for where, body in places["MLflow records"]() if where[:4] == "run "
+    ]
+    users = {r["data"]["tags"].get("mlflow.user") for r in records}
+    assert user in users and users <= {user, None}, users  # parents (create_run) have none
+    # The S3 access key id is an identity too (SigV4 sends it with every request): it may show
+    # only in the S3 server's own request log, as the credential scope of the presigned URLs
+    # the MLflow server hands its clients for downloads (the test above downloads a table).
+    assert {where for _, where in found[key_id]} <= {str(s3.log)}, found[key_id]
+    for line in s3.log.read_text(errors="replace").splitlines():
+        assert line.count(key_id) == line.count(f"X-Amz-Credential={key_id}/"), line
 
 
 def test_the_harness_runs_the_committed_spec_defaults():

@@ -124,13 +124,18 @@ def run_result(task: FinetuneTask, cfg, run: tuple, model_uri: str, data_uri: st
                device) -> dict:  # fmt: skip
     """What metrics.json holds for every trained model (`bert finetune`, `bert distill`): the
     kept epoch's metrics and score, the history, the settings, the task's counts, the training
-    time and where model and data came from. `run`: `train`'s (model, best, history, seconds)."""
+    time and where model and data came from, and the task's baseline on the same dev set (the
+best answer that ignores the input: `FinetuneTask.baseline`). `run`: `train`'s (model, best,
+history, seconds)."""
     _, best, history, train_seconds = run
+    baseline, rule = task.baseline()
     return {
         "task": task.name,
         "init": cfg.init,
         "metrics": numeric(best["metrics"]),
         "score": best["score"],
+        "baseline_score": baseline,  # the best input-blind answer's: champion must beat it
+        "baseline": rule,
         "best_epoch": best["epoch"],
         "epochs": history,
         "config": asdict(cfg),

@@ -95,6 +95,18 @@ class FinetuneTask:
         """The task's own metrics.json fields (counts, files, detailed metrics)."""
         return {}
 
+    def baseline(self) -> tuple[float, str]:
+        """(score, rule) of the best answer that ignores its input, on the dev set `evaluate`
+        scores, in the score's percent: what a model must beat to be worth serving (the
+        registry's champion rule). Here: no answer at all (no entity), which scores 0."""
+        return 0.0, "no answer"
+
+
+def majority(labels: np.ndarray) -> int:
+    """The most frequent of the training `labels` (the lowest on a tie)."""
+    values, counts = np.unique(labels, return_counts=True)
+    return int(values[counts.argmax()])
+
 
 # ---------------------------------------------------------------------------------------------
 # Data

@@ -7,6 +7,12 @@ rule and its record). `bert deploy --task TASK` then serves the new champion as 
 the running version; `bert promote TASK --full-traffic`, once the canary looks right, sends all
 traffic to it (`deploy.full_traffic`) and leaves the registry alone.
 
+`--best-of DIR` is the gate a pipeline ends with (`make run`'s `promote` stages): among the
+fine-tuning outputs under DIR registered as the task's model (ours, each public start; the
+random-init control registers none), scored on the same dev set, the best by dev score is the
+version promoted, by the same rule. A model that does not beat its task's baseline (the best
+answer that ignores the input, recorded with each version) is never champion.
+
 A command of its own, above both: the registry knows nothing of Kubernetes, and `deploy` reads
 the registry, so neither can hold the other's half.
 """
@@ -17,9 +23,16 @@ import argparse
 import json
 from pathlib import Path
 
-from bert_core.errors import BadValue
+from bert_core.errors import BadValue, NotFound
 from bert_core.serve.deploy import cluster, full_traffic
-from bert_core.serve.registry import CANDIDATE, NAME_ENV, model_name, promote, version_of
+from bert_core.serve.registry import (
+    CANDIDATE,
+    NAME_ENV,
+    RECORD,
+    model_name,
+    promote,
+    version_of,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task", help="the task (SST-2, conll2003, ...): its registered model")
     p.add_argument("version", nargs="?", help="the version: a number, or the `bert finetune` "
                    f"output folder that made it (default: the {CANDIDATE!r} alias)")  # fmt: skip
+    p.add_argument(
+        "--best-of",
+        type=Path,
+        metavar="DIR",
+        help="instead of VERSION: the best by "
+        "dev score of the fine-tuning outputs under DIR registered as the task's model",
+    )
     p.add_argument("--registered-model", help=f"the name (default: {NAME_ENV} or bert-{{task}})")
     p.add_argument("--force", action="store_true", help="make it champion whatever its score")
     p.add_argument("--full-traffic", action="store_true",
@@ -47,8 +67,31 @@ def main(argv: list[str] | None = None) -> int:
         service = args.inference_service or name
         print(json.dumps(full_traffic(cluster(), args.namespace, service)))
         return 0
-    version = args.version
+    if args.best_of is not None and args.version is not None:
+        raise BadValue("--best-of: give it or a VERSION, not both")
+    version = args.version if args.best_of is None else best_of(args.best_of, name)
     if version is not None and not version.isdigit():
         version = version_of(Path(version), name)
     print(json.dumps(promote(name, version, args.force)))
     return 0
+
+
+def best_of(folder: Path, name: str) -> str:
+    """The version registered as `name` by the best-scoring fine-tuning output under `folder`
+    (each output's metrics.json and mlflow_model.json); all must have been scored on the same
+    dev set (data and examples), or their scores do not compare."""
+    if not folder.is_dir():
+        raise NotFound(f"--best-of {folder}: no such folder")
+    found = []
+    for out in sorted(folder.iterdir()):
+        if (out / RECORD).is_file() and (out / "metrics.json").is_file():
+            if json.loads((out / RECORD).read_text()).get("registered_model") == name:
+                found.append((json.loads((out / "metrics.json").read_text()), out))
+    if not found:
+        raise NotFound(f"--best-of {folder}: no fine-tuning output there is registered as {name}")
+    dev_sets = {(r["data"], json.dumps(r.get("num_dev_examples"))) for r, _ in found}
+    if len(dev_sets) > 1:
+        raise BadValue(f"--best-of {folder}: {name}'s outputs were scored on different dev sets "
+                       f"{sorted(dev_sets)}: their scores do not compare")  # fmt: skip
+    _, best = max(found, key=lambda item: item[0]["score"])
+    return version_of(best, name)

@@ -26,13 +26,16 @@ found by that run, or logged on it and registered, by the KFP pretrain step or b
 `bert.pretrained_model` = `models:/bert-pretrained/N` (`pretrained_source`). A folder that names
 no such run (a public checkpoint, one made by hand) is linked by the path or URI given.
 
-`champion`: the first version of a task's model becomes champion when registered (its
-`bert.promotion` tag says "first champion"), so a model is servable from its first run. After
-that only `bert promote TASK [VERSION]` moves it, to the version (default: the `candidate`)
-whose dev score beats the current champion's (ties keep the champion; `--force` moves it
-anyway), and records the decision as the version's `bert.promotion` tag, so the registry shows
-why each champion is one. Serving and batch inference then name the alias, never a number:
-`models:/bert-sst2@champion`.
+`champion`: the first version of a task's model that beats the task's baseline becomes champion
+when registered (its `bert.promotion` tag says "first champion"), so a model is servable from
+its first sound run. After that only `bert promote TASK [VERSION]` moves it, to the version
+(default: the `candidate`) whose dev score beats the current champion's (ties keep the champion;
+`--force` moves it anyway), and records the decision as the version's `bert.promotion` tag, so
+the registry shows why each champion is one. A version whose dev score does not beat its task's
+baseline (`bert.baseline_score`: the best answer that ignores the input, on the same dev set,
+e.g. SST-2's majority label) is registered but never champion, `--force` or not: a model that
+learned nothing (a diverged or too short fine-tuning) must not be served. Serving and batch
+inference then name the alias, never a number: `models:/bert-sst2@champion`.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ DEFAULT_NAME = "bert-{task}"
 CANDIDATE, CHAMPION = "candidate", "champion"
 SCORE_TAG, TASK_TAG, PROMOTION_TAG = "bert.dev_score", "bert.task", "bert.promotion"
 METRIC_TAG, SOURCE_TAG = "bert.dev_metric", "bert.pretrained_model"
+BASELINE_TAG = "bert.baseline_score"  # the task's input-blind answer's score on the same dev set
 RECORD = "mlflow_model.json"  # in a fine-tuning output: the model's MLflow URI and version
 PRETRAINED = "bert-pretrained"  # the registered model of `bert pretrain`'s models
 FIRST = "first champion (dev score {:.4g})"
@@ -134,7 +138,8 @@ def register(model_uri: str, name: str, result: dict, alias: str | None = None):
     metric = result.get("score_metric") or "score"
     describe(client, name, task_description(name, result["task"], metric))
     tags = {TASK_TAG: result["task"], SCORE_TAG: repr(float(result["score"])),
-            METRIC_TAG: metric, SOURCE_TAG: result.get("pretrained_model")}  # fmt: skip
+            BASELINE_TAG: repr(float(result["baseline_score"])), METRIC_TAG: metric,
+            SOURCE_TAG: result.get("pretrained_model")}  # fmt: skip
     tags = {k: v for k, v in tags.items() if v}
     mlflow.set_tracking_uri(tracking_uri())
     version = mlflow.register_model(model_uri, name, tags=tags)
@@ -142,14 +147,25 @@ def register(model_uri: str, name: str, result: dict, alias: str | None = None):
     client.update_model_version(name, version.version, description=text)
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
-    _first_champion(client, name, version.version, float(result["score"]))
+    score, baseline = float(result["score"]), float(result["baseline_score"])
+    if score <= baseline:
+        reason = f"not champion: {_below(score, baseline)}"
+        client.set_model_version_tag(name, version.version, PROMOTION_TAG, reason)
+    else:
+        _first_champion(client, name, version.version, score)
     return version
 
 
+def _below(score: float, baseline: float) -> str:
+    return (f"dev score {score:.4g} does not beat the task's baseline {baseline:.4g} (the best "
+            "answer that ignores the input, on the same dev set)")  # fmt: skip
+
+
 def _first_champion(client, name: str, version: str, score: float) -> None:
-    """`champion` on `version` when the model has none yet (its first version), so a task's
-    model is servable from its first run; afterwards only `promote` moves it. Two first
-    versions registered at once: the alias ends on one, and only that one says it is champion."""
+    """`champion` on `version` when the model has none yet (its first version that beats the
+    task's baseline), so a task's model is servable from its first sound run; afterwards only
+    `promote` moves it. Two first versions registered at once: the alias ends on one, and only
+    that one says it is champion."""
     if by_alias(client, name, CHAMPION) is not None:
         return
     client.set_registered_model_alias(name, CHAMPION, version)
@@ -179,10 +195,11 @@ def task_description(name: str, task: str, metric: str) -> str:
         f"BERT fine-tuned on {task} by `bert finetune --task {task}`, scored on {task}'s dev "
         f"set by {metric} (percent). Each fine-tuning from a pre-trained model that ends "
         f"FINISHED adds a version, tagged `{SCORE_TAG}`, `{METRIC_TAG}` and `{SOURCE_TAG}` (the "
-        f"pre-trained model it started from); the random-init control is never registered. The "
-        f"first version is `{CHAMPION}`; after that only `bert promote {task}` moves it, to a "
-        f"version whose dev score beats the champion's (the pipeline's newest is "
-        f"`{CANDIDATE}`). Serve `models:/{name}@{CHAMPION}`."
+        f"pre-trained model it started from) and `{BASELINE_TAG}` (the best input-blind "
+        f"answer's score); the random-init control is never registered. The first version "
+        f"that beats its baseline is `{CHAMPION}`; after that only `bert promote {task}` moves "
+        f"it, to a version whose dev score beats the champion's and its baseline (the "
+        f"pipeline's newest is `{CANDIDATE}`). Serve `models:/{name}@{CHAMPION}`."
     )
 
 
@@ -280,18 +297,20 @@ def by_alias(client, name: str, alias: str):
         return None
 
 
-def _score(version) -> float:
-    """The version's dev score; a version without a finite one is no candidate for champion
-    (a NaN score would win any comparison that does not look)."""
-    if SCORE_TAG not in version.tags:
-        raise BadValue(f"{version.name} version {version.version} has no {SCORE_TAG} tag")
+def _score(version, tag: str = SCORE_TAG) -> float:
+    """The version's dev score (or its task's baseline, `tag`); a version without a finite one
+    is no candidate for champion (a NaN score would win any comparison that does not look)."""
+    if tag not in version.tags:
+        raise BadValue(f"{version.name} version {version.version} has no {tag} tag (registered "
+                       "by hand, or before the registry recorded it)")  # fmt: skip
     try:
-        score = float(version.tags[SCORE_TAG])
+        score = float(version.tags[tag])
     except ValueError:
         score = math.nan
     if not math.isfinite(score):
-        raise BertError(f"{version.name} version {version.version}: dev score "
-                        f"{version.tags[SCORE_TAG]!r} is not a finite number (a diverged "
+        what = "dev score" if tag == SCORE_TAG else "baseline score"
+        raise BertError(f"{version.name} version {version.version}: {what} "
+                        f"{version.tags[tag]!r} is not a finite number (a diverged "
                         "fine-tuning?): not promoted")  # fmt: skip
     return score
 
@@ -342,6 +361,13 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
         except MlflowException as e:  # no such model or version: the user's to fix
             raise BertError(f"{name} version {version}: {e.message}") from None
     score, champion = _score(chosen), by_alias(client, name, CHAMPION)
+    baseline = _score(chosen, BASELINE_TAG)
+    if score <= baseline:  # never champion, --force or not: it learned nothing worth serving
+        reason = "not promoted: " + _below(score, baseline)
+        client.set_model_version_tag(name, chosen.version, PROMOTION_TAG, reason)
+        return {"registered_model": name, "version": int(chosen.version), "dev_score": score,
+                "champion": None if champion is None else int(champion.version),
+                "promoted": False, "reason": reason}  # fmt: skip
     if champion is not None and str(champion.version) == str(chosen.version):
         return {"registered_model": name, "version": int(chosen.version), "dev_score": score,
                 "champion": int(chosen.version), "promoted": False,

@@ -510,8 +510,10 @@ def test_a_diverging_finetuning_fails_and_registers_nothing(
     assert "learning rate 1e+09" in err[0] and "lower --learning-rate" in err[0]
     assert not out.exists() and len(versions()) == before
     (failed, *_) = mlflow.search_runs(
-        experiment_names=["bert"], filter_string="tags.`bert.step` = 'finetune-STS-B'",
-        order_by=["attributes.start_time DESC"], output_format="list",
+        experiment_names=["bert"],
+        filter_string="tags.`bert.step` = 'finetune-STS-B'",
+        order_by=["attributes.start_time DESC"],
+        output_format="list",
     )  # fmt: skip  (the newest: the module's store holds other STS-B runs)
     assert failed.info.status == "FAILED"
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bert_core.errors import InputError
+from bert_core.finetune.tasks.glue import Features, GlueFinetune
 from bert_core.finetune.tasks.glue_data import (
     NLI2,
     TASKS,
@@ -313,6 +314,33 @@ def test_task_scores_and_glue_score_rule():
     }
     scores = {t: task_score(get_task(t), ms) for t, ms in bert_large.items()}
     assert round(glue_score(scores), 1) == 80.5
+
+
+def _features(labels: list) -> Features:
+    rows = [np.zeros(1, dtype=np.int64)] * len(labels)
+    return Features(rows, rows, np.asarray(labels))
+
+
+def test_the_baseline_is_the_majority_label_scored_by_the_tasks_metrics():
+    """What a champion must beat (registry): the training labels' most frequent class for every
+    dev example, by the task's own score; a regression's constant or MCC's has no signal (0)."""
+    mrpc = GlueFinetune("MRPC")
+    mrpc.train, mrpc.dev = _features([1, 1, 0]), {"dev": _features([1, 0, 0, 0])}
+    # always 1: accuracy 1/4; F1 with P = 1/4, R = 1: 2/5; the score their mean
+    assert mrpc.baseline() == (pytest.approx(32.5), "always equivalent (the most frequent in "
+                                                    "training)")  # fmt: skip
+    sst2 = GlueFinetune("SST-2")
+    sst2.train, sst2.dev = _features([0, 1, 0]), {"dev": _features([0, 0, 1])}
+    assert sst2.baseline() == (pytest.approx(200 / 3), "always negative (the most frequent in "
+                                                        "training)")  # fmt: skip
+    cola = GlueFinetune("CoLA")
+    cola.train, cola.dev = _features([1, 1, 0]), {"dev": _features([1, 0, 1])}
+    assert cola.baseline()[0] == 0.0  # a constant answer's MCC
+    assert GlueFinetune("STS-B").baseline() == (0.0, "a constant score")
+    mnli = GlueFinetune("MNLI")  # two dev sets: the mean of both matched and mismatched
+    mnli.train = _features([2, 2, 0])
+    mnli.dev = {"matched": _features([2, 0]), "mismatched": _features([2, 2, 2, 1])}
+    assert mnli.baseline()[0] == pytest.approx(62.5)
 
 
 def test_submission_names():

@@ -379,8 +379,9 @@ def test_feature_based_tagger_learns_on_frozen_bert(
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["architectures"] == ["BertFeatureTagger"]
     assert config["feature_layers"] == "weighted-sum-last4"
-    saved, original = load_file(out / "model" / "model.safetensors"), load_file(
-        minilm_dir / "model.safetensors"
+    saved, original = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(minilm_dir / "model.safetensors"),
     )
     bert = [k for k in saved if k.startswith("bert.encoder.")]
     assert bert and all(torch.equal(saved[k], original[k.removeprefix("bert.")]) for k in bert)

@@ -14,6 +14,7 @@ from bert_core.finetune.engine import load_tokenizer
 from bert_core.finetune.tasks.squad import (
     Example,
     SquadConfig,
+    SquadFinetune,
     answer_tokens,
     apply_threshold,
     best_thresholds,
@@ -70,6 +71,11 @@ def test_v2_scores_no_answer_questions() -> None:
     m = squad_metrics(examples, {"a": "", "b": "", "c": "Paris"}, version="2.0")
     assert m["exact_match"] == pytest.approx(1 / 3) and m["f1"] == pytest.approx(1 / 3)
     assert m["has_ans_f1"] == 0.0 and m["no_ans_exact_match"] == 0.5
+    # the baseline a champion must beat: no answer at all, 2/3 here on 2.0, always 0 on 1.1
+    for name, share in (("squad_v2", 200 / 3), ("squad", 0.0)):
+        task = SquadFinetune(name)
+        task.dev_examples = examples if name == "squad_v2" else examples[:1]
+        assert task.baseline() == (pytest.approx(share), "no answer to any question")
 
 
 def test_offsets_round_trip_every_gold_answer(shared_data: Path, tokenizer) -> None:
@@ -263,8 +269,12 @@ def squad_v2_from_v1(path: Path, out: Path, articles: int = 15) -> Path:
             for i, qa in enumerate(para["qas"]):
                 if i % 3 == 2:
                     moved[(a + 1) % len(data)].append(
-                        {"id": qa["id"] + "-x", "question": qa["question"], "answers": [],
-                         "is_impossible": True}  # fmt: skip
+                        {
+                            "id": qa["id"] + "-x",
+                            "question": qa["question"],
+                            "answers": [],
+                            "is_impossible": True,
+                        }  # fmt: skip
                     )
                 else:
                     keep.append(qa | {"is_impossible": False})

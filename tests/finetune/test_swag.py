@@ -16,7 +16,15 @@ import transformers
 
 from bert_core import cli
 from bert_core.finetune.engine import load_tokenizer
-from bert_core.finetune.tasks.swag import NUM_CHOICES, collate, download, featurize, read_swag
+from bert_core.finetune.tasks.swag import (
+    NUM_CHOICES,
+    Choices,
+    SwagFinetune,
+    collate,
+    download,
+    featurize,
+    read_swag,
+)
 from bert_core.model.heads import BertForMultipleChoice
 
 HEADER = ["", "video-id", "fold-ind", "startphrase", "sent1", "sent2", "gold-source",
@@ -132,6 +140,14 @@ def test_reads_featurises_and_batches_official_csv(tmp_path: Path, minilm_dir: P
     path.write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match=r"val.csv:1: not a SWAG csv: no column"):
         read_swag(path)
+
+
+def test_the_baseline_is_the_most_frequent_ending_in_training() -> None:
+    task = SwagFinetune("swag")
+    rows = [[np.zeros(1, dtype=np.int64)] * NUM_CHOICES] * 4
+    task.train = Choices(rows[:3], rows[:3], np.array([2, 2, 1]))
+    task.dev = Choices(rows, rows, np.array([2, 0, 2, 3]))
+    assert task.baseline() == (50.0, "always ending 2 (the most frequent in training)")
 
 
 def test_download_from_a_local_server(tmp_path: Path, shared_data: Path, serve) -> None:

@@ -17,6 +17,7 @@ from mlflow import MlflowClient
 
 from bert_core import cli
 from bert_core.serve.deploy import DeployConfig, inference_service
+from bert_core.serve.registry import BASELINE_TAG, SCORE_TAG
 from tests.kserve_schema import crd_problems, kserve_schemas
 from tests.kube_api import KubeApi
 
@@ -132,17 +133,23 @@ def cluster(tmp_path, monkeypatch):
     api.close()
 
 
-def finetuned_folder(client: MlflowClient, folder, score: str) -> str:
-    """A fine-tuning output's record (`mlflow_model.json`) and the version its run registered:
-    what `bert finetune` leaves, minus the model."""
+def finetuned_folder(client: MlflowClient, folder, score: str, baseline: str = "0.5",
+                     registered: str | None = "bert-sst2") -> str:  # fmt: skip
+    """A fine-tuning output's record (`mlflow_model.json`), its metrics.json and the version its
+    run registered (`registered` None: none, as the random-init control): what `bert finetune`
+    leaves, minus the model."""
     run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
     source = f"s3://bert/mlflow/0/models/m-{run.info.run_id[:8]}/artifacts"
-    client.create_model_version("bert-sst2", source, run_id=run.info.run_id,
-                                tags={"bert.dev_score": score})  # fmt: skip
-    folder.mkdir()
+    if registered:
+        tags = {SCORE_TAG: score, BASELINE_TAG: baseline}
+        client.create_model_version(registered, source, run_id=run.info.run_id, tags=tags)
+    folder.mkdir(parents=True)
     record = {"model_uri": f"models:/m-{run.info.run_id[:8]}", "run_id": run.info.run_id,
-              "registered_model": "bert-sst2", "alias": None}  # fmt: skip
+              "registered_model": registered, "alias": None}  # fmt: skip
     (folder / "mlflow_model.json").write_text(json.dumps(record))
+    metrics = {"task": "SST-2", "score": float(score), "data": "glue/SST-2",
+               "num_dev_examples": {"dev": 872}}  # fmt: skip
+    (folder / "metrics.json").write_text(json.dumps(metrics))
     return source
 
 
@@ -217,6 +224,43 @@ def test_a_worse_fine_tuning_is_not_promoted_and_the_service_is_unchanged(cluste
     assert err.endswith("dev score 'nan' is not a finite number (a diverged fine-tuning?): "
                         "not promoted"), err  # fmt: skip
     assert client.get_model_version_by_alias("bert-sst2", "champion").version == champion
+
+
+def test_the_gate_promotes_the_best_of_a_runs_models_that_beats_its_baseline(cluster, tmp_path,
+                                                                            capsys):  # fmt: skip
+    """`bert promote TASK --best-of DIR`, the gate `make run` ends with: of the outputs under DIR
+    registered as the task's model (not the control's, not another task's), the best by dev
+    score, moved by the registry's rule; a model at or below its task's baseline is never
+    champion, even forced; outputs scored on different dev sets do not compare."""
+    _, client = cluster  # bert-sst2 version 1: champion at 0.8
+    glue = tmp_path / "glue"
+    finetuned_folder(client, glue / "SST-2", "0.85")
+    finetuned_folder(client, glue / "minilm-SST-2", "0.9")
+    finetuned_folder(client, glue / "random-SST-2", "0.95", registered=None)  # the control
+    assert cli.main(["promote", "SST-2", "--best-of", str(glue)]) == 0
+    moved = json.loads(capsys.readouterr().out)
+    assert moved["promoted"] and moved["champion"] == 3 == moved["version"]  # minilm's
+    # at its baseline (a model that learned nothing): registered, never champion, not forced
+    finetuned_folder(client, tmp_path / "flat", "0.95", baseline="0.95")
+    assert cli.main(["promote", "SST-2", str(tmp_path / "flat"), "--force"]) == 0
+    refused = json.loads(capsys.readouterr().out)
+    assert (refused["promoted"], refused["champion"]) == (False, 3)
+    assert refused["reason"].startswith("not promoted: dev score 0.95 does not beat the task's "
+                                        "baseline 0.95")  # fmt: skip
+    assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "3"
+    # different dev sets; nothing registered as the task's model there; both forms at once
+    other = json.loads((glue / "SST-2" / "metrics.json").read_text())
+    other["num_dev_examples"] = {"dev": 100}
+    (glue / "SST-2" / "metrics.json").write_text(json.dumps(other))
+    for argv, message in (
+        ([str(glue)], "were scored on different dev sets"),
+        ([str(tmp_path / "nothing")], "no such folder"),
+        ([str(glue / "random-SST-2")], "no fine-tuning output there is registered as bert-sst2"),
+    ):
+        assert cli.main(["promote", "SST-2", "--best-of", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert cli.main(["promote", "SST-2", "3", "--best-of", str(glue)]) == 2
+    assert "give it or a VERSION, not both" in capsys.readouterr().err
 
 
 def test_the_api_servers_refusal_is_one_line_exit_2(cluster, capsys, monkeypatch):

@@ -187,37 +187,59 @@ def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_cham
         "8", "128",
     )  # fmt: skip
 
-    # the first version is champion at once, and says why
-    assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "1"
-    assert v1.tags[registry.PROMOTION_TAG].startswith("champion: first champion (dev score")
-    assert cli.main(["promote", "sst2"]) == 0  # the candidate: it is the champion already
-    assert json.loads(capsys.readouterr().out)["reason"] == "already the champion"
-    score = metrics["score"]
-    for delta in (-1.0, +1.0):  # a worse version, then a better one: neither moves champion
-        result = {"task": "SST-2", "score": score + delta, "score_metric": "accuracy"}
-        registry.register(record["model_uri"], "bert-sst2", result | {"pretrained_model": link})
-        assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "1"
-    worse = registry.promote("bert-sst2", 2)
-    assert (worse["promoted"], worse["champion"]) == (False, 1)
-    assert (
-        "not promoted: dev score"
-        in client.get_model_version("bert-sst2", "2").tags[registry.PROMOTION_TAG]
+    # the task's baseline on the same dev set travels with the version: SST-2's majority label.
+    # The first version that beats it is champion at once, and says why; one that does not (a
+    # few examples' fine-tuning may not) is registered, never champion
+    assert metrics["baseline"].endswith("(the most frequent in training)")
+    assert float(v1.tags[registry.BASELINE_TAG]) == metrics["baseline_score"] > 0
+    sound = metrics["score"] > metrics["baseline_score"]
+    v1 = client.get_model_version("bert-sst2", v1.version)
+    assert v1.tags[registry.PROMOTION_TAG].startswith(
+        "champion: first champion (dev score" if sound else "not champion: dev score"
     )
-    better = registry.promote("bert-sst2", "3")
-    assert (better["promoted"], better["champion"]) == (True, 3)
-    assert registry.promote("bert-sst2", 3)["reason"] == "already the champion"
-    assert registry.promote("bert-sst2", 2, force=True)["champion"] == 2
-    assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "2"
+    assert (registry.by_alias(client, "bert-sst2", "champion") is not None) == sound
+    assert cli.main(["promote", "sst2"]) == 0  # the candidate: champion already, or never
+    reason = json.loads(capsys.readouterr().out)["reason"]
+    assert reason == "already the champion" if sound else "does not beat the task's" in reason
+
+    # the rule on versions of known scores: at the baseline, not champion, not even forced; the
+    # first above it champion; after that, only a better one moves it, or --force
+    floor = {"task": "SST-2", "score": 50.0, "baseline_score": 50.0, "score_metric": "accuracy"}
+    floor["pretrained_model"] = link
+
+    def version(score: float) -> str:
+        return registry.register(record["model_uri"], "bert-gate", floor | {"score": score}).version
+
+    low = version(50.0)
+    assert registry.by_alias(client, "bert-gate", "champion") is None
+    assert client.get_model_version("bert-gate", low).tags[registry.PROMOTION_TAG] == (
+        "not champion: dev score 50 does not beat the task's baseline 50 (the best answer that "
+        "ignores the input, on the same dev set)"
+    )
+    assert registry.promote("bert-gate", low, force=True)["promoted"] is False
+    assert registry.by_alias(client, "bert-gate", "champion") is None
+    first = version(60.0)
+    assert str(registry.by_alias(client, "bert-gate", "champion").version) == str(first)
+    worse, better = version(59.0), version(61.0)  # neither moves champion when registered
+    assert str(registry.by_alias(client, "bert-gate", "champion").version) == str(first)
+    assert (registry.promote("bert-gate", worse)["promoted"], registry.promote("bert-gate", worse)
+            ["champion"]) == (False, int(first))  # fmt: skip
+    assert "not promoted: dev score" in client.get_model_version("bert-gate", worse).tags[
+        registry.PROMOTION_TAG]  # fmt: skip
+    assert registry.promote("bert-gate", better)["champion"] == int(better)
+    assert registry.promote("bert-gate", better)["reason"] == "already the champion"
+    assert registry.promote("bert-gate", worse, force=True)["champion"] == int(worse)
+    assert str(client.get_model_version_by_alias("bert-gate", "champion").version) == str(worse)
 
     # MLmodel names no path of this machine: not the staging folder `bert finetune` logged
     # from, not this checkout's code file; and the models load with the folders all gone
     texts = pd.DataFrame({"text": ["a gripping , funny film", "dull"]})
     expected = load_predictor(out / "model").predict(texts)
-    for uri in ("models:/bert-sst2@champion", link):
+    for uri in ("models:/bert-gate@champion", link):
         assert machine_paths(uri, tracking / "downloads" / uri.split("/")[1]) == [], uri
     shutil.rmtree(out)
     shutil.rmtree(pretrained)
-    assert mlflow.pyfunc.load_model("models:/bert-sst2@champion").predict(texts) == expected
+    assert mlflow.pyfunc.load_model("models:/bert-gate@champion").predict(texts) == expected
     (filled,) = mlflow.pyfunc.load_model(link).predict(pd.DataFrame({"text": ["a [MASK] film"]}))
     assert len(filled["masks"]) == 1
 
@@ -318,9 +340,12 @@ def squad_v2_output(root, minilm_dir, threshold):
     torch.nn.init.zeros_(model.qa_outputs.weight)
     torch.nn.init.zeros_(model.qa_outputs.bias)
     model.save_pretrained(root / "model", vocab_file=minilm_dir / "vocab.txt")
-    result = {"task": "squad_v2", "config": {"max_seq_length": 64, "doc_stride": 32,
-                                             "null_score_diff_threshold": 0.0},
-              "metrics": {"f1": 0.5, "best_f1": 0.6, "best_f1_thresh": threshold}, "score": 0.5}
+    result = {
+        "task": "squad_v2",
+        "config": {"max_seq_length": 64, "doc_stride": 32, "null_score_diff_threshold": 0.0},
+        "metrics": {"f1": 0.5, "best_f1": 0.6, "best_f1_thresh": threshold},
+        "score": 0.5,
+    }
     (root / "metrics.json").write_text(json.dumps(result))  # fmt: skip
     return root, result
 
@@ -363,8 +388,8 @@ def test_predict_logs_where_its_model_was_logged(tracking, minilm_dir, monkeypat
     folder = build("classification", minilm_dir, tracking / "exp" / "model")
     with mlflow.start_run(experiment_id=mlflow.set_experiment("models").experiment_id) as run:
         info = serving.log_model(folder, {})
-    version = registry.register(info.model_uri, "exp-sst2", {"task": "SST-2", "score": 1.0},
-                                alias="champion")  # fmt: skip
+    result = {"task": "SST-2", "score": 1.0, "baseline_score": 0.5}
+    version = registry.register(info.model_uri, "exp-sst2", result, alias="champion")
     output = tracking / "exp-output"  # a `bert finetune` output: model/, metrics.json, record
     shutil.copytree(folder, output / "model")
     (output / "metrics.json").write_text(json.dumps({"config": {}}))
@@ -377,9 +402,13 @@ def test_predict_logs_where_its_model_was_logged(tracking, minilm_dir, monkeypat
         argv = ["predict", "--model", model, "--input", str(tracking / "in.txt")]
         assert cli.main([*argv, "--output", str(out)]) == 0
         capsys.readouterr()
-        (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
-                                    filter_string="tags.`bert.step` = 'predict'",
-                                    order_by=["attributes.start_time DESC"], max_results=1)
+        (run,) = mlflow.search_runs(
+            search_all_experiments=True,
+            output_format="list",
+            filter_string="tags.`bert.step` = 'predict'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
         return client.get_experiment(run.info.experiment_id).name, run.data.tags  # fmt: skip
 
     models = [info.model_uri, f"runs:/{run.info.run_id}/model", str(output),

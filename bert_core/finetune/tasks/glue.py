@@ -20,7 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert_core.finetune.engine import FinetuneTask, pad, padding_mask, predict_batches, sample
+from bert_core.finetune.engine import (
+    FinetuneTask,
+    majority,
+    pad,
+    padding_mask,
+    predict_batches,
+    sample,
+)
 from bert_core.finetune.tasks.glue_data import (
     Example,
     GlueTask,
@@ -158,6 +165,20 @@ class GlueFinetune(FinetuneTask):
     def evaluate(self, model, device, cfg):
         metrics, preds = evaluate_dev(self.glue, model, self.dev, device, cfg.eval_batch_size)
         return metrics, task_score(self.glue, metrics), preds
+
+    def baseline(self) -> tuple[float, str]:
+        """The training labels' most frequent class for every dev example; a regression's
+        constant answer has no correlation (0)."""
+        if self.glue.is_regression:
+            return 0.0, "a constant score"
+        label = majority(self.train.labels)
+        per_split = {
+            s: compute_metrics(self.glue, np.full(len(f), label), f.labels)
+            for s, f in self.dev.items()
+        }
+        metrics = task_metrics(self.glue, per_split)
+        name = self.labels[label] if self.labels else label
+        return task_score(self.glue, metrics), f"always {name} (the most frequent in training)"
 
     def summary(self, best: dict) -> dict:
         return {

@@ -329,6 +329,11 @@ class SquadFinetune(FinetuneTask):
         metrics |= best_thresholds(self.dev_examples, spans, null_odds)
         return metrics, percent("f1", metrics["f1"]), (preds, null_odds)
 
+    def baseline(self) -> tuple[float, str]:
+        """No answer to any question: 0 on 1.1; on 2.0 the share of unanswerable questions."""
+        metrics = squad_metrics(self.dev_examples, {}, self.version)
+        return percent("f1", metrics["f1"]), "no answer to any question"
+
     def summary(self, best: dict) -> dict:
         return {
             "squad_version": self.version,

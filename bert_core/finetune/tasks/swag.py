@@ -34,6 +34,7 @@ from bert_core.errors import InputError, NotFound, utf8_errors
 from bert_core.finetune.engine import (
     FinetuneConfig,
     FinetuneTask,
+    majority,
     pad,
     padding_mask,
     predict_batches,
@@ -196,6 +197,11 @@ class SwagFinetune(FinetuneTask):
         scores = predict(model, self.dev, device, cfg.eval_batch_size)
         accuracy = float((scores.argmax(-1) == self.dev.labels).mean())
         return {"accuracy": accuracy}, percent("accuracy", accuracy), scores
+
+    def baseline(self) -> tuple[float, str]:
+        label = majority(self.train.labels)
+        share = float((self.dev.labels == label).mean())
+        return percent("accuracy", share), f"always ending {label} (the most frequent in training)"
 
     def summary(self, best: dict) -> dict:
         return {

@@ -11,21 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from bert_core.pretrain.command import LOCAL_RAY_TRAIN
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("BERT_SHARED_DATA", ROOT.parent / "shared" / "data")).resolve()
 
-# Ray Train's controller for the many few-step pre-trainings of the suite (and the commands they
-# start, which inherit this environment): it polls its workers every 0.2 s, not 2 s (a run's start
-# and end are each seen up to a poll later), and starts no preemption watcher nor metrics actors
-# (cloud spot-instance and dashboard features; each is a process to start). Ray Train v2's own
-# variables (ray/train/v2/_internal/constants.py), propagated by Ray to its actors.
-RAY_TRAIN_QUICK = {
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
-    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-    "RAY_TRAIN_METRICS_ENABLED": "0",
-    "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
-}
-for _name, _value in RAY_TRAIN_QUICK.items():
+# `bert pretrain` gives the private Ray it starts Ray Train's quick settings itself
+# (pretrain.command.LOCAL_RAY_TRAIN); the suite's Ray heads (`ray start`, the Jobs API's drivers
+# and workers inherit this environment) get the same, for their many few-step pre-trainings.
+for _name, _value in LOCAL_RAY_TRAIN.items():
     os.environ.setdefault(_name, _value)
 
 

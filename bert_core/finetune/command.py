@@ -125,8 +125,8 @@ def run_result(task: FinetuneTask, cfg, run: tuple, model_uri: str, data_uri: st
     """What metrics.json holds for every trained model (`bert finetune`, `bert distill`): the
     kept epoch's metrics and score, the history, the settings, the task's counts, the training
     time and where model and data came from, and the task's baseline on the same dev set (the
-best answer that ignores the input: `FinetuneTask.baseline`). `run`: `train`'s (model, best,
-history, seconds)."""
+    best answer that ignores the input: `FinetuneTask.baseline`). `run`: `train`'s (model, best,
+    history, seconds)."""
     _, best, history, train_seconds = run
     baseline, rule = task.baseline()
     return {

@@ -361,17 +361,19 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
         except MlflowException as e:  # no such model or version: the user's to fix
             raise BertError(f"{name} version {version}: {e.message}") from None
     score, champion = _score(chosen), by_alias(client, name, CHAMPION)
+
+    def decision(now, promoted: bool, reason: str) -> dict:  # `now`: the champion after it
+        return {"registered_model": name, "version": int(chosen.version), "dev_score": score,
+                "champion": None if now is None else int(now.version), "promoted": promoted,
+                "reason": reason}  # fmt: skip
+
     baseline = _score(chosen, BASELINE_TAG)
     if score <= baseline:  # never champion, --force or not: it learned nothing worth serving
         reason = "not promoted: " + _below(score, baseline)
         client.set_model_version_tag(name, chosen.version, PROMOTION_TAG, reason)
-        return {"registered_model": name, "version": int(chosen.version), "dev_score": score,
-                "champion": None if champion is None else int(champion.version),
-                "promoted": False, "reason": reason}  # fmt: skip
+        return decision(champion, False, reason)
     if champion is not None and str(champion.version) == str(chosen.version):
-        return {"registered_model": name, "version": int(chosen.version), "dev_score": score,
-                "champion": int(chosen.version), "promoted": False,
-                "reason": "already the champion"}  # fmt: skip
+        return decision(chosen, False, "already the champion")
     old = None if champion is None else _score(champion)
     promoted = force or old is None or score > old
     if old is None:
@@ -384,6 +386,4 @@ def promote(name: str, version: str | int | None = None, force: bool = False) ->
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, chosen.version)
     client.set_model_version_tag(name, chosen.version, PROMOTION_TAG, reason)
-    now = chosen if promoted else champion
-    return {"registered_model": name, "version": int(chosen.version), "dev_score": score,
-            "champion": int(now.version), "promoted": promoted, "reason": reason}  # fmt: skip
+    return decision(chosen if promoted else champion, promoted, reason)

@@ -222,10 +222,10 @@ def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_cham
     assert str(registry.by_alias(client, "bert-gate", "champion").version) == str(first)
     worse, better = version(59.0), version(61.0)  # neither moves champion when registered
     assert str(registry.by_alias(client, "bert-gate", "champion").version) == str(first)
-    assert (registry.promote("bert-gate", worse)["promoted"], registry.promote("bert-gate", worse)
-            ["champion"]) == (False, int(first))  # fmt: skip
-    assert "not promoted: dev score" in client.get_model_version("bert-gate", worse).tags[
-        registry.PROMOTION_TAG]  # fmt: skip
+    refused = registry.promote("bert-gate", worse)
+    assert (refused["promoted"], refused["champion"]) == (False, int(first))
+    tags = client.get_model_version("bert-gate", worse).tags
+    assert "not promoted: dev score" in tags[registry.PROMOTION_TAG]
     assert registry.promote("bert-gate", better)["champion"] == int(better)
     assert registry.promote("bert-gate", better)["reason"] == "already the champion"
     assert registry.promote("bert-gate", worse, force=True)["champion"] == int(worse)

@@ -252,9 +252,10 @@ def pod(task, name: str, secrets: Iterable[tuple[str, tuple[str, ...]]] = ()):
     """A task as a cluster pod: its display name, requests and limits (RESOURCES), the
     ConfigMap and Secrets of `pipelines/cluster.py` (and `secrets`, pairs of name and keys) as
     environment variables (kfp-kubernetes), and the KFP run id as `KFP_RUN_ID` from the pod
-    label (downward API). Passed as an input, the run id would enter every step's cache key and
-    no later run could reuse a step; an environment variable does not, so caching works across
-    runs and each step still nests its MLflow run under its pipeline run."""
+    label (downward API); its container as the images' non-root user (RUN_AS_USER). Passed as
+    an input, the run id would enter every step's cache key and no later run could reuse a
+    step; an environment variable does not, so caching works across runs and each step still
+    nests its MLflow run under its pipeline run."""
     from kfp import kubernetes
 
     cpu, cpu_limit, memory = RESOURCES[name]
@@ -268,6 +269,8 @@ def pod(task, name: str, secrets: Iterable[tuple[str, tuple[str, ...]]] = ()):
     kubernetes.use_secret_as_env(
         task, cluster.AUTH_SECRET, {key: key for key in cluster.AUTH_KEYS}, optional=True
     )
+    user = cluster.RUN_AS_USER
+    kubernetes.set_security_context(task, run_as_user=user, run_as_group=user, run_as_non_root=True)
     return kubernetes.use_field_path_as_env(
         task, env_name=cluster.RUN_ID_ENV, field_path=cluster.RUN_ID_FIELD
     )

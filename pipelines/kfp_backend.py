@@ -243,6 +243,11 @@ IMPLEMENTED: Final[Mapping[str, str]] = MappingProxyType(
         _K + "KubernetesExecutorConfig.configMapAsVolume": _K8S + " (395-440)",
         _K + "KubernetesExecutorConfig.fieldPathAsEnv": _K8S + " (519-537)",
         _K + "KubernetesExecutorConfig.nodeSelector": _K8S + " (193-222)",
+        # the user's identity fields only; the compiler's defaults add the rest of "restricted"
+        _K + "KubernetesExecutorConfig.securityContext": _K8S + " (749-785)",
+        _K + "SecurityContext.runAsUser": _K8S + " (755-765), unless an admin default is set",
+        _K + "SecurityContext.runAsGroup": _K8S + " (766-773), unless an admin default is set",
+        _K + "SecurityContext.runAsNonRoot": _K8S + " (774-781), unless an admin default is set",
         _K + "KubernetesExecutorConfig.tolerations": _K8S + " (224-299)",
         _K + "KubernetesExecutorConfig.podMetadata": _ARGO + "container.go containerExecutorTask",
         _K + "SecretAsEnv.keyToEnv": _K8S + " (348)",

@@ -121,10 +121,21 @@ def pod_env(
         if not (path.startswith(prefix) and path.endswith(suffix)):
             raise PodConfigError(f"{executor}: field path {path} is not a pod label")
         env[entry["name"]] = labels.get(path[len(prefix) : -len(suffix)], "")
-    unknown = set(spec) - {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv", *PLACEMENT}
+    run_as_root(spec.get("securityContext", {}), executor)
+    unknown = set(spec) - {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv", "securityContext",
+                           *PLACEMENT}  # fmt: skip
     if unknown:  # volumes, affinity, ...: not modelled, so not silently ignored either
         raise PodConfigError(f"{executor}: platform settings the harness does not model: {unknown}")
     return env
+
+
+def run_as_root(context: Mapping, executor: str) -> None:
+    """The kubelet's refusal of a container that asks for runAsNonRoot with runAsUser 0
+    (kubernetes pkg/kubelet/kuberuntime/security_context_others.go verifyRunAsNonRoot: "container's
+    runAsUser breaks non-root policy"); the harness's processes run as whoever runs the tests, so
+    the user itself is not modelled, only this refusal."""
+    if context.get("runAsNonRoot") and str(context.get("runAsUser", "")) == "0":
+        raise PodConfigError(f"{executor}: container's runAsUser breaks non-root policy")
 
 
 PLACEMENT = ("nodeSelector", "tolerations")

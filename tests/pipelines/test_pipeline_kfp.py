@@ -250,7 +250,13 @@ def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
         pod = env[task["executor"]]
         on_gpus = name in ("finetune", "distill")
         placement = {"nodeSelector", "tolerations"} if on_gpus else set()
-        assert set(pod) == {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv", *placement}, name
+        assert set(pod) == {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv", "securityContext",
+                            *placement}, name  # fmt: skip
+        # the images' user, never root (the compiler adds the rest of "restricted")
+        user = str(cluster.RUN_AS_USER)
+        assert pod["securityContext"] == {"runAsUser": user, "runAsGroup": user,
+                                          "runAsNonRoot": True}, name  # fmt: skip
+        assert user != "0"
         (config,) = pod["configMapAsEnv"]
         assert config["configMapName"] == cluster.CONFIG_MAP and config["optional"] is False
         assert [(k["configMapKey"], k["envVar"]) for k in config["keyToEnv"]] == [

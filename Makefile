@@ -24,7 +24,13 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
 	touch $@
 
-venv: $(VENV)/.installed
+# checkov (tests/test_pod_security.py scans infra/ with it) in a venv of its own: it pins exact
+# versions of boto3, dpath and tabulate that conflict with the project's lock.
+$(VENV)/checkov/bin/checkov: $(VENV)/.installed
+	python3 -m venv $(VENV)/checkov
+	PYTHONPATH= $(VENV)/checkov/bin/pip install -q --disable-pip-version-check --no-compile checkov==3.3.30
+
+venv: $(VENV)/.installed $(VENV)/checkov/bin/checkov
 
 lint: venv
 	$(PY) -m ruff check .

@@ -754,8 +754,8 @@ def test_minio_pipeline_user_is_scoped_to_the_bucket(rendered, rendered_kfp):
     ), "$(VAR) expands only variables defined before it"
     for key in cluster.SECRET_KEYS:
         assert env[key]["valueFrom"]["secretKeyRef"] == {"name": cluster.SECRET, "key": key}
-    (mount,) = mc["volumeMounts"]
-    (volume,) = _pod_specs(_object(rendered, "Job", "minio-create-bucket"))[0]["volumes"]
+    mount, _tmp = mc["volumeMounts"]  # the policy files, and /tmp for mc's config
+    volume, _ = _pod_specs(_object(rendered, "Job", "minio-create-bucket"))[0]["volumes"]
     assert volume["configMap"]["name"] == "bert-minio-policy" and mount["name"] == volume["name"]
     assert f"{mount['mountPath']}/minio-policy.json" in mc["args"][0]
 

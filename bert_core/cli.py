@@ -27,10 +27,11 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bert_core.errors import BertError, Interrupted, interrupts_raise
+from bert_core.errors import BertError, Interrupted, interrupts_raise, refuse_secrets
 
 # What an interrupted step that keeps no checkpoint leaves (every step but pretrain: each writes
 # its whole output or nothing, in minutes, and its MLflow run ends KILLED).
@@ -82,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"bert: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    try:
+        refuse_secrets(_option_values(rest))
+    except BertError as e:
+        print(f"bert {name}: error: {e}", file=sys.stderr)
+        return 2
     module = importlib.import_module(COMMANDS[name][0])
     try:
         with interrupts_raise():
@@ -95,6 +101,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bert {name}: interrupted ({signal.Signals(stopped.signum).name}): {what}",
               file=sys.stderr)  # fmt: skip
         return stopped.exit_code
+
+
+def _option_values(argv: list[str]) -> Iterator[tuple[str, str]]:
+    """(option, value) for each value in `argv` (`--opt value`, `--opt=value`, positionals)."""
+    option = "argument"
+    for token in argv:
+        if token.startswith("--") and "=" in token:
+            yield tuple(token.split("=", 1))
+        elif token.startswith("-") and len(token) > 1:
+            option = token
+        else:
+            yield option, token
 
 
 # Kubeflow: what the components in components/steps.py call.

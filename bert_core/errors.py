@@ -20,7 +20,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -295,6 +295,35 @@ def redacted(uri: str) -> str:
         return uri
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def refuse_secrets(values: Iterable[tuple[str, Any]]) -> None:
+    """Fail (BadValue, naming where) on a value that is a URI with a password in its user info
+    (`s3://KEY:SECRET@bucket/x`, `postgresql://u:pw@host/db`), looking inside dicts and lists: a
+    setting is printed in messages, logged as an MLflow param and shown in process lists, so a
+    credential never travels in one. The one exception is MLFLOW_TRACKING_URI, which MLflow's
+    clients read as Basic auth: it is read with `credentials` and shown `redacted`."""
+    for where, value in values:
+        if isinstance(value, dict):
+            refuse_secrets((f"{where}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list | tuple):
+            refuse_secrets((where, v) for v in value)
+        elif isinstance(value, str) and _password(value) is not None:
+            raise BadValue(
+                f"{where}: {redacted(value)} holds a password, and a setting is shown in logs, "
+                "MLflow params and process lists: give S3 keys as AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY and MLflow's as MLFLOW_TRACKING_USERNAME / "
+                "MLFLOW_TRACKING_PASSWORD (Secrets on a cluster), and the URI without them"
+            )
+
+
+def _password(value: str) -> str | None:
+    """The password in `value`'s user info when it is a URI (RFC 3986, as urllib splits it)."""
+    try:
+        parts = urlsplit(value)
+        return parts.password if len(parts.scheme) > 1 and parts.netloc else None
+    except ValueError:  # not a URI (an unbalanced '[' in a host, say)
+        return None
 
 
 def credentials(uri: str) -> tuple[str, tuple[str, str] | None]:

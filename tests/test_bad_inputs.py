@@ -363,6 +363,9 @@ CASES = [
          "nope.txt: no such file or folder"),
     Case("clean-s3-missing-input", "missing", lambda r: clean(r, "--input", s3("nope.txt")),
          f"{s3('nope.txt')}: no such file or folder"),
+    Case("clean-password-in-s3-uri", "setting",
+         lambda r: clean(r, "--input", "s3://AKIAEXAMPLE:wJalrEXAMPLEKEY@bert/corpus"),
+         "--input: s3://AKIAEXAMPLE:***@bert/corpus holds a password"),
     Case("clean-unsupported-suffix", "format",
          lambda r: clean(r, "--input", r.file("book.csv", "a,b\n")), "unsupported input type"),
     Case("clean-empty-folder", "missing",
@@ -478,6 +481,10 @@ CASES = [
     Case("instances-cased-with-uncased-vocab", "setting",
          lambda r: instances(r, "--cased"), "tokenizer_config.json: the vocabulary is uncased"),
     # ---- bert pretrain
+    Case("pretrain-password-in-output-uri", "setting",
+         lambda r: ["pretrain", "--instances", r.good.instances,
+                    "--output=s3://AKIAEXAMPLE:wJalrEXAMPLEKEY@bert/pretrain"],
+         "--output: s3://AKIAEXAMPLE:***@bert/pretrain holds a password"),
     Case("pretrain-no-shards", "missing",
          lambda r: pretrain(r, data=r.file("i/stats.json", "{}").parent),
          "no shard-*.parquet files"),
@@ -563,6 +570,9 @@ CASES = [
          lambda r: ["pretrain", "--instances", r.good.instances, "--output",
                     r.file("taken", "x"), "--steps", "2"], "exists and is a file"),  # fmt: skip
     # ---- bert finetune
+    Case("finetune-password-in-data-uri", "setting",
+         lambda r: finetune(r, data="s3://pipeline:hunter2@bert/glue/SST-2"),
+         "--data: s3://pipeline:***@bert/glue/SST-2 holds a password"),
     Case("finetune-vocab-larger-than-model", "model",
          lambda r: finetune(r, model=r.model(lambda m: (m / "vocab.txt").write_text(
              r.good.vocab.read_text() + "".join(f"extra{i}\n" for i in range(40))))),

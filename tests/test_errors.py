@@ -134,3 +134,45 @@ def test_only_our_errors_are_one_line_anything_else_is_a_bug_with_its_traceback(
     monkeypatch.setattr(evaluate, "main", raising(FileNotFoundError("/tmp/x.lock")))
     with pytest.raises(FileNotFoundError):
         cli.main(["evaluate"])
+
+
+SECRET = "wJalrXUtnFEMI-sekrit"
+
+
+def test_a_password_in_a_uri_setting_is_refused_before_anything_and_never_shown(
+    tmp_path, monkeypatch, capsys
+):
+    """A URI with a password in its user info, as a `bert` option (`--opt value`, `--opt=value`,
+    a positional) or a pipeline setting (DVC's params, a KFP run's settings, nested in a dict or
+    a list), is refused naming where, its password shown as ***, before any MLflow store, run or
+    param exists. URIs with no password (a user alone, models:/NAME@ALIAS, hf:ORG/NAME@REV) pass."""
+    from bert_core import cli
+    from bert_core.errors import BadValue, refuse_secrets
+    from bert_core.track import lineage
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    uri = f"s3://AKIAEXAMPLE:{SECRET}@bert/data"
+    for argv, where in (
+        (["clean", "--input", uri, "--output", "out"], "--input"),
+        (["clean", "--input", "x.txt", f"--output={uri}"], "--output"),
+        (["evaluate", uri], "argument"),
+    ):
+        assert cli.main(argv) == 2
+        out, err = capsys.readouterr()
+        assert err == f"bert {argv[0]}: error: {where}: {uri.replace(SECRET, '***')} holds a " + (
+            err.split(" holds a ", 1)[1]
+        )
+        assert SECRET not in out + err and err.count("\n") == 1
+    with pytest.raises(BadValue, match=r"^data\.corpus: s3://AKIAEXAMPLE:\*\*\*@") as e:
+        with lineage.start_pipeline_run(params={"data": {"corpus": uri}}):
+            pass
+    assert SECRET not in str(e.value)
+    monkeypatch.setenv("KFP_RUN_ID", "run-1")
+    db = f"postgresql+psycopg2://mlflow:{SECRET}@postgres:5432/mlflow"
+    with pytest.raises(BadValue, match=r"^finetune_tasks: postgresql\+psycopg2://mlflow:\*\*\*@"):
+        lineage.kfp_pipeline_run({"finetune_tasks": ["SST-2", db]})
+    assert list(tmp_path.iterdir()) == []  # no store, no output: refused before anything
+    refuse_secrets([("a", "s3://bucket/key"), ("b", "http://user@host:5000"),
+                    ("c", "models:/bert-sst2@champion"), ("d", "hf:org/name@" + "0" * 40),
+                    ("e", "http://[bad"), ("f", "C:/data/x")])  # fmt: skip

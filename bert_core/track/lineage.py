@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from bert_core import storage
+from bert_core.errors import refuse_secrets
 from bert_core.tracking import default_tags, environ, flatten, tracking_uri
 
 PIPELINE_EXPERIMENT = "bert-pipeline"
@@ -55,6 +56,8 @@ def start_pipeline_run(
     """
     import mlflow
 
+    if params:  # before anything is logged
+        refuse_secrets((params if isinstance(params, Mapping) else flatten(params)).items())
     mlflow.set_tracking_uri(tracking_uri())
     mlflow.set_experiment(pipeline)
     all_tags = {**default_tags(), "bert.pipeline": pipeline, "bert.step": "pipeline"}
@@ -204,6 +207,7 @@ def kfp_pipeline_run(settings: dict[str, Any], pipeline: str = PIPELINE_EXPERIME
     from mlflow import MlflowClient
     from mlflow.entities import Param
 
+    refuse_secrets(settings.items())
     kfp_run_id = os.environ.get("KFP_RUN_ID", "")
     if not kfp_run_id:
         return None

@@ -11,6 +11,11 @@ app): an ASGI middleware. Errors come in the shape of the route's protocol.
   `max_concurrency` x `max_body_bytes`. /ping, /health, /version and V2's health and metadata
   routes are never refused, so a health check answers under any load.
 - A body not received within `body_timeout` seconds -> 408 (a slow client holding a slot).
+- Request headers not complete within `header_timeout` seconds: the connection is closed
+  (`with_header_timeout`, on uvicorn's HTTP protocol: a connection that never finishes its
+  headers never reaches the app, so no middleware can time it out; uvicorn has no header timeout
+  of its own, only the keep-alive one between requests). Such a connection holds no model slot
+  meanwhile, but it counts against uvicorn's `--max-connections`, which refuses /ping too.
 
 Why not uvicorn's `limit_concurrency` (uvicorn/protocols/http/h11_impl.py): it counts open
 connections as well as requests, so 32 idle keep-alive clients fill it; its 503 is plain text
@@ -108,6 +113,48 @@ class Limits:
         message = (f"the request body is {size}more than the server's limit of "
                    f"{self.max_body_bytes:,} bytes (--max-body-bytes)")  # fmt: skip
         await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", message, (), v2)
+
+
+def with_header_timeout(protocol: type, seconds: float) -> type:
+    """uvicorn's HTTP `protocol` class (h11's or httptools', the same attributes) closing a
+    connection whose request headers are not complete `seconds` after it opened or after the
+    first bytes of its next request: what nginx's `client_header_timeout` does to a slowloris."""
+
+    class HeaderTimeout(protocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if not self._between_requests():
+                self._disarm()
+            elif self._header_timer is None:  # the next request's first bytes
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            self._header_timer = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _expired(self) -> None:
+            self._header_timer = None
+            if self._between_requests() and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeout
 
 
 def content_length(scope) -> int | None:

@@ -170,6 +170,9 @@ class Predictor:
                     raise BadInput(f"{name!r} must be text, got {type(v).__name__}", row)
                 if not v.strip():
                     raise BadInput(f"{name!r} is empty", row)
+                if not v.isascii() and (lone := _lone_surrogate(v)) is not None:
+                    raise BadInput(f"{name!r} is not Unicode text: a lone surrogate "
+                                   f"(U+{ord(v[lone]):04X}) at character {lone}", row)  # fmt: skip
                 if len(v) > self.settings.max_chars:
                     raise BadInput(
                         f"{name!r} has {len(v):,} characters, more than max_chars "
@@ -177,6 +180,16 @@ class Predictor:
                     )  # fmt: skip
             out[name] = values
         return out
+
+
+def _lone_surrogate(text: str) -> int | None:
+    """Where `text` holds half of a UTF-16 pair (JSON's "\\ud800" decodes to one): no tokenizer
+    can encode it."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
 
 
 def label_names(config: dict) -> list[str]:

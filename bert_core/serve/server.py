@@ -16,7 +16,8 @@ Around both:
 - `limits.Limits`, an ASGI middleware: a body over `--max-body-bytes` -> 413; more than
   `--max-concurrency` requests to /invocations in flight -> 503 with Retry-After; a body that
   does not arrive within `--body-timeout` -> 408 (see that module for why not uvicorn's own
-  `limit_concurrency`, which is kept as the backstop, `--max-connections`);
+  `limit_concurrency`, which is kept as the backstop, `--max-connections`); a connection whose
+  headers are not complete within `--header-timeout` is closed (`limits.with_header_timeout`);
 - `batching.BatchedModel`: requests that arrive while the model is busy are answered together,
   one call of the model, up to `--max-batch-rows` rows;
 - `batching.BatchedModel` answers both protocols' requests from one queue;
@@ -125,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=number("positive"),
         default=30.0,
         help="seconds for the request body to arrive, else 408 (default 30)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=number("positive"),
+        default=20.0,
+        help="seconds for a request's headers to arrive, else the connection is closed "
+        "(default 20)",
     )
     return p  # fmt: skip
 
@@ -241,7 +249,12 @@ def run(app, sock: socket.socket, args: argparse.Namespace, banner: str) -> None
     import uvicorn
 
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, host=args.host, port=port, lifespan="on",
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from bert_core.serve.limits import with_header_timeout
+
+    http = with_header_timeout(AutoHTTPProtocol, args.header_timeout)
+    config = uvicorn.Config(app, host=args.host, port=port, lifespan="on", http=http,
                             limit_concurrency=args.max_connections,
                             timeout_graceful_shutdown=args.timeout)  # fmt: skip
     server = uvicorn.Server(config)

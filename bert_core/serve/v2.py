@@ -25,15 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import pandas as pd
+from fastapi.exceptions import RequestValidationError
 from kserve import Model
 from kserve.errors import InvalidInput
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 from kserve.utils.utils import generate_uuid
+from starlette.exceptions import HTTPException
 
 from bert_core.serve.mlflow_model import RefusedInput
+
+log = logging.getLogger("uvicorn.error")  # the server's log (bert_core.serve.server's)
 
 # MLflow signature types -> V2 datatypes; an Array or Object (anything else) is JSON in BYTES
 DATATYPES = {"string": "BYTES", "double": "FP64", "float": "FP32", "long": "INT64",
@@ -84,7 +89,20 @@ class V2Model(Model):
             if tensor.datatype != "BYTES" or len(tensor.shape) != 1:
                 raise InvalidInput(f"input {tensor.name!r}: expected a BYTES tensor of shape "
                                    f"[rows], got {tensor.datatype} {tensor.shape}")  # fmt: skip
-            columns[tensor.name] = [_text(v) for v in tensor.as_numpy().tolist()]
+            try:  # KServe reshapes the data to the declared shape
+                values = tensor.as_numpy().tolist()
+            except ValueError:
+                raise InvalidInput(f"input {tensor.name!r}: its data do not fit its shape "
+                                   f"{tensor.shape}") from None  # fmt: skip
+            for row, v in enumerate(values):  # MLflow's schema check would fail with a 500
+                if not isinstance(v, str | bytes):
+                    raise InvalidInput(f"input {tensor.name!r}: row {row} is "
+                                       f"{type(v).__name__}, not text")  # fmt: skip
+            columns[tensor.name] = [_text(v) for v in values]
+        missing = [name for name, optional in self.inputs if not optional and name not in columns]
+        if missing:  # MLflow's schema check would fail with a 500
+            raise InvalidInput(f"missing input {', '.join(map(repr, missing))} (this model's "
+                               f"inputs: {sorted(known)})")  # fmt: skip
         if len({len(v) for v in columns.values()}) > 1:
             shapes = {k: len(v) for k, v in columns.items()}
             raise InvalidInput(f"inputs of different lengths: {shapes}")
@@ -136,4 +154,34 @@ def v2_app(model: V2Model):
     rest._add_middlewares(app)
     rest._register_endpoints(app)
     rest._add_exception_handlers(app)
+    # in the V2 error shape too: FastAPI's own refusals (a body that is not JSON or nested past
+    # the parser's depth: 400; fields of the wrong type: 422, both `{"detail": ...}` by default),
+    # and anything unexpected, which KServe answers 500 with the exception's type and text
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(Exception, _internal_error)
     return app
+
+
+async def _http_error(request, exc):
+    from fastapi.responses import ORJSONResponse
+
+    return ORJSONResponse({"error": str(exc.detail)}, exc.status_code, headers=exc.headers)
+
+
+async def _invalid_request(request, exc):
+    from fastapi.responses import ORJSONResponse
+
+    first = (exc.errors() or [{}])[0]
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    if first.get("type") == "json_invalid":  # a malformed request, not a wrong value: 400
+        return ORJSONResponse({"error": f"the body is not JSON (error at character {where})"}, 400)
+    message = f"{where or 'request'}: {first.get('msg', 'not a valid request')}"
+    return ORJSONResponse({"error": message}, 422)
+
+
+async def _internal_error(request, exc):
+    from fastapi.responses import ORJSONResponse
+
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return ORJSONResponse({"error": "internal error (the server's log has the details)"}, 500)

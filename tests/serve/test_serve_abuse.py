@@ -35,7 +35,7 @@ from tests.serving_helpers import build, free_port, stop_server, wait_until_up
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # a real server: about 30 s on 2 cores
 LIMITS = ["--max-body-bytes", "65536", "--max-concurrency", "2", "--max-chars", "1000",
-          "--body-timeout", "5"]  # fmt: skip
+          "--body-timeout", "5", "--header-timeout", "2"]  # fmt: skip
 GOOD = {"dataframe_records": [{"text": "still up"}]}
 
 
@@ -208,6 +208,30 @@ def test_slow_bodies_hold_their_slots_until_the_body_timeout(server):
             reply = b"".join(iter(lambda s=s: s.recv(4096), b""))
             assert reply.startswith(b"HTTP/1.1 408"), reply
             assert b"did not arrive within 5 s" in reply
+    finally:
+        for s in held:
+            s.close()
+    assert_serving(server)
+
+
+def test_headers_that_never_finish_are_cut_and_hold_no_model_slot(server):
+    """A slowloris: 20 connections each send half a request's headers and stop. Meanwhile /ping
+    and the model answer (--max-concurrency is 2: none of the 20 holds a slot); within a few
+    seconds of --header-timeout (2 s) the server has closed every one of them."""
+    held = [socket.create_connection(("127.0.0.1", server.port), timeout=15) for _ in range(20)]
+    try:
+        for s in held:
+            s.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+        time.sleep(0.3)
+        assert call(server.port, method="GET", path="/ping")[0] == 200
+        assert_serving(server)
+        start = time.monotonic()
+        for s in held:  # closed by the server, with nothing sent
+            try:
+                assert s.recv(4096) == b""
+            except ConnectionResetError:
+                pass
+        assert time.monotonic() - start < 10
     finally:
         for s in held:
             s.close()

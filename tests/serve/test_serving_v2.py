@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,11 +146,28 @@ def test_bad_requests_get_a_v2_error_body(logged):
         ({"inputs": [{**tensor, "data": ["word " * 500]}]}, 400, "more than max_chars 2,000"),
         ({"inputs": [{**tensor, "shape": [2], "data": ["a", "b" * 30000]}]}, 413,
          "more than the server's limit of 20,000 bytes"),
+        # the probe of issue #43: each was a 500 with internal text, or a crash
+        ({"inputs": [{**tensor, "shape": [3]}]}, 400, "its data do not fit its shape [3]"),
+        ({"inputs": [{**tensor, "shape": [2], "data": [1, 2]}]}, 400,
+         "'text': row 0 is int, not text"),
+        ({"inputs": []}, 400, "missing input 'text'"),
+        ('{"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["a\\ud800"]}]}',
+         400, "row 0: 'text' is not Unicode text: a lone surrogate (U+D800) at character 1"),
+        ("[" * 5_000 + "]" * 5_000, 400, "error parsing the body"),  # past any parser's depth
+        ({"instances": "not rows"}, 400, 'expected {"instances"'),
+        ({"inputs": "not a list"}, 422, "inputs: Input should be a valid list"),
+        ("{not json", 400, "the body is not JSON (error at character 1)"),
     ]  # fmt: skip
     for payload, status, message in bad:
-        answer = client.post("/v2/models/m/infer", json=payload)
-        assert answer.status_code == status, (payload, answer.text)
+        path = "/v1/models/m:predict" if "instances" in payload else "/v2/models/m/infer"
+        if isinstance(payload, str):  # raw JSON text
+            headers = {"content-type": "application/json"}
+            answer = client.post(path, content=payload.encode(), headers=headers)
+        else:
+            answer = client.post(path, json=payload)
+        assert answer.status_code == status, (payload, answer.text[:500])
         assert set(answer.json()) == {"error"} and message in answer.json()["error"], answer.text
+        assert not re.search(r"Traceback|Error\b|Exception|File \"", answer.text), answer.text
     missing = client.post("/v2/models/nope/infer", json={"inputs": [tensor]})
     assert missing.status_code == 404 and "nope" in missing.json()["error"]
     answer = client.post("/v2/models/m/infer", json={"inputs": [tensor]})  # still serving
@@ -157,6 +175,30 @@ def test_bad_requests_get_a_v2_error_body(logged):
     # MLflow's protocol keeps its own error body
     mlflow_error = client.post("/invocations", json={"dataframe_records": [{"text": " "}]})
     assert mlflow_error.status_code == 422 and "error_code" in mlflow_error.json()
+    surrogate = b'{"dataframe_records": [{"text": "\\udfff"}]}'
+    mlflow_error = client.post("/invocations", content=surrogate,
+                               headers={"content-type": "application/json"})  # fmt: skip
+    assert mlflow_error.status_code == 422 and "lone surrogate" in mlflow_error.json()["message"]
+
+
+def test_an_unexpected_failure_is_a_500_without_internal_text(logged):
+    """A model that fails in a way no check foresaw: V2 answers 500 in its shape with no
+    exception type or text (KServe's own handler puts both in the body); the log has them."""
+
+    def exploding(frame, params=None):
+        raise RuntimeError("internal state at /opt/bert/secret.py:42")
+
+    _, _, uris = logged
+    args = server.parse_args([uris["classification"], "--name", "m"])
+    with server.model_files(uris["classification"], {}) as (local, meta, config):
+        pyfunc = mlflow.pyfunc.load_model(str(local), model_config=config or None)
+    pyfunc.predict = exploding
+    app = server.build_app(BatchedModel(pyfunc), args, meta)
+    client = TestClient(app, raise_server_exceptions=False)
+    tensor = {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["fine"]}
+    answer = client.post("/v2/models/m/infer", json={"inputs": [tensor]})
+    assert answer.status_code == 500, answer.text
+    assert answer.json() == {"error": "internal error (the server's log has the details)"}
 
 
 @pytest.mark.slow

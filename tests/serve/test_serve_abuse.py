@@ -194,7 +194,8 @@ def test_a_flood_gets_503_and_the_server_then_serves(server):
 
 def test_slow_bodies_hold_their_slots_until_the_body_timeout(server):
     """Two requests that send headers and no body fill --max-concurrency 2: a third gets 503
-    while /ping still answers; after --body-timeout (5 s) both get 408 and the slots free."""
+    while the health routes (MLflow's and V2's) still answer; after --body-timeout (5 s) both
+    get 408 and the slots free."""
     head = (b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100\r\n\r\n")  # fmt: skip
     held = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(2)]
@@ -203,7 +204,8 @@ def test_slow_bodies_hold_their_slots_until_the_body_timeout(server):
             s.sendall(head)
         time.sleep(0.5)
         assert call(server.port, GOOD)[0] == 503
-        assert call(server.port, method="GET", path="/ping")[0] == 200
+        for probe in ("/ping", "/health", "/v2/health/live", "/v2/health/ready"):  # never refused
+            assert call(server.port, method="GET", path=probe)[0] == 200, probe
         for s in held:  # the server answers, then closes
             reply = b"".join(iter(lambda s=s: s.recv(4096), b""))
             assert reply.startswith(b"HTTP/1.1 408"), reply

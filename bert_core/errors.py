@@ -141,6 +141,21 @@ def utf8_errors(path: str | os.PathLike, name: str | None = None) -> Iterator[No
         raise InputError(name or path, f"not UTF-8 text ({e.reason})", line=line) from None
 
 
+# The longest line `text_lines` reads: a sentence, a paragraph or a record is far shorter, and a
+# longer one (60 MB in a 174 KB .gz) would otherwise be read whole into memory before any check.
+MAX_LINE_CHARS = 16 << 20
+
+
+def text_lines(f, path: str | os.PathLike, limit: int = MAX_LINE_CHARS) -> Iterator[str]:
+    """The lines of the open text file `f` (of `path`), each read with at most `limit`
+    characters in memory: a longer one is an `InputError` naming the file and the line."""
+    for number, line in enumerate(iter(lambda: f.readline(limit + 1), ""), start=1):
+        if len(line) > limit:
+            raise InputError(path, f"a line over {limit:,} characters: one sentence, paragraph "
+                                   "or record per line is the format", line=number)  # fmt: skip
+        yield line
+
+
 class OutputSpaceError(BertError):
     """The output could not be written for lack of room: a full disk, a quota, or a file size
     limit (`ulimit -f`). Named after the output the user asked for, not a staging path."""

@@ -353,6 +353,7 @@ def s3(key: str) -> str:
     return f"s3://{BUCKET}/{key}"
 
 
+LONG_LINE = (16 << 20) + 1  # characters: one more than `errors.text_lines` holds
 GOOD_ROWS = [f"{s}\t{i % 2}" for i, s in enumerate(SENTENCES)]
 
 CASES = [
@@ -416,6 +417,9 @@ CASES = [
          "nope: no such file or folder"),
     Case("vocab-s3-missing-input", "missing", lambda r: vocab(r, s3("corpus/")),
          f"{s3('corpus/')}: no such file or folder"),
+    Case("vocab-line-over-16-mi-characters", "format",
+         lambda r: vocab(r, r.file("d/shard-0.txt", "A line.\n" + "x" * LONG_LINE + "\n").parent),
+         "shard-0.txt:2: a line over 16,777,216 characters"),
     Case("vocab-no-shards", "missing", lambda r: vocab(r, r.file("d/x.md", "x").parent),
          "no .txt shards"),
     Case("vocab-empty-shards", "content", lambda r: vocab(r, r.file("d/shard-0.txt", "\n\n")),
@@ -441,6 +445,10 @@ CASES = [
          lambda r: ["vocab", "--input", r.good.clean, "--output", r.file("taken", "x"),
                     "--vocab-size", "100"], "exists and is a file"),  # fmt: skip
     # ---- bert instances
+    Case("instances-line-over-16-mi-characters", "format",
+         lambda r: instances(r, data=r.file("c/shard-0.txt",
+                                            "A doc.\n\nAnother.\n\n" + "x" * LONG_LINE).parent),
+         "shard-0.txt:5: a line over 16,777,216 characters"),
     Case("instances-seq-length-over-512", "setting",
          lambda r: instances(r, "--max-seq-length", "1000"),
          "--max-seq-length 1000 exceeds max_position_embeddings 512"),
@@ -762,6 +770,12 @@ CASES = [
     Case("predict-bad-jsonl-line", "format",
          lambda r: predict(r, r.file("in.jsonl", '{"text": "ok"}\n{"text": "cut\n')),
          "in.jsonl:2: not JSON"),
+    Case("predict-jsonl-line-over-16-mi-characters", "format",
+         lambda r: predict(r, r.file("in.jsonl", '{"text": "ok"}\n{"text": "' + "x" * LONG_LINE)),
+         "in.jsonl:2: a line over 16,777,216 characters"),
+    Case("predict-tsv-field-over-max-chars", "content",
+         lambda r: predict(r, r.file("in.tsv", "text\n" + "x" * 200_000 + "\n")),
+         "in.tsv:2: 'text' has 200,000 characters, more than max_chars 20,000"),
     Case("predict-tsv-row-fields", "format",
          lambda r: predict(r, r.file("in.tsv", "sentence\tlabel\nok\t1\nno label\n")),
          "in.tsv:3: 1 tab-separated fields, the header has 2"),

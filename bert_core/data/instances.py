@@ -48,7 +48,7 @@ from bert_core.data.tokenizer import (
     text_shards,
     write_tokenizer_settings,
 )
-from bert_core.errors import InputError, utf8_errors
+from bert_core.errors import InputError, text_lines, utf8_errors
 from bert_core.options import add_options, config_from_args
 
 __all__ = ["SCHEMA", "InstanceConfig", "create_instances", "main"]
@@ -66,20 +66,19 @@ def _worker_init() -> None:
 
 
 def count_documents(files: list[Path], at_least: int = 2) -> int:
-    """Documents in the input (blank-line separated), counted up to `at_least`."""
+    """Documents in the input (blank-line separated), counted up to `at_least`; every line is
+    read (`text_lines`), so a line too long to hold is refused here, before any work."""
     n = 0
     for file in files:
         in_doc = False
         with utf8_errors(file), open(file, encoding="utf-8") as f:
-            for line in f:
+            for line in text_lines(f, file):
                 if line.strip():
                     n += not in_doc
                     in_doc = True
-                    if n >= at_least:
-                        return n
                 else:
                     in_doc = False
-    return n
+    return min(n, at_least)
 
 
 def check_inputs(input_dir: Path, vocab_file: Path, cfg: InstanceConfig) -> list[Path]:

@@ -34,7 +34,7 @@ from tokenizers import (
 
 from bert_core import hub, storage
 from bert_core.data.text_quality import JunkMeter
-from bert_core.errors import BadValue, InputError, NotFound, utf8_errors
+from bert_core.errors import BadValue, InputError, NotFound, text_lines, utf8_errors
 from bert_core.options import add_options, config_from_args, option
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -244,7 +244,7 @@ def iter_text(input_dir: Path) -> Iterator[str]:
     for file in text_shards(input_dir):
         meter = JunkMeter(file)
         with utf8_errors(file), open(file, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
+            for number, line in enumerate(text_lines(f, file), start=1):
                 meter.add(line, number)
                 if line.strip():
                     yield line

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bert_core import storage
-from bert_core.errors import BadValue, InputError, NotFound, utf8_errors
+from bert_core.errors import BadValue, InputError, NotFound, text_lines, utf8_errors
 
 INPUT_FORMATS = {".txt": "text", ".tsv": "tsv", ".jsonl": "jsonl", ".parquet": "parquet"}
 OUTPUT_FORMATS = (".jsonl", ".parquet")
@@ -135,12 +135,16 @@ def _renamed(path: Path, frame, to_model: dict[str, str], start: int):
 def _rows(path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
     """(line number, row) of a text, TSV or JSONL file."""
     with utf8_errors(path), open(path, encoding="utf-8", newline="" if fmt == "tsv" else None) as f:
+        lines = text_lines(f, path)
         if fmt == "tsv":
-            reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-            for row in reader:
-                yield reader.line_num, row
+            reader = csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE)
+            try:
+                for row in reader:
+                    yield reader.line_num, row
+            except csv.Error as e:  # a field over csv's limit (131,072 characters)
+                raise InputError(path, str(e), line=reader.line_num) from None
             return
-        for n, text in enumerate(f, start=1):
+        for n, text in enumerate(lines, start=1):
             text = text.rstrip("\n")
             if fmt == "text":
                 yield n, [text]

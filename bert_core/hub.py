@@ -111,6 +111,27 @@ def resolve(spec: str | os.PathLike) -> Path:
     return folder
 
 
+def folder(spec: str | os.PathLike) -> str:
+    """The local folder a named checkpoint is in (an `hf:` one once downloaded: its cache
+    folder), fetching nothing; anything else as given. What an `--output` is compared with
+    (`storage.check_apart`): an output inside the cache or the package would overwrite it."""
+    spec = str(spec)
+    if spec.startswith(HUB):
+        repo, revision = _hub(spec)
+        return str(cache_dir() / repo.replace("/", "--") / revision)
+    return str(_package_dir(spec)) if spec.startswith(PACKAGE) else spec
+
+
+def folders(inputs: dict[str, object]) -> dict[str, object]:
+    """`inputs` (option -> a spec, a list of them or None) with each named checkpoint as its
+    `folder`, for `storage.check_apart`."""
+    return {
+        option: [folder(v) for v in value] if isinstance(value, list | tuple)
+        else folder(value) if value else value
+        for option, value in inputs.items()
+    }  # fmt: skip
+
+
 def location(spec: str | os.PathLike) -> str:
     """Where a command reads a model from: a named checkpoint's local folder (`resolve`), a
     folder or `s3://` URI as given (`Path` would fold an URI's `//`), for `storage.local_copy`."""
@@ -132,7 +153,7 @@ def identity(spec: str | os.PathLike) -> str:
 
 def _download(repo: str, revision: str) -> Path:
     """Fetch the checkpoint's files once into the cache (see the module docstring)."""
-    dest = cache_dir() / repo.replace("/", "--") / revision
+    dest = Path(folder(f"{HUB}{repo}@{revision}"))
     if all((dest / name).is_file() for name in REQUIRED):
         return dest
     endpoint = os.environ.get("HF_ENDPOINT", ENDPOINT).rstrip("/")

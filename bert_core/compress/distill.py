@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                         "pair classification, STS-B regression), not token, span or "
                         "multiple-choice tasks")  # fmt: skip
     given = {"--teacher": args.teacher, "--student": args.student, "--data": args.data}
-    check_apart({"--output": args.output}, given)
+    check_apart({"--output": args.output}, hub.folders(given))
     with (
         local_model(args.teacher) as (teacher, _),
         local_copy(hub.location(args.student)) as student,

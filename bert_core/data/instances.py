@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args, InstanceConfig)
     cfg.validate()  # the settings, before any input is downloaded
-    storage.check_apart({"--output": args.output}, {"--input": args.input, "--vocab": args.vocab})
+    inputs = {"--input": args.input, "--vocab": args.vocab}
+    storage.check_apart({"--output": args.output}, hub.folders(inputs))
     if hub.is_named(args.vocab):  # a public checkpoint's vocabulary (and casing)
         args.vocab = str(hub.resolve(args.vocab) / "vocab.txt")
     from bert_core.tracking import start_run

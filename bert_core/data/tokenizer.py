@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.input is None and cfg.init_model is None:
         parser.error("--input is required (the corpus to learn WordPiece from), or --init-model")
     inputs = {"--input": args.input, "--init-model": cfg.init_model}
-    storage.check_apart({"--output": args.output}, inputs)
+    storage.check_apart({"--output": args.output}, hub.folders(inputs))
     from bert_core.tracking import start_run
 
     start = cfg.init_model and hub.identity(cfg.init_model)  # the cache key's part: exact bytes

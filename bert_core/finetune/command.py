@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     task = load_task(name) if name is not None else None
     args = build_parser(task).parse_args(argv)
     cfg = config_from_args(args, task.config_class)
-    check_apart({"--output": args.output}, {"--data": args.data, "--model": args.model})
+    inputs = {"--data": args.data, "--model": args.model}
+    check_apart({"--output": args.output}, hub.folders(inputs))
     if getattr(args, "download", False):
         task.download(Path(args.data))
     with local_copy(args.data) as data, local_copy(hub.location(args.model)) as model:

@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     # (not --storage-path: Ray's checkpoints are added to it, never replaced, and a Ray job
     # stages its instances there: ray_jobs)
     inputs = {"--instances": cfg.instances, "--init-model": cfg.init_model}
-    check_apart({"--output": cfg.output}, inputs)
+    check_apart({"--output": cfg.output}, hub.folders(inputs))
     summary = pretrain(cfg)
     last = summary["last"]
     where = f"{cfg.output}/model" if summary["finished"] else f"checkpoint (step {summary['step']})"

@@ -1002,6 +1002,7 @@ EXPECTED_PATHS = {
     ("pipeline-pod", "ray-head", 8265),
     ("ray-head", "minio", 9000), ("ray-head", "mlflow", 5000),
     ("ray-worker-gpu", "minio", 9000), ("ray-worker-gpu", "mlflow", 5000),
+    ("ray-worker-cpu", "minio", 9000), ("ray-worker-cpu", "mlflow", 5000),
     ("mlflow", "postgres", 5432), ("mlflow", "minio", 9000),
     ("minio-create-bucket", "minio", 9000),
     # KServe: the predictor's storage initializer reads the model; Knative's activator and the
@@ -1012,8 +1013,14 @@ EXPECTED_PATHS = {
     ("ray-head", "kube-apiserver", 443), ("ray-head", "kube-apiserver", 6443),
     ("ray-head", "internet", 443),
 } | {  # Ray pods among themselves, on every port (GCS, raylets, object managers, workers)
-    ("ray-worker-gpu", "ray-head", port) for port in (6379, 8265, 10001, 52365, 23456)
-} | {("ray-head", "ray-worker-gpu", port) for port in (52365, 23456)}  # fmt: skip
+    (f"ray-worker-{group}", "ray-head", port)
+    for group in ("gpu", "cpu") for port in (6379, 8265, 10001, 52365, 23456)
+} | {
+    (src, dst, port)
+    for src, dst in [("ray-head", "ray-worker-gpu"), ("ray-head", "ray-worker-cpu"),
+                     ("ray-worker-gpu", "ray-worker-cpu"), ("ray-worker-cpu", "ray-worker-gpu")]
+    for port in (52365, 23456)
+}  # fmt: skip
 
 
 def _reachability(docs: list[dict]) -> tuple[set, dict]:
@@ -1035,6 +1042,7 @@ def _reachability(docs: list[dict]) -> tuple[set, dict]:
     ports = {  # what listens where (or could: Ray picks worker ports at random)
         "minio": [9000, 9001], "mlflow": [5000], "postgres": [5432],
         "ray-head": [6379, 8265, 10001, 52365, 23456], "ray-worker-gpu": [52365, 23456],
+        "ray-worker-cpu": [52365, 23456],
         "minio-create-bucket": [8080], "debug": [8080], "pipeline-pod": [8080], "kfp-ui": [3000],
         "impostor": [8080], "kube-apiserver": [443, 6443], "internet": [80, 443],
         # queue-proxy (8012 HTTP/1, 8013 HTTP/2, 8022 admin, 9090/9091 metrics), bert serve
@@ -1366,6 +1374,38 @@ def check_gpu_autoscaling(ray: dict) -> None:
         "tolerations", []
     )
     assert pod.get("nodeSelector") == {"nvidia.com/gpu.present": "true"}
+
+
+def check_cpu_autoscaling(ray: dict) -> None:
+    """A group without GPUs (for runs that ask for none: Ray's autoscaler puts them on it,
+    ray/autoscaler/v2/scheduler.py AUTOSCALER_CONSERVE_GPU_NODES) on any node, from 0 pods,
+    running the CPU image."""
+    (cpu,) = [
+        g for g in ray["spec"]["workerGroupSpecs"]
+        if not any("nvidia.com/gpu" in c["resources"]["limits"] for c in _containers_of(g))
+    ]  # fmt: skip
+    assert cpu["minReplicas"] == 0 and cpu["replicas"] == 0 and cpu["maxReplicas"] >= 1
+    pod = cpu["template"]["spec"]
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    (container,) = pod["containers"]
+    assert container["image"].split(":")[0] == "registry.example.com/bert/bert", container["image"]
+    assert float(container["resources"]["limits"]["cpu"]) >= 2
+
+
+def test_cpu_worker_group_serves_runs_without_gpus(rendered):
+    (ray,) = _by_kind(rendered, "RayCluster")
+    check_cpu_autoscaling(ray)
+    for change in (
+        lambda d: d["spec"]["workerGroupSpecs"].pop(1),
+        lambda d: d["spec"]["workerGroupSpecs"][1].update(minReplicas=1),
+        lambda d: d["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0].update(
+            image="registry.example.com/bert/bert-cuda:0.1.0"
+        ),
+    ):
+        broken = copy.deepcopy(ray)
+        change(broken)
+        with pytest.raises((AssertionError, ValueError)):
+            check_cpu_autoscaling(broken)
 
 
 def test_gpu_worker_group_is_autoscaled_from_zero(rendered):

@@ -1512,7 +1512,7 @@ def test_kserve_manifests_validate_against_the_pinned_releases_crds():
     for doc in docs:
         assert crd_problems(doc, schemas) == [], doc["metadata"]["name"]
     (isvc,) = _by_kind(docs, "InferenceService")
-    (runtime,) = _by_kind(docs, "ServingRuntime")
+    runtime, _gpu = _by_kind(docs, "ServingRuntime")
     for broken, change in [
         (isvc, lambda d: d["spec"]["predictor"].update(minReplica=0)),
         (isvc, lambda d: d["spec"]["predictor"].update(scaleMetric="latency")),
@@ -1531,9 +1531,19 @@ def test_kserve_manifests_validate_against_the_pinned_releases_crds():
 def test_the_runtime_serves_the_downloaded_model_with_bert_serve_on_kserves_port():
     """KServe's storage initializer puts the storageUri's files in /mnt/models and routes to
     port 8080; the runtime runs `bert serve` there, named as the InferenceService, on every
-    interface of the pod (KServe's ingress in front), as a non-root user, with limits."""
-    (runtime,) = [d for d in render(KSERVE) if d["kind"] == "ServingRuntime"]
+    interface of the pod (KServe's ingress in front), as a non-root user, with limits, ready
+    when KServe's V2 readiness route answers. The GPU runtime is the same on the CUDA image,
+    never picked by format alone (`bert deploy --gpus` names it)."""
+    runtime, gpu = [d for d in render(KSERVE) if d["kind"] == "ServingRuntime"]
+    names = (runtime["metadata"]["name"], gpu["metadata"]["name"])
+    assert names == ("bert-serve", "bert-serve-gpu")
     (container,) = runtime["spec"]["containers"]
+    (gpu_container,) = gpu["spec"]["containers"]
+    assert gpu_container["image"] == "registry.example.com/bert/bert-cuda:0.1.0"
+    assert {**gpu_container, "image": container["image"]} == container
+    assert runtime["spec"]["supportedModelFormats"][0]["autoSelect"] is True
+    assert gpu["spec"]["supportedModelFormats"][0]["autoSelect"] is False
+    assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": 8080}
     assert container["name"] == "kserve-container"  # the name KServe's pod builder looks for
     argv = container["command"] + container["args"]
     assert argv[:3] == ["bert", "serve", "/mnt/models"]

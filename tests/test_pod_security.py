@@ -101,7 +101,7 @@ def test_every_pod_we_own_is_restricted(manifests):
     found = pods(manifests)
     assert {"Deployment/mlflow", "Deployment/minio", "Job/minio-create-bucket",
             "StatefulSet/postgres", "RayCluster/bert-ray/head", "RayCluster/bert-ray/gpu",
-            "RayCluster/bert-ray/cpu",
+            "RayCluster/bert-ray/cpu", "ServingRuntime/bert-serve-gpu",
             "ServingRuntime/bert-serve"} <= set(found)  # fmt: skip
     for where, (pod, containers) in found.items():
         assert restricted_problems(pod, containers) == [], where

@@ -44,7 +44,8 @@ from bert_core.serve.registry import CHAMPION, NAME_ENV, by_alias, model_name
 from bert_core.tracking import tracking_uri
 
 API_VERSION = "serving.kserve.io/v1beta1"
-MODEL_FORMAT = "bert-mlflow"  # the format the bert-serve runtime declares
+MODEL_FORMAT = "bert-mlflow"  # the format the bert-serve runtimes declare
+RUNTIME, GPU_RUNTIME = "bert-serve", "bert-serve-gpu"  # the CPU and CUDA images
 # the InferenceService resource (KServe v0.20.0's CRD: group serving.kserve.io, plural
 # inferenceservices), as the API server's path
 ISVC_PATH = "/apis/serving.kserve.io/v1beta1/namespaces/{namespace}/inferenceservices/{name}"
@@ -63,7 +64,8 @@ class DeployConfig:
     alias: str = option(CHAMPION, "the alias whose version is served")
     name: str | None = option(None, "the InferenceService's name (default: the model's)")
     namespace: str = option("bert", "the Kubernetes namespace")
-    runtime: str = option("bert-serve", "the ServingRuntime (infra/k8s/kserve)")
+    runtime: str | None = option(None, "the ServingRuntime (infra/k8s/kserve; default "
+                                 f"{RUNTIME}, {GPU_RUNTIME} with --gpus: the CUDA image)")
     service_account: str = option("bert-serve", "the service account whose credentials read "
                                   "the model's artifacts (read-only)")  # fmt: skip
     min_replicas: int = option(0, "fewest replicas; 0: scale to zero when idle")
@@ -93,6 +95,11 @@ class DeployConfig:
     @property
     def registered_model(self) -> str:
         return self.model or str(model_name(str(self.task)))
+
+    @property
+    def serving_runtime(self) -> str:
+        """--runtime, else the runtime of the image that can use the GPUs asked for."""
+        return self.runtime or (GPU_RUNTIME if self.gpus else RUNTIME)
 
     @property
     def service(self) -> str:
@@ -147,7 +154,7 @@ def inference_service(cfg: DeployConfig, version: str, storage: str, running: di
         "maxReplicas": cfg.max_replicas,
         "model": {
             "modelFormat": {"name": MODEL_FORMAT},
-            "runtime": cfg.runtime,
+            "runtime": cfg.serving_runtime,
             "protocolVersion": "v2",
             "storageUri": storage,
             "resources": resources,

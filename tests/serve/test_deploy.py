@@ -62,7 +62,8 @@ def test_dry_run_prints_the_champions_service_field_by_field(registry, capsys, m
     assert "canaryTrafficPercent" not in predictor  # a first deploy
     model = predictor["model"]
     assert model["storageUri"] == SOURCE  # the champion's artifacts, not version 2's
-    assert (model["runtime"], model["modelFormat"]) == ("bert-serve", {"name": "bert-mlflow"})
+    # --gpus: the runtime of the CUDA image (the CPU one could not use the GPU)
+    assert (model["runtime"], model["modelFormat"]) == ("bert-serve-gpu", {"name": "bert-mlflow"})
     assert model["protocolVersion"] == "v2"
     assert model["resources"] == {
         "requests": {"cpu": "1", "memory": "2Gi"},

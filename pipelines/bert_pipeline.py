@@ -54,6 +54,7 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -541,21 +542,50 @@ def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     return build_pipeline()(**args)
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where `submit` sends runs: the KFP API endpoint, the profile namespace of a multi-user
+    Kubeflow (None: a standalone KFP), and a file holding a bearer token for it."""
+
+    host: str
+    namespace: str | None = None
+    token_file: Path | None = None
+
+
+def client(target: Target):
+    """A `kfp.Client` for `target`. Its token: the file's (e.g. `kubectl -n PROFILE create token
+    default-editor --audience=pipelines.kubeflow.org > FILE`: the token is on no command line),
+    else, inside a pod, the ServiceAccount token KFP projects at KF_PIPELINES_SA_TOKEN_PATH
+    (kfp's `ServiceAccountTokenVolumeCredentials`, refreshed as it rotates), else none."""
+    import kfp
+    from kfp.client import (
+        KF_PIPELINES_SA_TOKEN_ENV,
+        KF_PIPELINES_SA_TOKEN_PATH,
+        ServiceAccountTokenVolumeCredentials,
+    )
+
+    token = target.token_file.read_text().strip() if target.token_file else None
+    projected = Path(os.environ.get(KF_PIPELINES_SA_TOKEN_ENV, KF_PIPELINES_SA_TOKEN_PATH))
+    credentials = None
+    if token is None and projected.is_file():
+        credentials = ServiceAccountTokenVolumeCredentials(str(projected))
+    return kfp.Client(host=target.host, namespace=target.namespace or "kubeflow",
+                      existing_token=token, credentials=credentials)  # fmt: skip
+
+
 def submit(
-    host: str,
+    target: Target,
     experiment: str,
     run_name: str | None,
     overrides: dict[str, Any],
     spec: Path = SPEC,
 ) -> str:
-    """Upload a compiled spec (default: the committed one) to a KFP endpoint and start a run;
-    returns the run id."""
-    import kfp
-
-    client = kfp.Client(host=host)
-    run = client.create_run_from_pipeline_package(
-        str(spec), arguments=overrides, run_name=run_name, experiment_name=experiment
-    )
+    """Upload a compiled spec (default: the committed one) to a KFP endpoint and start a run in
+    the target's namespace (its experiment made there if new); returns the run id."""
+    run = client(target).create_run_from_pipeline_package(
+        str(spec), arguments=overrides, run_name=run_name, experiment_name=experiment,
+        namespace=target.namespace,
+    )  # fmt: skip
     return run.run_id
 
 
@@ -573,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     s = sub.add_parser("submit", help="upload the spec to a KFP endpoint and start a run")
     s.add_argument("--host", required=True, help="KFP API endpoint, e.g. http://localhost:8080")
+    s.add_argument("--namespace", help="a multi-user Kubeflow's profile namespace (default: none, "
+                   "a standalone KFP)")  # fmt: skip
+    s.add_argument("--token-file", type=Path, help="a file holding a bearer token for the API "
+                   "(default: the pod's KFP ServiceAccount token, if any)")  # fmt: skip
     s.add_argument("--experiment", default=NAME)
     s.add_argument("--run-name", default=None)
     s.add_argument("--spec", type=Path, default=SPEC, help="compiled spec (default: committed)")
@@ -605,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
         experiment = args.preset or args.experiment
         for row, overrides in presets.runs(args.preset, parse_overrides(args.set)):
             run_name = row or args.run_name
-            run_id = submit(args.host, experiment, run_name, check(overrides), args.spec)
+            target = Target(args.host, args.namespace, args.token_file)
+            run_id = submit(target, experiment, run_name, check(overrides), args.spec)
             print(json.dumps({"run_id": run_id, "run_name": run_name}))
     return 0
 

@@ -23,10 +23,22 @@ for _name, _value in LOCAL_RAY_TRAIN.items():
     os.environ.setdefault(_name, _value)
 
 
+# the module fixtures that run the whole DAG (test_pipeline_dvc.py, test_cluster_harness.py)
+WHOLE_RUNS = {"dvc_run", "runs"}
+
+
 def pytest_collection_modifyitems(config, items):
     """Test files with the most slow tests first, each file's tests in their own order: `make
     test` runs two xdist workers a file each (`--dist loadfile`), so the long files start at
     once and the short ones fill in at the end, instead of one long file running alone last."""
+    # a test on a whole-DAG run is slow, or `make check` (-m "not slow") pays for the run
+    unmarked = [
+        item.nodeid for item in items
+        if set(getattr(item, "fixturenames", ())) & WHOLE_RUNS
+        and not item.get_closest_marker("slow")
+    ]  # fmt: skip
+    if unmarked:
+        raise pytest.UsageError(f"mark these slow, they read a whole-DAG run: {unmarked}")
     # slow test functions per file: a parametrized one counts once (one fixture, short cases)
     functions = {(i.path, i.originalname) for i in items if i.get_closest_marker("slow")}
     slow = Counter(path for path, _ in functions)

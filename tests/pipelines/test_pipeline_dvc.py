@@ -76,7 +76,6 @@ def _dvc(repo: Path, env: dict, *args: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.slow
 def _locked(repo: Path, env: dict) -> dict:
     """dvc.lock's entries of the stages this DAG has: DVC keeps the entries of stages it no
     longer has (the committed lock's MRPC stages, from params.yaml's three tasks)."""
@@ -85,6 +84,7 @@ def _locked(repo: Path, env: dict) -> dict:
     return {name: entry for name, entry in lock.items() if name in stages}
 
 
+@pytest.mark.slow
 def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
     repo, env, (first, _) = dvc_run
     results = json.loads((repo / "runs/dvc/evaluate/glue_results.json").read_text())

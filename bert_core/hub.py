@@ -117,8 +117,7 @@ def folder(spec: str | os.PathLike) -> str:
     (`storage.check_apart`): an output inside the cache or the package would overwrite it."""
     spec = str(spec)
     if spec.startswith(HUB):
-        repo, revision = _hub(spec)
-        return str(cache_dir() / repo.replace("/", "--") / revision)
+        return str(_cache_folder(*_hub(spec)))
     return str(_package_dir(spec)) if spec.startswith(PACKAGE) else spec
 
 
@@ -151,9 +150,13 @@ def identity(spec: str | os.PathLike) -> str:
     return storage.digest(spec)
 
 
+def _cache_folder(repo: str, revision: str) -> Path:
+    return cache_dir() / repo.replace("/", "--") / revision
+
+
 def _download(repo: str, revision: str) -> Path:
     """Fetch the checkpoint's files once into the cache (see the module docstring)."""
-    dest = Path(folder(f"{HUB}{repo}@{revision}"))
+    dest = _cache_folder(repo, revision)
     if all((dest / name).is_file() for name in REQUIRED):
         return dest
     endpoint = os.environ.get("HF_ENDPOINT", ENDPOINT).rstrip("/")

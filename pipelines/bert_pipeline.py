@@ -54,7 +54,6 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -542,18 +541,9 @@ def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     return build_pipeline()(**args)
 
 
-@dataclass(frozen=True)
-class Target:
-    """Where `submit` sends runs: the KFP API endpoint, the profile namespace of a multi-user
-    Kubeflow (None: a standalone KFP), and a file holding a bearer token for it."""
-
-    host: str
-    namespace: str | None = None
-    token_file: Path | None = None
-
-
-def client(target: Target):
-    """A `kfp.Client` for `target`. Its token: the file's (e.g. `kubectl -n PROFILE create token
+def client(host: str, namespace: str | None = None, token_file: Path | None = None):
+    """A `kfp.Client` for the API at `host`, in a multi-user Kubeflow's profile `namespace`
+    (None: a standalone KFP). Its token: `token_file`'s (e.g. `kubectl -n PROFILE create token
     default-editor --audience=pipelines.kubeflow.org > FILE`: the token is on no command line),
     else, inside a pod, the ServiceAccount token KFP projects at KF_PIPELINES_SA_TOKEN_PATH
     (kfp's `ServiceAccountTokenVolumeCredentials`, refreshed as it rotates), else none."""
@@ -564,27 +554,28 @@ def client(target: Target):
         ServiceAccountTokenVolumeCredentials,
     )
 
-    token = target.token_file.read_text().strip() if target.token_file else None
+    token = token_file.read_text().strip() if token_file else None
     projected = Path(os.environ.get(KF_PIPELINES_SA_TOKEN_ENV, KF_PIPELINES_SA_TOKEN_PATH))
     credentials = None
     if token is None and projected.is_file():
         credentials = ServiceAccountTokenVolumeCredentials(str(projected))
-    return kfp.Client(host=target.host, namespace=target.namespace or "kubeflow",
-                      existing_token=token, credentials=credentials)  # fmt: skip
+    return kfp.Client(host=host, namespace=namespace or "kubeflow", existing_token=token,
+                      credentials=credentials)  # fmt: skip
 
 
 def submit(
-    target: Target,
+    kfp_client,
+    namespace: str | None,
     experiment: str,
     run_name: str | None,
     overrides: dict[str, Any],
     spec: Path = SPEC,
 ) -> str:
-    """Upload a compiled spec (default: the committed one) to a KFP endpoint and start a run in
-    the target's namespace (its experiment made there if new); returns the run id."""
-    run = client(target).create_run_from_pipeline_package(
+    """Upload a compiled spec (default: the committed one) through `kfp_client` (`client`) and
+    start a run in `namespace` (its experiment made there if new); returns the run id."""
+    run = kfp_client.create_run_from_pipeline_package(
         str(spec), arguments=overrides, run_name=run_name, experiment_name=experiment,
-        namespace=target.namespace,
+        namespace=namespace,
     )  # fmt: skip
     return run.run_id
 
@@ -637,10 +628,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if problems else 0
     else:
         experiment = args.preset or args.experiment
-        for row, overrides in presets.runs(args.preset, parse_overrides(args.set)):
+        runs = presets.runs(args.preset, parse_overrides(args.set))
+        kfp_client = client(args.host, args.namespace, args.token_file)
+        for row, overrides in runs:
             run_name = row or args.run_name
-            target = Target(args.host, args.namespace, args.token_file)
-            run_id = submit(target, experiment, run_name, check(overrides), args.spec)
+            run_id = submit(kfp_client, args.namespace, experiment, run_name, check(overrides),
+                            args.spec)  # fmt: skip
             print(json.dumps({"run_id": run_id, "run_name": run_name}))
     return 0
 

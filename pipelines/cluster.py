@@ -47,12 +47,13 @@ RAY_AUTH_KEYS = ("RAY_AUTH_TOKEN",)
 
 # The KFP run id, from the pod label the KFP backend sets (Kubernetes downward API).
 RUN_ID_ENV = "KFP_RUN_ID"
+RUN_ID_FIELD = "metadata.labels['pipeline/runid']"
+
 # Every task's container runs as the images' own user (infra/docker: `useradd --uid 1000`), never
 # root: KFP 2.17's compiler adds the rest of the "restricted" standard to the task pods
 # (allowPrivilegeEscalation false, capabilities drop ALL, seccomp RuntimeDefault:
 # backend/src/v2/compiler/argocompiler/security_context.go) but leaves the user to the image.
 RUN_AS_USER = 1000
-RUN_ID_FIELD = "metadata.labels['pipeline/runid']"
 
 # Pipeline parameter defaults that are valid in a pod: the data under the bucket (upload it
 # there first, docs/cluster.md); the workstation paths of params.yaml stay DVC's.

@@ -30,6 +30,7 @@ from typing import Any
 
 import pandas as pd
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import ORJSONResponse
 from kserve import Model
 from kserve.errors import InvalidInput
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
@@ -137,7 +138,6 @@ def v2_app(model: V2Model):
     from importlib.metadata import version
 
     from fastapi import FastAPI
-    from fastapi.responses import ORJSONResponse
     from kserve.model_repository import ModelRepository
     from kserve.protocol.dataplane import DataPlane
     from kserve.protocol.model_repository_extension import ModelRepositoryExtension
@@ -164,14 +164,10 @@ def v2_app(model: V2Model):
 
 
 async def _http_error(request, exc):
-    from fastapi.responses import ORJSONResponse
-
     return ORJSONResponse({"error": str(exc.detail)}, exc.status_code, headers=exc.headers)
 
 
 async def _invalid_request(request, exc):
-    from fastapi.responses import ORJSONResponse
-
     first = (exc.errors() or [{}])[0]
     where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
     if first.get("type") == "json_invalid":  # a malformed request, not a wrong value: 400
@@ -181,7 +177,5 @@ async def _invalid_request(request, exc):
 
 
 async def _internal_error(request, exc):
-    from fastapi.responses import ORJSONResponse
-
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return ORJSONResponse({"error": "internal error (the server's log has the details)"}, 500)

@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from itertools import chain
@@ -252,25 +253,55 @@ def iter_text(input_dir: Path) -> Iterator[str]:
 
 
 def train_vocab(input_dir: Path, cfg: VocabConfig) -> Tokenizer:
-    """Train WordPiece on the cleaned corpus; specials first so [PAD] = 0 as in BERT."""
+    """Train WordPiece on the cleaned corpus; specials first so [PAD] = 0 as in BERT. The same
+    corpus and settings give the same vocab.txt on every run (`fixed_alphabet`)."""
     if cfg.vocab_size <= len(SPECIAL_TOKENS):
         raise BadValue(f"--vocab-size must be > {len(SPECIAL_TOKENS)}, got {cfg.vocab_size}")
     tok = bert_tokenizer(None, lowercase=cfg.lowercase)
+    alphabet, continuations = fixed_alphabet(input_dir, cfg.lowercase, cfg.limit_alphabet)
+    if not alphabet:
+        raise InputError(input_dir, "no text to train on")
     trainer = trainers.WordPieceTrainer(
         vocab_size=cfg.vocab_size,
         min_frequency=cfg.min_frequency,
         limit_alphabet=cfg.limit_alphabet,
-        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=alphabet,
+        special_tokens=SPECIAL_TOKENS + continuations,
         continuing_subword_prefix="##",
         show_progress=False,
     )
-    lines = iter_text(input_dir)
-    first = next(lines, None)
-    if first is None:
-        raise InputError(input_dir, "no text to train on")
-    tok.train_from_iterator(_chain(first, lines), trainer=trainer)
+    tok.train_from_iterator(iter_text(input_dir), trainer=trainer)
     vocab = tok.get_vocab()
     return bert_tokenizer(vocab, lowercase=cfg.lowercase)
+
+
+def fixed_alphabet(input_dir: Path, lowercase: bool, limit: int) -> tuple[list[str], list[str]]:
+    """The characters WordPiece training keeps (the `limit` commonest, ties to the lower code
+    point) and those of their `##` continuations that occur, both sorted.
+
+    Why: `tokenizers` (0.23) numbers the `##` tokens in hash-map order, and the ids break ties
+    between equally frequent merges, so one corpus gave a different vocabulary on every run,
+    in its tokens and not only their order (huggingface/tokenizers#1794); its alphabet cut also
+    drops equally rare characters at random. Handed to the trainer as its initial alphabet and
+    as special tokens after BERT's, they get fixed ids and every merge is decided the same way.
+    The sets come from a merge-free run of the same trainer (its words, its alphabet); the
+    counts for the cut from the raw text, as `BertNormalizer` maps each character on its own."""
+    probe = bert_tokenizer(None, lowercase=lowercase)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=0, continuing_subword_prefix="##", show_progress=False
+    )
+    probe.train_from_iterator(iter_text(input_dir), trainer=trainer)
+    seen = probe.get_vocab()
+    alphabet = sorted(t for t in seen if len(t) == 1)
+    if len(alphabet) > limit:
+        raw: Counter[str] = Counter()
+        for line in iter_text(input_dir):
+            raw.update(line)
+        counts: Counter[str] = Counter()
+        for c, n in raw.items():
+            counts.update(dict.fromkeys(probe.normalizer.normalize_str(c), n))
+        alphabet = sorted(sorted(alphabet, key=lambda c: (-counts[c], c))[:limit])
+    return alphabet, [f"##{c}" for c in alphabet if f"##{c}" in seen]
 
 
 def checkpoint_vocab(spec: str) -> tuple[Tokenizer, bool]:
@@ -283,11 +314,6 @@ def checkpoint_vocab(spec: str) -> tuple[Tokenizer, bool]:
         vocab = read_vocab(vocab_file)
         lowercase = read_lowercase(vocab_file.parent) is not False
     return bert_tokenizer(vocab, lowercase=lowercase), lowercase
-
-
-def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
-    yield first
-    yield from rest
 
 
 def write_vocab(tok: Tokenizer, path: Path) -> None:

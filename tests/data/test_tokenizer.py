@@ -74,6 +74,40 @@ def test_cased_vocab_keeps_case(tmp_path, sentences):
     assert tok.encode("The").tokens == ["[CLS]", "The", "[SEP]"]
 
 
+def test_the_same_corpus_gives_the_same_vocabulary_every_time(tmp_path, sentences):
+    """tokenizers 0.23 alone numbers `##` tokens in hash-map order and breaks merge ties by id:
+    three trainings in one process gave up to three vocabularies, different in their tokens
+    (huggingface/tokenizers#1794). Ours are equal, token for token and id for id."""
+    from bert_core.data.tokenizer import VocabConfig, train_vocab
+
+    (tmp_path / "a.txt").write_text("\n".join(sentences[:3000]) + "\n")
+    runs = [train_vocab(tmp_path, VocabConfig(vocab_size=1500)).get_vocab() for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    assert len(runs[0]) == 1500 and sum(t.startswith("##") for t in runs[0]) > 300
+
+
+def test_the_alphabet_cut_keeps_the_commonest_characters(tmp_path, sentences):
+    """With more distinct characters than --limit-alphabet, the commonest are kept (ties to the
+    lower code point), counted here the slow way: over the words of the tokenizer's own
+    normalizer and pre-tokenizer, as the trainer counts them."""
+    from collections import Counter
+
+    from bert_core.data.tokenizer import bert_tokenizer, fixed_alphabet
+
+    text = "\n".join(sentences[:3000] + sentences[-4:]) + "\n"
+    (tmp_path / "a.txt").write_text(text)
+    tok = bert_tokenizer(None)
+    words = tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text))
+    counts = Counter(c for w, _ in words for c in w)
+    assert len(counts) > 60 and "北" in counts and "σ" in counts
+    alphabet, continuations = fixed_alphabet(tmp_path, lowercase=True, limit=40)
+    assert alphabet == sorted(sorted(counts, key=lambda c: (-counts[c], c))[:40])
+    inner = {c for w, _ in words for c in w[1:]}
+    assert continuations == [f"##{c}" for c in alphabet if c in inner]
+    everything, _ = fixed_alphabet(tmp_path, lowercase=True, limit=1000)
+    assert everything == sorted(counts)
+
+
 def test_broken_vocab_files(tmp_path):
     bad = tmp_path / "vocab.txt"
     bad.write_text("[PAD]\n[UNK]\nthe\nthe\n")

@@ -295,7 +295,7 @@ def test_masking_recipe_reaches_dynamic_masking(instances, tmp_path):
 
 def test_dynamic_masking_takes_the_instances_settings_unless_given(instances, tmp_path):
     """512-token instances made for 76 predictions a sequence: `--dynamic-masking` alone masks
-    ~15 % of their tokens as they were made (the 128-token default of 20 would mask ~4 %), and
+    ~15 % of their tokens as they were made (the 128-token default of 20 would mask ~5 %), and
     says it took the instances' settings; an option given still wins (Table 8's recipes)."""
     from bert_core import cli
 
@@ -305,21 +305,23 @@ def test_dynamic_masking_takes_the_instances_settings_unless_given(instances, tm
             "--max-predictions-per-seq", 76, "--dupe-factor", 1, "--num-workers", 1]  # fmt: skip
     assert cli.main([str(a) for a in argv]) == 0
 
-    def share(*options: str) -> tuple[float, dict]:
+    def share(*options: str) -> tuple[float, int, dict]:
         args = ["--instances", str(i512), "--output", str(tmp_path / "o"), "--batch-size", "16",
                 "--dynamic-masking", *options]  # fmt: skip
         t = setup(parse_args(args))
         batch = next(iter(t.stream))
         tokens = (batch["input_ids"] != 0).sum() - 3 * len(batch["input_ids"])  # less CLS/SEPs
-        return float((batch["masked_lm_labels"] != -100).sum() / tokens), t.masking
+        masks = (batch["masked_lm_labels"] != -100).sum(dim=1)
+        return float(masks.sum() / tokens), int(masks.max()), t.masking
 
-    masked, used = share()
+    masked, _, used = share()
     assert 0.13 < masked < 0.16, masked
     assert used == {"masked_lm_prob": (0.15, "instances"),
                     "max_predictions_per_seq": (76, "instances"),
                     "masking_recipe": ("80/10/10", "instances")}  # fmt: skip
-    masked, used = share("--max-predictions-per-seq", "20")
-    assert masked < 0.05 and used["max_predictions_per_seq"] == (20, "option"), masked
+    masked, most, used = share("--max-predictions-per-seq", "20")
+    assert most == 20 and masked < 0.08, (masked, most)  # 20 a row; the rows are not all 512
+    assert used["max_predictions_per_seq"] == (20, "option")
 
 
 @pytest.mark.parametrize("objective", ["mlm", "mlm+nsp", "ltr", "ltr+nsp"])
@@ -582,8 +584,9 @@ def test_heldout_accuracy_beats_the_most_frequent_token(tmp_path_factory, shared
     end = heldout.evaluate(t.core, cpu)
     baseline = end["baseline_mlm_accuracy"]
     assert start["heldout_mlm_accuracy"] < baseline < 0.06
-    # measured: 0.065 against 0.042 (seeds 8 and 9: 0.078, 0.072); --optimizer adamw at
-    # 2e-3: 0.072; the default `bert` at 2e-3 or 1e-3: 0.042, stuck at the commonest token
+    # measured: 0.091 against 0.042, every run (the vocabulary is now the same each time; while
+    # it varied, tokenizers#1794, runs gave 0.049 to 0.078 and CI once failed); --optimizer adamw
+    # at 2e-3: 0.072; the default `bert` at 2e-3 or 1e-3: 0.042, stuck at the commonest token
     assert end["heldout_mlm_accuracy"] > baseline + 0.01, (end, baseline)
     assert end["heldout_mlm_loss"] < start["heldout_mlm_loss"] - 0.8
 

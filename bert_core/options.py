@@ -10,8 +10,9 @@ and Python callers (tests, bench/) cannot drift apart. The rules, the same for e
 - a `bool` that defaults to False is a `store_true` flag; one that defaults to True is switched
   off by its aliases only (`lowercase`: `--cased`);
 - `tuple[X, ...]` is a comma list (`5e-5,4e-5`); `tuple[X, X]` takes that many values;
-- a float is finite, and within its field's `within` range when it has one (`RANGES`: a
-  learning rate > 0, a share in [0, 1]); nan, inf or -0.05 is refused as the option is parsed;
+- a float is finite, and a float or an int within its field's `within` range when it has one
+  (`RANGES`: a learning rate > 0, a share in [0, 1], a count of workers > 0, a seed >= 0); nan,
+  inf, -0.05 or a seed of -1 is refused as the option is parsed;
 - a field without a default is a required option;
 - the help ends with " (default: ...)", unless it is a flag's or says its default itself.
 """
@@ -27,7 +28,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, Field, field, fields
 
 NONE_TEXTS = ("", "none")  # what a pipeline passes for a parameter left unset
-WHAT = {int: "an integer", float: "a number", str: "text"}  # for the error messages
+# for the error messages, by the converter's name (`number` names its int converter "int")
+WHAT = {"int": "an integer", "float": "a number", "number": "a number", "str": "text"}
 # a float option's range (`option(within=...)`): its test and how the error message says it
 RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "positive": (lambda x: x > 0, " > 0"),
@@ -48,18 +50,20 @@ def option(
     return field(default=default, metadata=meta)
 
 
-def number(within: str | None = None) -> Callable[[str], float]:
-    """A float option's converter: a finite number, in the `RANGES[within]` range when given.
-    A NaN learning rate or temperature would train to NaN weights and exit 0."""
+def number(within: str | None = None, kind: type = float) -> Callable[[str], float]:
+    """A float option's converter (`kind` int: an int's): a finite number, in the
+    `RANGES[within]` range when given. A NaN learning rate or temperature would train to NaN
+    weights and exit 0; a seed of -1 or a worker count of 0 fails deep in numpy or Ray."""
     test, says = RANGES[within] if within else (math.isfinite, "")
 
     def parse(text: str) -> float:
-        x = float(text)  # a ValueError: argparse's "invalid number value", or the list's
+        x = kind(text)  # a ValueError: argparse's "invalid number value", or the list's
         if not math.isfinite(x) or not test(x):
-            raise argparse.ArgumentTypeError(f"expected a finite number{says}: {text!r}")
+            what = "a finite number" if kind is float else "an integer"
+            raise argparse.ArgumentTypeError(f"expected {what}{says}: {text!r}")
         return x
 
-    parse.__name__ = "number"
+    parse.__name__ = "number" if kind is float else "int"
     return parse
 
 
@@ -72,7 +76,8 @@ def optional(convert: Callable[[str], typing.Any]) -> Callable[[str], typing.Any
         try:
             return convert(text)
         except ValueError:
-            what = WHAT.get(convert) or f"a {getattr(convert, '__name__', 'value')}"
+            name = getattr(convert, "__name__", "value")
+            what = WHAT.get(name, f"a {name}")
             raise argparse.ArgumentTypeError(f"expected {what} or 'none': {text!r}") from None
 
     parse.__name__ = f"optional_{getattr(convert, '__name__', 'value')}"
@@ -135,8 +140,8 @@ def _argument(
         can_be_none = True
     kw: dict[str, typing.Any] = {"help": _help(meta["help"], default, flag=kind is bool)}
     within = meta.get("within")
-    if kind is float:
-        kind = number(within)
+    if kind is float or (kind is int and within):
+        kind = number(within, kind)
     if default is MISSING:
         kw.update(required=True, type=kind)
     elif kind is bool:
@@ -147,7 +152,8 @@ def _argument(
     elif typing.get_origin(kind) is tuple:
         items = typing.get_args(kind)
         finite = number(within)  # one converter: `tuple[float, float]` needs equal items
-        items = tuple(finite if x is float else x for x in items)
+        items = tuple(finite if x is float else number(within, int) if x is int and within else x
+                      for x in items)  # fmt: skip
         if len(items) == 2 and items[1] is Ellipsis:  # tuple[X, ...]: a comma list
             convert = comma_list(items[0])
             kw.update(type=optional(convert) if can_be_none else convert, default=default)

@@ -27,13 +27,15 @@ class InstanceConfig:
         0.15, "share of the tokens predicted by the masked LM", within="share"
     )
     short_seq_prob: float = option(
-        0.1, "probability of a random shorter target length (fine-tuning's inputs are short)",
+        0.1,
+        "probability of a random shorter target length (fine-tuning's inputs are short)",
         within="share",
     )
     dupe_factor: int = option(10, "passes over the corpus, each with other pairs and masks")
     random_seed: int = option(
-        12345, "seed of every random draw (the output does not depend on --num-workers)"
-    )
+        12345, "seed of every random draw (the output does not depend on --num-workers)",
+        within="non-negative",
+    )  # fmt: skip
     whole_word_mask: bool = option(False, "mask all the WordPiece tokens of a word together")
     lowercase: bool = option(
         True, "do not lowercase; only for a vocabulary folder without tokenizer_config.json, "

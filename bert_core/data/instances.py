@@ -49,7 +49,7 @@ from bert_core.data.tokenizer import (
     write_tokenizer_settings,
 )
 from bert_core.errors import InputError, text_lines, utf8_errors
-from bert_core.options import add_options, config_from_args
+from bert_core.options import add_options, config_from_args, number
 
 __all__ = ["SCHEMA", "InstanceConfig", "create_instances", "main"]
 
@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", required=True, help="vocab.txt (Google format), or s3://")
     p.add_argument("--output", required=True, help="output folder, local or s3://")
     add_options(p, InstanceConfig)
-    p.add_argument("--num-workers", type=int, default=max(1, os.cpu_count() or 1))
+    workers = max(1, os.cpu_count() or 1)
+    p.add_argument("--num-workers", type=number("positive", int), default=workers)
     return p
 
 

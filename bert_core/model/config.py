@@ -134,9 +134,13 @@ class BertConfig:
         """A config.json; a broken or inconsistent one is an error that names the file."""
         try:
             with utf8_errors(path), open(path, encoding="utf-8") as f:
-                return cls.from_dict(json.load(f), **overrides)
+                d = json.load(f)
         except json.JSONDecodeError as e:
             raise InputError(path, f"not valid JSON ({e.msg})", line=e.lineno) from None
+        if not isinstance(d, dict):
+            raise InputError(path, f"expected a JSON object, got {type(d).__name__}")
+        try:
+            return cls.from_dict(d, **overrides)
         except (TypeError, ValueError) as e:
             raise InputError(path, str(e)) from None
 

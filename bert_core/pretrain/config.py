@@ -104,8 +104,10 @@ class PretrainConfig:
     checkpoint_every: int = option(500, "Ray checkpoint every this many steps (and at the end)")
     keep_checkpoints: int = option(3, "Ray checkpoints kept")
     export_every: int = option(
-        0, "also a loadable model every this many steps, OUTPUT/exports/step-N (Hugging Face "
-        "layout; kept, unlike checkpoints): fine-tune from each for the paper's Figure 2; 0: none")
+        0,
+        "also a loadable model every this many steps, OUTPUT/exports/step-N (Hugging Face "
+        "layout; kept, unlike checkpoints): fine-tune from each for the paper's Figure 2; 0: none",
+    )
     export_steps: tuple[int, ...] = option((), "and at these steps (comma list)")
     max_failures: int = option(3, "worker restarts before giving up")
     storage_path: str | None = option(None, "Ray checkpoints (default OUTPUT/ray; s3:// allowed)")
@@ -186,10 +188,15 @@ class PretrainConfig:
         if self.export_every < 0:
             raise BertError("--export-every must be >= 1, or 0 for none")
         for name in ("log_every", "checkpoint_every", "eval_every", "eval_sequences",
-                     "max_predictions_per_seq"):  # fmt: skip
+                     "max_predictions_per_seq", "keep_checkpoints", "cpus_per_worker",
+                     "stop_after"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise BertError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("warmup_steps", "max_failures", "seed"):  # 0: none, none, a seed
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise BertError(f"--{name.replace('_', '-')} must be >= 0")
         from bert_core.model.config import PRESETS, BertConfig
 
         if self.preset not in PRESETS:

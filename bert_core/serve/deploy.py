@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,13 @@ MODEL_FORMAT = "bert-mlflow"  # the format the bert-serve runtimes declare
 # KServe 0.20's name for the mode that has canaries and scale to zero ("Serverless" is its
 # deprecated alias: pkg/constants/constants.go, ParseDeploymentMode); the install sets the same
 DEPLOYMENT_MODE = "Knative"
+# what the API server admits, checked before the registry or the cluster is asked: a quantity
+# (k8s.io/apimachinery pkg/api/resource/quantity.go's grammar, not negative), a namespace (a
+# DNS-1123 label), an InferenceService's name (KServe 0.20's IsvcNameFmt,
+# pkg/apis/serving/v1beta1/inference_service_validation.go)
+QUANTITY = re.compile(r"^(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[numkMGTPE]|[KMGTPE]i)?$")
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+ISVC_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 RUNTIME, GPU_RUNTIME = "bert-serve", "bert-serve-gpu"  # the CPU and CUDA images
 # the InferenceService resource (KServe v0.20.0's CRD: group serving.kserve.io, plural
 # inferenceservices), as the API server's path
@@ -99,6 +107,22 @@ class DeployConfig:
             raise BadValue("--canary-percent must be 1..99")
         if self.gpus < 0:
             raise BadValue("--gpus must be >= 0")
+        for flag, value in (("--cpu", self.cpu), ("--cpu-limit", self.cpu_limit),
+                            ("--memory", self.memory)):  # fmt: skip
+            if not QUANTITY.match(value) or not re.search(r"[1-9]", value.split("e")[0]):
+                raise BadValue(f"{flag} {value!r}: a Kubernetes quantity above 0, e.g. 500m, 2, "
+                               "512Mi, 4Gi")  # fmt: skip
+        if not DNS_LABEL.match(self.namespace):
+            raise BadValue(
+                f"--namespace {self.namespace!r}: a namespace is lower-case letters, "
+                "digits and -, at most 63, starting and ending alphanumeric"
+            )
+        if not ISVC_NAME.match(self.service):
+            given = "--name" if self.name else "the registered model"
+            raise BadValue(
+                f"{given} {self.service!r} is no InferenceService name (lower-case "
+                "letters, digits and -, starting with a letter, at most 63): --name"
+            )
 
     @property
     def registered_model(self) -> str:

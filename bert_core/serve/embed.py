@@ -55,10 +55,13 @@ def parse_layers(spec: str) -> tuple[int, ...]:
     if spec in LAYER_SETS:
         return LAYER_SETS[spec]
     try:
-        return tuple(int(x) for x in spec.split(","))
+        layers = tuple(int(x) for x in spec.split(","))
     except ValueError:
         raise BadValue(f"--layers {spec!r}: integers like -1 or -4,-3,-2,-1, or one of "
                          f"{', '.join(LAYER_SETS)}") from None  # fmt: skip
+    if len(set(layers)) < len(layers):
+        raise BadValue(f"--layers {spec!r}: a layer given twice (its features would be too)")
+    return layers
 
 
 class _AllLayers(torch.nn.Module):

@@ -31,12 +31,24 @@ class Example:
 # Reading
 
 
+def _field(path: Path, record: object, key: str, kind: type, where: str):
+    """`record[key]` when it is a `kind` (a JSON bool is no int), else one line naming it."""
+    value = record.get(key) if isinstance(record, dict) else None
+    if not isinstance(value, kind) or isinstance(value, bool):
+        got = "nothing" if value is None else type(value).__name__
+        raise InputError(path, f"{where}: {key!r} must be {KINDS[kind]}, got {got}")
+    return value
+
+
+KINDS = {str: "text", int: "an integer", list: "a list"}
+
+
 def _examples(path: Path, articles: list, version: str) -> list[Example]:
     out: list[Example] = []
     for a, article in enumerate(articles):
         title = article.get("title", a)
         for p, para in enumerate(article["paragraphs"]):
-            context = para["context"]
+            context = _field(path, para, "context", str, f"article {title!r} paragraph {p}")
             if not context.strip():
                 raise InputError(path, f"article {title!r} paragraph {p}: empty context")
             for qa in para["qas"]:
@@ -44,8 +56,9 @@ def _examples(path: Path, articles: list, version: str) -> list[Example]:
                 if impossible and version != "2.0":
                     raise InputError(path, f"question {qid}: is_impossible needs SQuAD 2.0")
                 answers = []
-                for ans in qa["answers"]:
-                    text, start = ans["text"], int(ans["answer_start"])
+                for ans in _field(path, qa, "answers", list, f"question {qid}"):
+                    text = _field(path, ans, "text", str, f"question {qid}'s answer")
+                    start = _field(path, ans, "answer_start", int, f"question {qid}'s answer")
                     if context[start : start + len(text)] != text or not text.strip():
                         raise InputError(
                             path,
@@ -57,7 +70,7 @@ def _examples(path: Path, articles: list, version: str) -> list[Example]:
                     raise InputError(path, f"question {qid}: no answers and not is_impossible")
                 if answers and impossible:
                     raise InputError(path, f"question {qid}: is_impossible but has answers")
-                if not qa["question"].strip():
+                if not _field(path, qa, "question", str, f"question {qid}").strip():
                     raise InputError(path, f"question {qid}: empty question")
                 out.append(Example(qid, qa["question"], context, answers, impossible))
     return out

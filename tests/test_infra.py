@@ -553,6 +553,52 @@ def check_ray_auth(docs: list[dict]) -> None:
     assert config["RAY_AUTH_MODE"] == "token"
 
 
+def test_kfp_runs_put_their_artifacts_in_our_bucket(rendered_kfp, k8s_copy):
+    """The KFP overlay's `kfp-launcher` ConfigMap, in the namespace of the pipeline pods, sets the
+    pipeline root in our bucket and the launcher's S3 session, as KFP 2.17.0 reads them
+    (backend/src/v2/driver/root_dag.go, config/env.go, config/s3.go: `pod_env.pipeline_root`,
+    `pod_env.s3_session`): the in-cluster MinIO of the pods' AWS_ENDPOINT_URL, over HTTP, with
+    the keys of the S3 Secret rendered beside it. A misspelt field, which KFP's YAML parser
+    would drop, a Secret that is not there, or no ConfigMap (KFP's own MinIO) fail here."""
+    from pipelines import cluster
+    from tests.cluster import pod_env
+
+    objects: pod_env.Objects = {}
+    for doc in rendered_kfp:
+        if doc["kind"] == "Secret":
+            data = {k: base64.b64decode(v).decode() for k, v in doc.get("data", {}).items()}
+        else:
+            data = dict(doc.get("data") or {})
+        objects[(doc["kind"], doc["metadata"]["name"])] = data
+    launcher = _object(rendered_kfp, "ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)
+    assert launcher["metadata"]["namespace"] == "kubeflow"
+    assert launcher["data"] == pod_env.manifest_objects(k8s_copy / "env")[
+        ("ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)
+    ]  # what the harness reads
+    root = pod_env.pipeline_root(objects)
+    assert root == f"{cluster.BUCKET}/kfp"
+    assert pod_env.pipeline_root(objects, "s3://other/root") == "s3://other/root"  # a run's own
+    session = pod_env.s3_session(objects, root)
+    config = objects[("ConfigMap", cluster.CONFIG_MAP)]
+    assert session["endpoint_url"] == config["AWS_ENDPOINT_URL"]
+    assert session["region_name"] == config["AWS_DEFAULT_REGION"]
+    keys = objects[("Secret", cluster.SECRET)]
+    assert (session["aws_access_key_id"], session["aws_secret_access_key"]) == (
+        keys["AWS_ACCESS_KEY_ID"], keys["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+    for broken in (
+        lambda o: o.pop(("ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)),
+        lambda o: o.pop(("Secret", cluster.SECRET)),
+        lambda o: o[("ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)].update(
+            providers=o[("ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)]["providers"].replace(
+                "disableSSL", "disableSsl")),
+    ):  # fmt: skip
+        copy_ = copy.deepcopy(objects)
+        broken(copy_)
+        with pytest.raises(pod_env.PodConfigError):
+            pod_env.s3_session(copy_, pod_env.pipeline_root(copy_))
+    assert pod_env.pipeline_root({}) == pod_env.MINIO_ROOT
+
+
 def test_ray_jobs_api_is_behind_the_token_of_bert_ray_auth(rendered, rendered_kfp):
     """The RayCluster enforces Ray token authentication through KubeRay's authOptions with the
     Secret bert-ray-auth, generated from the git-ignored env/ray-auth.env in env/ (so the kfp

@@ -27,7 +27,16 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_DIR = ROOT / "infra" / "k8s" / "env"
+LAUNCHER = ROOT / "infra" / "k8s" / "kfp" / "kfp-launcher.yaml"  # the namespace's kfp-launcher
 CLUSTER_DOMAIN = ".svc.cluster.local"
+# KFP 2.17.0, backend/src/v2/config/env.go: the launcher's ConfigMap and the root without one
+LAUNCHER_CONFIG_MAP, MINIO_ROOT = "kfp-launcher", "minio://mlpipeline/v2/artifacts"
+# backend/src/v2/config/s3.go: the fields S3ProviderConfig reads (sigs.k8s.io/yaml ignores others)
+S3_PROVIDER = {
+    "default": {"endpoint", "credentials", "region", "disableSSL", "forcePathStyle", "maxRetries"},
+    "credentials": {"fromEnv", "secretRef"},
+    "secretRef": {"secretName", "accessKeyKey", "secretKeyKey"},
+}
 
 Objects = dict[tuple[str, str], dict[str, str]]  # (kind, name) -> data
 
@@ -45,12 +54,15 @@ def _read_env_file(path: Path) -> dict[str, str]:
     return pairs
 
 
-def manifest_objects(env_dir: Path = ENV_DIR) -> Objects:
+def manifest_objects(env_dir: Path = ENV_DIR, launcher: Path = LAUNCHER) -> Objects:
     """The ConfigMaps and Secrets the kustomization in `env_dir` creates: its ConfigMap
     resources, and its `secretGenerator` Secrets read from the committed `<file>.example`
-    (example values: the real env files are git-ignored, and a test must not read them)."""
+    (example values: the real env files are git-ignored, and a test must not read them); and
+    the namespace's `kfp-launcher` ConfigMap (`launcher`), which the launcher reads."""
     kust = yaml.safe_load((env_dir / "kustomization.yaml").read_text())
     objects: Objects = {}
+    doc = yaml.safe_load(launcher.read_text())
+    objects[("ConfigMap", doc["metadata"]["name"])] = dict(doc["data"])
     for resource in kust.get("resources", []):
         for doc in yaml.safe_load_all((env_dir / resource).read_text()):
             if doc and doc["kind"] in ("ConfigMap", "Secret"):
@@ -66,7 +78,8 @@ def manifest_objects(env_dir: Path = ENV_DIR) -> Objects:
 def localize(objects: Objects, services: Mapping[str, str]) -> Objects:
     """`objects` with each in-cluster service URL (a key of `services`, e.g.
     `http://mlflow.bert.svc.cluster.local:5000`) replaced by its value (a loopback URL, or ""
-    for "no such service here"). Fails when a value still names a cluster service."""
+    for "no such service here"); its host:port alone, as the launcher's `providers` name an
+    endpoint, by the local one's. Fails when a value still names a cluster service."""
     out: Objects = {}
     for ref, data in objects.items():
         out[ref] = {}
@@ -74,6 +87,8 @@ def localize(objects: Objects, services: Mapping[str, str]) -> Objects:
             for cluster_url, local_url in services.items():
                 if value.startswith(cluster_url):
                     value = local_url + value[len(cluster_url) :] if local_url else ""
+                elif _host(cluster_url) and _host(cluster_url) in value:
+                    value = value.replace(_host(cluster_url), _host(local_url) if local_url else "")
             if CLUSTER_DOMAIN in value:
                 raise PodConfigError(
                     f"{ref[0]} {ref[1]}: {key}={value} is a cluster service the harness was "
@@ -192,3 +207,48 @@ def placement(platform: Mapping, executor: str, parameters: Mapping[str, Any]) -
                 raise PodConfigError(f"{executor}: {toleration!r} is not a toleration")
             out.tolerations.append(dict(toleration))
     return out
+
+
+def _host(url: str) -> str:
+    return url.split("://", 1)[-1].split("/", 1)[0]
+
+
+def pipeline_root(objects: Objects, run_root: str = "") -> str:
+    """Where a run's artifacts go, as KFP 2.17.0's root DAG driver decides it
+    (backend/src/v2/driver/root_dag.go): the run's own pipeline root, else the namespace's
+    `kfp-launcher` defaultPipelineRoot, else KFP's MinIO (config/env.go). The compiled spec's
+    defaultPipelineRoot is not read by the backend."""
+    launcher = objects.get(("ConfigMap", LAUNCHER_CONFIG_MAP)) or {}
+    return run_root or launcher.get("defaultPipelineRoot") or MINIO_ROOT
+
+
+def s3_session(objects: Objects, root: str) -> dict[str, str]:
+    """The launcher's S3 client for an `s3://` root (config/s3.go, ProvideSessionInfo, without
+    overrides, which the manifests do not use): the `providers` default's endpoint (http:// when
+    disableSSL), region and the keys of the Secret its secretRef names; no providers, or a root
+    with a query string: the environment's (fromEnv), which a pod of ours does not give the
+    launcher, so that is an error here. Fields s3.go does not read are refused: its YAML parser
+    would drop a misspelt one in silence."""
+    launcher = objects.get(("ConfigMap", LAUNCHER_CONFIG_MAP)) or {}
+    providers = yaml.safe_load(launcher.get("providers") or "{}") or {}
+    default = (providers.get("s3") or {}).get("default")
+    if not root.startswith("s3://") or "?" in root or default is None:
+        raise PodConfigError(f"pipeline root {root}: no s3 provider in {LAUNCHER_CONFIG_MAP}")
+    credentials = default.get("credentials") or {}
+    ref = credentials.get("secretRef") or {}
+    for part, fields in (("default", default), ("credentials", credentials), ("secretRef", ref)):
+        unknown = set(fields) - S3_PROVIDER[part]
+        if unknown:
+            raise PodConfigError(f"{LAUNCHER_CONFIG_MAP} providers.s3 {part}: {sorted(unknown)}")
+    if credentials.get("fromEnv") or not ref:
+        raise PodConfigError(f"{LAUNCHER_CONFIG_MAP}: credentials fromEnv, not a Secret")
+    secret = objects.get(("Secret", ref["secretName"]))
+    if secret is None or not {ref["accessKeyKey"], ref["secretKeyKey"]} <= set(secret):
+        raise PodConfigError(f"{LAUNCHER_CONFIG_MAP}: no Secret {ref['secretName']} with its keys")
+    scheme = "http" if default.get("disableSSL") else "https"
+    return {
+        "endpoint_url": f"{scheme}://{default['endpoint']}" if default.get("endpoint") else "",
+        "region_name": default.get("region", ""),
+        "aws_access_key_id": secret[ref["accessKeyKey"]],
+        "aws_secret_access_key": secret[ref["secretKeyKey"]],
+    }

@@ -58,7 +58,7 @@ scripts come first on PATH) and a folder holding only the package the image inst
 tolerations are resolved from their run-time placeholders and recorded per task (`TaskRun`), not
 applied. Retries are not modelled: every task runs once.
 
-    harness = Harness(spec, objects, workdir, pipeline_root="s3://bert/kfp", cache=Cache())
+    harness = Harness(spec, objects, workdir, cache=Cache())
     state = harness.run({"pretrain_steps": 20})   # the run's: "SUCCEEDED" or "FAILED"
 """
 
@@ -333,22 +333,24 @@ class Harness:
     """One pipeline run of a compiled spec; see the module docstring.
 
     `objects`: the ConfigMaps and Secrets of the cluster (`pod_env.manifest_objects`, localized);
-    `workdir`: where the pods' private folders go; `pipeline_root`: an s3:// prefix; `cache`: the
-    backend's cache, shared with other runs (default: a new, empty one)."""
+    `workdir`: where the pods' private folders go; `pipeline_root`: the run's own, an s3://
+    prefix ("": the namespace's `kfp-launcher`, as the backend decides: `pod_env.pipeline_root`);
+    `cache`: the backend's cache, shared with other runs (default: a new, empty one)."""
 
     def __init__(
         self,
         spec: Path,
         objects: pod_env.Objects,
         workdir: Path,
-        pipeline_root: str,
+        pipeline_root: str = "",
         python: str = sys.executable,
         image_env: Mapping[str, str] | None = None,
         timeout: float = 900,
         cache: Cache | None = None,
     ):
         self.pipeline, self.platform = load_spec(spec)
-        self.objects, self.root = objects, pipeline_root.rstrip("/")
+        self.objects = objects
+        self.root = pod_env.pipeline_root(objects, pipeline_root).rstrip("/")
         self.workdir, self.timeout = Path(workdir), timeout
         self.cache = cache if cache is not None else Cache()
         self.run_id = str(uuid.uuid4())
@@ -372,20 +374,12 @@ class Harness:
         (self.site / "sitecustomize.py").write_text(SITECUSTOMIZE)
 
     def _s3_client(self):
-        """S3 as the launcher reaches it: the pods' endpoint and credentials (ConfigMap and
-        Secret), not the harness's own environment."""
+        """S3 as the launcher reaches it: the `kfp-launcher` providers' endpoint and the keys of
+        the Secret they name (`pod_env.s3_session`), not the harness's own environment."""
         import boto3
 
-        env: dict[str, str] = {}
-        for (_, _), data in self.objects.items():
-            env |= data
-        return boto3.client(
-            "s3",
-            endpoint_url=env.get("AWS_ENDPOINT_URL") or None,
-            region_name=env.get("AWS_DEFAULT_REGION") or None,
-            aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
-            aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
-        )
+        session = pod_env.s3_session(self.objects, self.root)
+        return boto3.client("s3", **{k: v or None for k, v in session.items()})
 
     # -- the DAG
 

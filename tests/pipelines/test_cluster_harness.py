@@ -205,7 +205,7 @@ def test_harness_refuses_workstation_paths_before_any_pod_runs(tmp_path, argumen
         pod_env.manifest_objects(),
         {v: "" for v in _config().values() if v.startswith("http://")},
     )
-    harness = pod_harness.Harness(SPEC, objects, tmp_path, f"{cluster.BUCKET}/kfp")
+    harness = pod_harness.Harness(SPEC, objects, tmp_path)
     with pytest.raises(pod_harness.WorkstationPath, match="is a path on this machine"):
         harness.run(arguments)
     assert harness.tasks == []  # refused when the first task's inputs were resolved
@@ -291,7 +291,6 @@ def runs(servers, ray_head, planted, cache, root, shared_data) -> Runs:
             SPEC,
             _objects(servers, ray_head.url if name == "a" else "", planted),
             root / f"pods-{name}",
-            f"{cluster.BUCKET}/kfp",
             image_env=image_env,
             cache=cache if name == "a" else None,
         )  # fmt: skip
@@ -427,8 +426,8 @@ def test_a_rerun_is_cached_and_the_exit_handler_still_closes_the_run(
     first, state, logs = pipeline_run
     assert state == pod_harness.SUCCEEDED, logs
     harness = pod_harness.Harness(
-        SPEC, _objects(servers, ray_head.url, planted), tmp_path, f"{cluster.BUCKET}/kfp",
-        image_env=IMAGE_ENV, cache=cache,
+        SPEC, _objects(servers, ray_head.url, planted), tmp_path, image_env=IMAGE_ENV,
+        cache=cache,
     )  # fmt: skip
     state = harness.run(RUNS["a"])
     assert state == pod_harness.SUCCEEDED, _logs(harness)
@@ -800,7 +799,7 @@ def test_bad_inputs_fail_a_first_task_and_the_exit_handler_marks_the_run_failed(
     settles the body's DAG FAILED, and the exit handler, handed FAILED, closes the parent run
     as FAILED."""
     _, mlflow = servers
-    harness = pod_harness.Harness(SPEC, _objects(servers), tmp_path, f"{cluster.BUCKET}/kfp")
+    harness = pod_harness.Harness(SPEC, _objects(servers), tmp_path)
     state = harness.run({**SMALL_ARGS, **arguments})
     assert state == pod_harness.FAILED
     ran = [(t.path, t.state) for t in harness.tasks]
@@ -828,7 +827,7 @@ def test_a_collected_loop_of_no_iteration_fails_its_consumer_as_the_backend_does
     objects = cluster_objects(pod_env.manifest_objects(), s3_server.url, "http://127.0.0.1:1")
     for items, state, handed in (([], pod_harness.FAILED, "RUNNING"),
                                  (["a"], pod_harness.SUCCEEDED, "COMPLETE")):  # fmt: skip
-        harness = pod_harness.Harness(spec, objects, tmp_path / str(len(items)), "s3://bert/kfp")
+        harness = pod_harness.Harness(spec, objects, tmp_path / str(len(items)))
         assert harness.run({"items": items}) == state, _logs(harness)
         (consumer,) = [t for t in harness.tasks if t.path.endswith("/total")]
         assert consumer.state == ("COMPLETE" if items else "FAILED")

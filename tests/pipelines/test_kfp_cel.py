@@ -119,7 +119,7 @@ def test_the_harness_skips_untriggered_branches_as_the_backend_does(spec, tmp_pa
     its branch was created, so it, the loop and the body stay RUNNING (only launchers settle a
     DAG: metadata/client.go UpdateDAGExecutionsState), and the exit handler is handed RUNNING."""
     objects = cluster_objects(pod_env.manifest_objects(), "http://127.0.0.1:1", "http://127.0.0.1:1")
-    harness = pod_harness.Harness(spec, objects, tmp_path, "s3://bert/kfp")
+    harness = pod_harness.Harness(spec, objects, tmp_path)
     assert harness.run({"want": "a", "steps": 1, "flag": True}) == pod_harness.SUCCEEDED
     ran = {t.path: t for t in harness.tasks}
     chosen = [p for p in ran if p.startswith("/exit-handler-1/for-loop-2[")]

@@ -30,7 +30,8 @@ from dataclasses import MISSING, Field, field, fields
 NONE_TEXTS = ("", "none")  # what a pipeline passes for a parameter left unset
 # for the error messages, by the converter's name (`number` names its int converter "int")
 WHAT = {"int": "an integer", "float": "a number", "number": "a number", "str": "text"}
-# a float option's range (`option(within=...)`): its test and how the error message says it
+# an option's range (`option(within=...)`), a float's or an int's: its test and how the error
+# message says it
 RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "positive": (lambda x: x > 0, " > 0"),
     "non-negative": (lambda x: x >= 0, " >= 0"),

@@ -31,8 +31,9 @@ The parameters are the KFP UI's run form, each with its description in the compi
 (`PARAMETERS`; the pinned UI's form shows names and types only), named `section_key` after
 params.yaml's sections (data, vocab and instances: the pre-training data, model, pretrain,
 finetune, compress) plus KFP_ONLY's and `cluster_*`: the UI lists them by name, so each group
-stays together. Their defaults are the cluster's (`pipelines/cluster.py` SETTINGS: BERT-Base and the
-paper's settings, data under the bucket), not params.yaml's, which are the 2-core workstation's
+stays together. Their defaults are the cluster's first run (`pipelines/cluster.py` SETTINGS:
+BERT-Small, a GLUE slice, data under the bucket; the paper's BERT-Base run is the preset
+`paper`), not params.yaml's, which are the 2-core workstation's
 (`make run`, DVC; `local` runs with those). A step's component takes `section_key` as `key`, so
 each params.yaml section is the keyword arguments of its step (`section`).
 

@@ -76,49 +76,52 @@ CUDA_IMAGE = "registry.example.com/bert/bert-cuda:0.1.0"
 # fine-tuning pods tolerate it by default; harmless where no node has it.
 GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
-# The pipeline's parameter defaults on a cluster (what the KFP UI's run form shows): BERT-Base
-# pre-trained with the paper's settings (section 3.1, appendix A.2: 1,000,000 steps of 256
-# sequences of 128 tokens, learning rate 1e-4, 15% masked, at most 20 predictions, dupe factor
-# 10) on 4 GPU workers, then fine-tuned on the paper's GLUE tasks, CoNLL-2003 and SQuAD v1.1
-# with its protocol (3 epochs, batch 32, best of 5e-5, 4e-5, 3e-5, 2e-5 on dev; SQuAD at 384
-# tokens), one GPU each. params.yaml holds the 2-core workstation's (`make run`, DVC); the test
-# harness runs smoke sizes. 0 for a `max_*_examples`: every example.
+# The pipeline's parameter defaults on a cluster (what the KFP UI's run form shows): a first run
+# that ends the same day, changing only the data locations: BERT-Small (4 layers, H 512) pre-trained
+# for 20,000 steps of 256 sequences of 128 tokens on one GPU worker (dupe factor 2), then five
+# GLUE tasks on a 20,000-example slice of each training set and CoNLL-2003, one learning rate, 3
+# epochs, one GPU each. Estimated at about an hour on one GPU node from bench/model_step.py's H100
+# row in the README (BERT-Base at batch 256: 640,728 tokens/s, about 20 steps a second; Small is
+# about a tenth of its compute per token), not measured. The paper's BERT-Base run is the
+# `paper` preset (PAPER below, `submit --preset paper`), which the ablation presets build on.
+# params.yaml holds the 2-core workstation's (`make run`, DVC); the test harness runs smoke
+# sizes. 0 for a `max_*_examples`: every example.
 SETTINGS = {
     **DATA,
     "vocab_vocab_size": 30522,
     "instances_max_seq_length": 128,
     "instances_max_predictions_per_seq": 20,
     "instances_masked_lm_prob": 0.15,
-    "instances_dupe_factor": 10,
+    "instances_dupe_factor": 2,
     "instances_random_seed": 12345,
     "instances_masking_recipe": "80/10/10",
-    "model_preset": "base",
+    "model_preset": "small",
     "model_num_layers": 0,
     "model_hidden_size": 0,
     "model_num_heads": 0,
     "model_intermediate_size": 0,
-    "pretrain_steps": 1_000_000,
+    "pretrain_steps": 20_000,
     "pretrain_export_every": 0,
     "pretrain_batch_size": 256,
-    "pretrain_num_workers": 4,
+    "pretrain_num_workers": 1,
     "pretrain_cpus_per_worker": 8,
     "pretrain_learning_rate": 1e-4,
     "pretrain_use_gpu": True,
     "pretrain_objective": "mlm+nsp",
     "pretrain_init_model": "none",
-    "finetune_tasks": ["CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE"],
+    "finetune_tasks": ["CoLA", "SST-2", "MRPC", "STS-B", "RTE"],
     "finetune_epochs": 3,
     "finetune_batch_size": 32,
-    "finetune_learning_rate": 2e-5,
+    "finetune_learning_rate": 5e-5,
     "finetune_max_seq_length": 128,
-    "finetune_max_train_examples": 0,
+    "finetune_max_train_examples": 20_000,
     "finetune_control_tasks": [],
-    "finetune_lr_sweep": "paper",
+    "finetune_lr_sweep": "none",
     "finetune_restarts": 1,
     "finetune_top_bilstm": False,
-    "finetune_token_tasks": ["conll2003", "squad"],
+    "finetune_token_tasks": ["conll2003"],
     "finetune_token_epochs": 3,
-    "finetune_token_max_seq_length": 384,
+    "finetune_token_max_seq_length": 128,
     "finetune_token_max_train_examples": 0,
     "finetune_token_max_eval_examples": 0,
     "finetune_token_document_context": True,  # the paper's (section 5.3)
@@ -135,4 +138,22 @@ SETTINGS = {
     "cluster_finetune_gpus": "1",
     "cluster_gpu_node_selector": {},
     "cluster_gpu_tolerations": GPU_TOLERATIONS,
+}
+
+# The paper's BERT-Base run (section 3.1, appendix A.2: 1,000,000 steps of 256 sequences of 128
+# tokens, learning rate 1e-4, 15% masked, at most 20 predictions, dupe factor 10) on 4 GPU
+# workers, then its eight GLUE tasks, CoNLL-2003 and SQuAD v1.1 with its protocol (3 epochs,
+# batch 32, best of 5e-5, 4e-5, 3e-5, 2e-5 on dev; SQuAD at 384 tokens), one GPU each: what
+# SETTINGS changes, as the `paper` preset (pipelines/presets.py). Days of GPU time.
+PAPER = {
+    "instances_dupe_factor": 10,
+    "model_preset": "base",
+    "pretrain_steps": 1_000_000,
+    "pretrain_num_workers": 4,
+    "finetune_tasks": ["CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE"],
+    "finetune_max_train_examples": 0,
+    "finetune_lr_sweep": "paper",
+    "finetune_learning_rate": 2e-5,
+    "finetune_token_tasks": ["conll2003", "squad"],
+    "finetune_token_max_seq_length": 384,
 }

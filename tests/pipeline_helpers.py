@@ -162,7 +162,7 @@ def local_services():
 
 def pipeline_args(tasks: list[str], **overrides: Any) -> dict[str, Any]:
     """The compiled pipeline's parameters for a small run: params.yaml's settings (the run
-    form's defaults are a cluster's, BERT-Base), SMALL's over them, no GPUs; the data stay the
+    form's defaults are a cluster's first run), SMALL's over them, no GPUs; the data stay the
     spec's cluster defaults (s3://); fine-tuning `tasks` and the random-init control of the
     first of them (one more job: the control runs, at little cost), then `overrides` (e.g.
     pretrain_steps=10)."""

@@ -20,7 +20,7 @@ import yaml
 from bert_core import cli, storage
 from bert_core.errors import BertError
 from bert_core.finetune.jobs import finetune_jobs
-from pipelines import cluster
+from pipelines import cluster, presets
 from pipelines.bert_pipeline import (
     DEFAULTS,
     PARAMETERS,
@@ -93,9 +93,16 @@ def test_the_run_form_has_the_clusters_defaults_and_a_description_for_every_para
     for name, uri in cluster.DATA.items():
         assert uri.startswith(f"{cluster.BUCKET}/data") and inputs[name]["defaultValue"] == uri
     defaults = {name: param["defaultValue"] for name, param in inputs.items()}
-    assert defaults["model_preset"] == "base"
-    assert (defaults["pretrain_steps"], defaults["pretrain_batch_size"]) == (1_000_000, 256)
-    assert defaults["instances_dupe_factor"] == 10 and defaults["finetune_lr_sweep"] == "paper"
+    # a first run that ends the same day (BERT-Small, 20k steps, a GLUE slice), changing only the
+    # data locations; the paper's BERT-Base run is the `paper` preset
+    assert defaults["model_preset"] == "small" and defaults["pretrain_num_workers"] == 1
+    assert (defaults["pretrain_steps"], defaults["pretrain_batch_size"]) == (20_000, 256)
+    assert defaults["finetune_max_train_examples"] == 20_000
+    assert "squad" not in defaults["finetune_token_tasks"]
+    paper = dict(presets.runs("paper", {})[0][1])
+    assert set(paper) <= set(defaults) and paper["model_preset"] == "base"
+    assert (paper["pretrain_steps"], paper["instances_dupe_factor"]) == (1_000_000, 10)
+    assert paper["finetune_lr_sweep"] == "paper" and "squad" in paper["finetune_token_tasks"]
     assert defaults["cluster_train_image"] == cluster.CUDA_IMAGE
     assert defaults["cluster_finetune_gpus"] == "1" and defaults["pretrain_use_gpu"] is True
     assert defaults != {**defaults, **{k: P[k] for k in P if k not in cluster.DATA}}  # not DVC's
@@ -119,7 +126,6 @@ def test_presets_are_a_run_per_row_of_the_papers_tables_with_valid_arguments():
     top of every row; the rows of Tables 5, 6 and 8 are named as `bert evaluate` knows them;
     a wrong key or type stops before anything is submitted."""
     from bert_core.report.tables import PAPER_TABLES
-    from pipelines import presets
 
     spec = next(yaml.safe_load_all(SPEC.read_text()))  # the pipeline spec, then the platform's
     types = {name: p["parameterType"]

@@ -247,6 +247,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from bert_core import tracking
 
     cfg.validate()
+    ray_jobs.check_commit()  # as a Ray job: the cluster's code must be the submitting step's
     start_from, named = start_of(cfg.init_model), cfg.init_model
     if cfg.init_model and hub.is_named(cfg.init_model):  # hf:ORG/NAME@REV, pypi:PACKAGE
         cfg.init_model = str(hub.resolve(cfg.init_model))

@@ -20,9 +20,17 @@ is an http(s) URL `bert pretrain` submits itself (`run_as_job`):
    (its driver saves a checkpoint first: `stop`);
 4. the final model and the metrics CSVs are copied into the caller's `--output`.
 
-What crosses to the job: its command line and the few variables in `JOB_ENV` (MLflow run
-nesting, code location). Never credentials: a job's runtime_env is shown by the dashboard to
-anyone who can reach it, and the cluster's pods have their own (the ConfigMap and Secret).
+The job runs the cluster's code, so it must be the run's: the step sends its code's commit
+(`tracking.code_commit`) as `BERT_EXPECTED_COMMIT`, and the job's driver refuses to train, exit
+2 before Ray Train starts, when the code it runs is at another commit (`check_commit`: the
+RayCluster's image built from another commit, or without GIT_COMMIT); the MLflow run is then
+tagged with the commit that trained. Why one shared RayCluster and this check rather than a
+RayJob per run: docs/cluster.md ("Pre-training on the RayCluster").
+
+What crosses to the job: its command line, the few variables in `JOB_ENV` (MLflow run nesting,
+code location) and the expected commit. Never credentials: a job's runtime_env is shown by the
+dashboard to anyone who can reach it, and the cluster's pods have their own (the ConfigMap and
+Secret).
 """
 
 from __future__ import annotations
@@ -43,23 +51,24 @@ from typing import Any
 
 from bert_core import hub
 from bert_core import storage as st
-from bert_core.errors import BertError, Interrupted, atomic_dir, credentials
+from bert_core.errors import BadValue, BertError, Interrupted, atomic_dir, credentials
 from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig
+from bert_core.tracking import code_commit
 
 # Passed to the job when set: the MLflow parent run and experiment (so the job's run nests
 # under the pipeline's), the tracking server the caller checked (without user:password@: a
 # job's settings are shown by the Ray dashboard and `ray job list`; the cluster's pods take
 # MLflow's credentials from their own environment, MLFLOW_TRACKING_USERNAME/PASSWORD), the KFP
-# run id, the code's commit and where its code is (PYTHONPATH: a checkout rather than the
-# image's install).
+# run id and where its code is (PYTHONPATH: a checkout rather than the image's install). Not
+# BERT_GIT_COMMIT: the job's is its own code's, and the caller's travels as EXPECTED_COMMIT.
 JOB_ENV = (
     "MLFLOW_TRACKING_URI",
     "MLFLOW_EXPERIMENT_NAME",
     "BERT_PARENT_RUN_ID",
-    "BERT_GIT_COMMIT",
     "KFP_RUN_ID",
     "PYTHONPATH",
 )
+EXPECTED_COMMIT = "BERT_EXPECTED_COMMIT"  # the submitting step's code's commit
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 POLL_S = 2.0
 
@@ -201,6 +210,9 @@ def _latest(client, base: str) -> tuple[str | None, str | None]:
 
 def _submit(client, sid: str, entrypoint: str, run_name: str, storage: str) -> None:
     env = {k: os.environ[k] for k in JOB_ENV if os.environ.get(k)}
+    commit = code_commit()
+    if commit:
+        env[EXPECTED_COMMIT] = commit
     if "MLFLOW_TRACKING_URI" in env:
         env["MLFLOW_TRACKING_URI"] = credentials(env["MLFLOW_TRACKING_URI"])[0]
     client.submit_job(
@@ -210,6 +222,23 @@ def _submit(client, sid: str, entrypoint: str, run_name: str, storage: str) -> N
         metadata={"bert.run_name": run_name, "bert.storage_path": storage},
     )
     print(f"pretrain: submitted Ray job {sid}: {entrypoint}", flush=True)
+
+
+def check_commit() -> None:
+    """In a job's driver: refuse to train code other than the submitting step's (see the
+    module's docstring); once they agree, that commit is the one the MLflow run names."""
+    expected = os.environ.get(EXPECTED_COMMIT)
+    if not expected:
+        return
+    actual = code_commit()
+    if actual != expected:
+        actual = actual or "unknown (an image built without GIT_COMMIT)"
+        raise BadValue(
+            f"this Ray cluster runs bert at commit {actual}, the pipeline step that submitted "
+            f"the job at {expected}: the RayCluster's image must be built from the run's commit "
+            "(infra/k8s/raycluster.yaml), or the model would not be the code the run names"
+        )
+    os.environ["BERT_GIT_COMMIT"] = actual
 
 
 def follow(client, sid: str):

@@ -66,6 +66,39 @@ def test_submission_ids_are_stable_per_run_and_count_attempts():
     assert ray_jobs.attempt_number("bert-pretrain-000000000000", base) is None
 
 
+def test_a_job_trains_only_the_code_of_the_step_that_submitted_it(monkeypatch):
+    """The step sends its code's commit (an image's BERT_GIT_COMMIT, else its checkout's) as
+    BERT_EXPECTED_COMMIT, never its BERT_GIT_COMMIT; the job's driver refuses other code, or
+    code of no known commit, in one line naming both, and otherwise names that commit for its
+    MLflow run."""
+    from bert_core.errors import BadValue
+    from bert_core.tracking import code_commit, git_commit
+
+    head = git_commit(ROOT)
+    monkeypatch.delenv("BERT_GIT_COMMIT", raising=False)
+    assert head and code_commit() == head  # this checkout's, wherever the cwd is
+    sent = []
+    monkeypatch.setenv("BERT_GIT_COMMIT", "a" * 40)  # the step's image
+    ray_jobs._submit(type("Client", (), {"submit_job": lambda self, **kw: sent.append(kw)})(),
+                     "sid", "bert pretrain", "run", "s3://b/ray")  # fmt: skip
+    (env,) = [kw["runtime_env"]["env_vars"] for kw in sent]
+    assert env[ray_jobs.EXPECTED_COMMIT] == "a" * 40 and "BERT_GIT_COMMIT" not in env
+    monkeypatch.setenv(ray_jobs.EXPECTED_COMMIT, "a" * 40)
+    monkeypatch.setenv("BERT_GIT_COMMIT", "b" * 40)  # the cluster's image: another commit
+    with pytest.raises(BadValue, match=f"runs bert at commit {'b' * 40}, .* at {'a' * 40}"):
+        ray_jobs.check_commit()
+    monkeypatch.setenv("BERT_GIT_COMMIT", "")
+    monkeypatch.setattr("bert_core.tracking.git_commit", lambda cwd=None: None)  # no .git either
+    with pytest.raises(BadValue, match="at commit unknown .an image built without GIT_COMMIT"):
+        ray_jobs.check_commit()
+    monkeypatch.setenv("BERT_GIT_COMMIT", "a" * 40)
+    ray_jobs.check_commit()
+    monkeypatch.delenv(ray_jobs.EXPECTED_COMMIT)
+    monkeypatch.setenv("BERT_GIT_COMMIT", "c" * 40)
+    ray_jobs.check_commit()  # not a job: nothing to compare
+    assert os.environ["BERT_GIT_COMMIT"] == "c" * 40
+
+
 def test_storage_path_defaults(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("BERT_RAY_STORAGE", raising=False)

@@ -195,12 +195,6 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def code_commit() -> str | None:
-    """The commit of the code this process runs: BERT_GIT_COMMIT (an image's: it has no .git),
-    else the checkout this package is imported from (not the working directory's)."""
-    return os.environ.get("BERT_GIT_COMMIT") or git_commit(Path(__file__).parent)
-
-
 def _start_time(pid: int | str) -> str:
     """A process's start time (clock ticks since boot, /proc/PID/stat field 22): with the pid it
     names one process even after the pid is reused. "-" where there is no /proc."""

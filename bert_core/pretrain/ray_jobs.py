@@ -21,7 +21,7 @@ is an http(s) URL `bert pretrain` submits itself (`run_as_job`):
 4. the final model and the metrics CSVs are copied into the caller's `--output`.
 
 The job runs the cluster's code, so it must be the run's: the step sends its code's commit
-(`tracking.code_commit`) as `BERT_EXPECTED_COMMIT`, and the job's driver refuses to train, exit
+(`code_commit`) as `BERT_EXPECTED_COMMIT`, and the job's driver refuses to train, exit
 2 before Ray Train starts, when the code it runs is at another commit (`check_commit`: the
 RayCluster's image built from another commit, or without GIT_COMMIT); the MLflow run is then
 tagged with the commit that trained. Why one shared RayCluster and this check rather than a
@@ -53,7 +53,7 @@ from bert_core import hub
 from bert_core import storage as st
 from bert_core.errors import BadValue, BertError, Interrupted, atomic_dir, credentials
 from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig
-from bert_core.tracking import code_commit
+from bert_core.tracking import git_commit
 
 # Passed to the job when set: the MLflow parent run and experiment (so the job's run nests
 # under the pipeline's), the tracking server the caller checked (without user:password@: a
@@ -222,6 +222,12 @@ def _submit(client, sid: str, entrypoint: str, run_name: str, storage: str) -> N
         metadata={"bert.run_name": run_name, "bert.storage_path": storage},
     )
     print(f"pretrain: submitted Ray job {sid}: {entrypoint}", flush=True)
+
+
+def code_commit() -> str | None:
+    """The commit of the code this process runs: BERT_GIT_COMMIT (an image's: it has no .git),
+    else the checkout this package is imported from (not the working directory's)."""
+    return os.environ.get("BERT_GIT_COMMIT") or git_commit(Path(__file__).parent)
 
 
 def check_commit() -> None:

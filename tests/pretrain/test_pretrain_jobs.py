@@ -72,11 +72,11 @@ def test_a_job_trains_only_the_code_of_the_step_that_submitted_it(monkeypatch):
     code of no known commit, in one line naming both, and otherwise names that commit for its
     MLflow run."""
     from bert_core.errors import BadValue
-    from bert_core.tracking import code_commit, git_commit
+    from bert_core.tracking import git_commit
 
     head = git_commit(ROOT)
     monkeypatch.delenv("BERT_GIT_COMMIT", raising=False)
-    assert head and code_commit() == head  # this checkout's, wherever the cwd is
+    assert head and ray_jobs.code_commit() == head  # this checkout's, wherever the cwd is
     sent = []
     monkeypatch.setenv("BERT_GIT_COMMIT", "a" * 40)  # the step's image
     ray_jobs._submit(type("Client", (), {"submit_job": lambda self, **kw: sent.append(kw)})(),
@@ -88,7 +88,7 @@ def test_a_job_trains_only_the_code_of_the_step_that_submitted_it(monkeypatch):
     with pytest.raises(BadValue, match=f"runs bert at commit {'b' * 40}, .* at {'a' * 40}"):
         ray_jobs.check_commit()
     monkeypatch.setenv("BERT_GIT_COMMIT", "")
-    monkeypatch.setattr("bert_core.tracking.git_commit", lambda cwd=None: None)  # no .git either
+    monkeypatch.setattr(ray_jobs, "git_commit", lambda cwd=None: None)  # no .git either
     with pytest.raises(BadValue, match="at commit unknown .an image built without GIT_COMMIT"):
         ray_jobs.check_commit()
     monkeypatch.setenv("BERT_GIT_COMMIT", "a" * 40)

@@ -563,13 +563,11 @@ def test_kfp_runs_put_their_artifacts_in_our_bucket(rendered_kfp, k8s_copy):
     from pipelines import cluster
     from tests.cluster import pod_env
 
-    objects: pod_env.Objects = {}
-    for doc in rendered_kfp:
-        if doc["kind"] == "Secret":
-            data = {k: base64.b64decode(v).decode() for k, v in doc.get("data", {}).items()}
-        else:
-            data = dict(doc.get("data") or {})
-        objects[(doc["kind"], doc["metadata"]["name"])] = data
+    objects: pod_env.Objects = {
+        (d["kind"], d["metadata"]["name"]): _decoded(d) if d["kind"] == "Secret"
+        else dict(d.get("data") or {})
+        for d in rendered_kfp
+    }  # fmt: skip
     launcher = _object(rendered_kfp, "ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)
     assert launcher["metadata"]["namespace"] == "kubeflow"
     assert launcher["data"] == pod_env.manifest_objects(k8s_copy / "env")[

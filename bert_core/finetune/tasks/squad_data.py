@@ -31,6 +31,9 @@ class Example:
 # Reading
 
 
+KINDS = {str: "text", int: "an integer", list: "a list"}
+
+
 def _field(path: Path, record: object, key: str, kind: type, where: str):
     """`record[key]` when it is a `kind` (a JSON bool is no int), else one line naming it."""
     value = record.get(key) if isinstance(record, dict) else None
@@ -38,9 +41,6 @@ def _field(path: Path, record: object, key: str, kind: type, where: str):
         got = "nothing" if value is None else type(value).__name__
         raise InputError(path, f"{where}: {key!r} must be {KINDS[kind]}, got {got}")
     return value
-
-
-KINDS = {str: "text", int: "an integer", list: "a list"}
 
 
 def _examples(path: Path, articles: list, version: str) -> list[Example]:
@@ -70,9 +70,10 @@ def _examples(path: Path, articles: list, version: str) -> list[Example]:
                     raise InputError(path, f"question {qid}: no answers and not is_impossible")
                 if answers and impossible:
                     raise InputError(path, f"question {qid}: is_impossible but has answers")
-                if not _field(path, qa, "question", str, f"question {qid}").strip():
+                question = _field(path, qa, "question", str, f"question {qid}")
+                if not question.strip():
                     raise InputError(path, f"question {qid}: empty question")
-                out.append(Example(qid, qa["question"], context, answers, impossible))
+                out.append(Example(qid, question, context, answers, impossible))
     return out
 
 

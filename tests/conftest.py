@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from bert_core.pretrain.command import LOCAL_RAY_TRAIN
+from bert_core.pretrain.local_ray import LOCAL_RAY_TRAIN
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("BERT_SHARED_DATA", ROOT.parent / "shared" / "data")).resolve()
 
 # `bert pretrain` gives the private Ray it starts Ray Train's quick settings itself
-# (pretrain.command.LOCAL_RAY_TRAIN); the suite's Ray heads (`ray start`, the Jobs API's drivers
+# (pretrain.local_ray.LOCAL_RAY_TRAIN); the suite's Ray heads (`ray start`, the Jobs API's drivers
 # and workers inherit this environment) get the same, for their many few-step pre-trainings.
 for _name, _value in LOCAL_RAY_TRAIN.items():
     os.environ.setdefault(_name, _value)

@@ -44,48 +44,12 @@ from bert_core.errors import BertError, Diverged, Interrupted, atomic_dir, handl
 from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.checks import check_inputs, check_output
 from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig, build_parser, parse_args
+from bert_core.pretrain.local_ray import init_local_ray
 from bert_core.pretrain.state import DIVERGED, HELDOUT_COLUMNS, load_state, write_metrics_csv
 from bert_core.storage import check_apart, copy, exists, filesystem, is_s3, preflight
 from bert_core.tracking import RUN_RECORD
 
 __all__ = ["PretrainConfig", "build_parser", "init_local_ray", "main", "pretrain", "storage_path"]
-
-
-def _quiet_worker_logs() -> None:
-    """Ray worker setup hook: without a dashboard (a bare local cluster) Ray Train's placement
-    group cleaner warns every few seconds that the state API is unavailable; silence it."""
-    import logging
-
-    logging.getLogger(
-        "ray.train.v2._internal.execution.controller.placement_group_cleaner"
-    ).setLevel(logging.ERROR)
-
-
-# Ray Train v2's own variables (ray/train/v2/_internal/constants.py) for a private one-run Ray:
-# the controller polls its workers every 0.2 s, not 2 s (a run's start and end are each seen up
-# to a poll later), and starts no preemption watcher, metrics actors or state reconciliation
-# (for cloud spot instances and the dashboard, which a private instance has neither of; each a
-# process to start): ~10 s of a short run. A variable set in the environment wins.
-LOCAL_RAY_TRAIN = {
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
-    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-    "RAY_TRAIN_METRICS_ENABLED": "0",
-    "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
-}
-
-
-def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
-    """Start a private local Ray instance (never attach to someone else's `ray start`)."""
-    import ray
-
-    env_vars = {name: os.environ.get(name, value) for name, value in LOCAL_RAY_TRAIN.items()}
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        runtime_env={"worker_process_setup_hook": _quiet_worker_logs, "env_vars": env_vars},
-        **kwargs,
-    )
 
 
 def _init_ray(cfg: PretrainConfig) -> None:

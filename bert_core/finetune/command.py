@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -43,6 +44,8 @@ from bert_core.options import add_options
 from bert_core.serve.registry import log_finetuned, pretrained_source, register_finetuned
 from bert_core.storage import check_apart, local_copy, output_dir
 from bert_core.tracking import RUN_RECORD
+
+log = logging.getLogger(__name__)
 
 # Every task `bert finetune` runs: exact name -> its `FinetuneTask` class. GLUE names are also
 # found forgiving case and dashes (`sst2`, `mnli`), as `glue_data.get_task`.
@@ -78,6 +81,7 @@ def finetune(
         task.model_overrides["top_bilstm"] = True
     device = optim.resolve_device(cfg.device)
     model_config(task, Path(model_dir), cfg.max_seq_length)
+    warn_untrained_positions(Path(model_dir), cfg.max_seq_length)
     data_uri, model_uri = data_uri or str(data_dir), model_uri or str(model_dir)
     # models:/bert-pretrained/N for a `bert pretrain` folder (registered by now), else the path
     source = None if cfg.init == "random" else pretrained_source(model_dir, model_uri)
@@ -147,6 +151,22 @@ def run_result(task: FinetuneTask, cfg, run: tuple, model_uri: str, data_uri: st
         "data": data_uri,
         "device": str(device),
     }
+
+
+def warn_untrained_positions(model_dir: Path, max_seq_length: int) -> None:
+    """A WARNING when `max_seq_length` reaches past the positions the model's pre-training
+    trained (`trained_positions` in its record, `bert pretrain`'s): their embeddings are still
+    random, so SQuAD at 384 tokens from a model pre-trained at 128 reads noise there. Not
+    refused: fine-tuning trains them too; the paper's remedy is a phase two at 512 tokens."""
+    record = model_dir / RUN_RECORD
+    trained = json.loads(record.read_text()).get("trained_positions") if record.is_file() else None
+    if trained and max_seq_length > trained:
+        log.warning(
+            f"--max-seq-length {max_seq_length} reaches positions {trained}-{max_seq_length - 1}, "
+            f"which pre-training never trained ({model_dir} was pre-trained at {trained} tokens: "
+            f"{record.name}); pre-train a phase two at {max_seq_length} tokens from it "
+            f"(docs/pretrain.md) or fine-tune at {trained}"
+        )
 
 
 def pretraining(model_dir: Path, model_uri: str) -> dict:

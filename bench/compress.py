@@ -97,10 +97,16 @@ def main() -> None:
             for kind, path in (("fp32", folder), ("int8", tmp / f"{i}")):
                 predictor = load_predictor(path, settings)
                 rows[f"{ref} {kind}"] = {
-                    "model": str(ref), "precision": kind, "task": task.name,
-                    "parameters": num_parameters(fp32), "size_mb": round(size_mb(path), 1),
-                    "predictor": predictor, "glue": task, "t1": [], "t32": [],
-                }  # fmt: skip
+                    "model": str(ref),
+                    "precision": kind,
+                    "task": task.name,
+                    "parameters": num_parameters(fp32),
+                    "size_mb": round(size_mb(path), 1),
+                    "predictor": predictor,
+                    "glue": task,
+                    "t1": [],
+                    "t32": [],
+                }
     frame, labels = dev_frame(Path(args.data), next(iter(rows.values()))["glue"])
     for row in rows.values():
         row["dev_score"] = round(score(row["predictor"], row["glue"], frame, labels), 2)

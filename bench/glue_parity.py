@@ -60,9 +60,14 @@ def train(task, model, train_set: Features, dev: dict[str, Features], cfg, devic
 
     try:
         best, _, _ = fit(
-            model, len(train_set), lambda i: collate(train_set, i), evaluate, cfg, device,
+            model,
+            len(train_set),
+            lambda i: collate(train_set, i),
+            evaluate,
+            cfg,
+            device,
             f"finetune {task.name}",
-        )  # fmt: skip
+        )
     except Diverged as e:
         return {"diverged": str(e)}
     return best

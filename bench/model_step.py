@@ -198,8 +198,16 @@ def main() -> None:
             result["hf_mfu"] = round(6 * n * hf_tps / peak, 4)
     print(json.dumps(result), flush=True)
     if args.profile and device == "cuda":
-        print(json.dumps({"bench": "model_step_profile", "preset": args.preset,
-                          "seq_len": args.seq_len, **profile(steps["ours"])}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "bench": "model_step_profile",
+                    "preset": args.preset,
+                    "seq_len": args.seq_len,
+                    **profile(steps["ours"]),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -80,11 +80,18 @@ def main() -> None:
         opt, _ = optim.optimizer_and_schedule(name, model, 1e-4, 0.01, 10, 1000)
         ms[name] = time_step(opt, device, args.steps)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(json.dumps({
-        "preset": args.preset, "device": name,
-        "bert_ms": round(ms["bert"], 3), "adamw_ms": round(ms["adamw"], 3),
-        "ratio": round(ms["bert"] / ms["adamw"], 2), "max_rel_err": check(device),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "preset": args.preset,
+                "device": name,
+                "bert_ms": round(ms["bert"], 3),
+                "adamw_ms": round(ms["adamw"], 3),
+                "ratio": round(ms["bert"] / ms["adamw"], 2),
+                "max_rel_err": check(device),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

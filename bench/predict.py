@@ -110,8 +110,9 @@ def main() -> None:
     settings = {"batch_size": args.batch_size, "max_seq_length": args.max_seq_length}
     ours = load(folder, settings | {"device": args.device})
     pipe = transformers.pipeline("text-classification", model=str(folder), device=args.device)
-    hf_kwargs = dict(batch_size=args.batch_size, truncation=True, max_length=args.max_seq_length,
-                     top_k=None)  # fmt: skip
+    hf_kwargs = dict(
+        batch_size=args.batch_size, truncation=True, max_length=args.max_seq_length, top_k=None
+    )
 
     def run_ours():
         predict_file(ours, tmp / "in.txt", tmp / "out.jsonl", chunk_size=2048, progress=False)
@@ -125,8 +126,10 @@ def main() -> None:
 
     def summary(side: str) -> dict:
         seconds = statistics.median(r[0] for r in rounds[side])
-        out = {"seq_per_s": round(len(sentences) / seconds, 1),
-               "peak_rss_mib": round(max(r[1] for r in rounds[side]), 1)}  # fmt: skip
+        out = {
+            "seq_per_s": round(len(sentences) / seconds, 1),
+            "peak_rss_mib": round(max(r[1] for r in rounds[side]), 1),
+        }
         if rounds[side][0][2] is not None:
             out["peak_cuda_mib"] = round(max(r[2] for r in rounds[side]), 1)
         return out
@@ -136,14 +139,18 @@ def main() -> None:
     hf_labels = [max(x, key=lambda d: d["score"])["label"] for x in rounds["hf"][-1][3]]
     agree = sum(x == y for x, y in zip(ours_labels, hf_labels, strict=True)) / len(sentences)
     result = {
-        "n": len(sentences), "batch_size": args.batch_size,
-        "max_seq_length": args.max_seq_length, "device": str(ours.device),
-        "threads": torch.get_num_threads(), "rounds": args.rounds,
-        **{f"ours_{k}": v for k, v in a.items()}, **{f"hf_{k}": v for k, v in b.items()},
+        "n": len(sentences),
+        "batch_size": args.batch_size,
+        "max_seq_length": args.max_seq_length,
+        "device": str(ours.device),
+        "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
+        **{f"ours_{k}": v for k, v in a.items()},
+        **{f"hf_{k}": v for k, v in b.items()},
         "speed_ratio": round(a["seq_per_s"] / b["seq_per_s"], 3),
         "memory_ratio": round(a["peak_rss_mib"] / max(b["peak_rss_mib"], 1e-9), 3),
         "label_agreement": agree,
-    }  # fmt: skip
+    }
     print(json.dumps(result))
 
 

@@ -37,8 +37,13 @@ def make_batch(batch_size: int, seq_len: int, device: str, seed: int = 0) -> dic
     types = torch.zeros_like(ids)
     types[:, 20:] = 1
     start = torch.randint(21, seq_len // 2 - 4, (batch_size,), generator=g)
-    batch = {"input_ids": ids, "token_type_ids": types * mask, "attention_mask": mask,
-             "start_positions": start, "end_positions": start + 3}  # fmt: skip
+    batch = {
+        "input_ids": ids,
+        "token_type_ids": types * mask,
+        "attention_mask": mask,
+        "start_positions": start,
+        "end_positions": start + 3,
+    }
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -89,11 +94,23 @@ def main() -> None:
             seconds[name].append((time.perf_counter() - t) / args.steps)
     tokens = int(batch["attention_mask"].sum())
     ours, hf = min(seconds["ours"]), min(seconds["hf"])
-    print(json.dumps({"bench": "qa_step", "device": args.device, "model": str(model_dir),
-                      "batch_size": args.batch_size, "seq_len": args.seq_len,
-                      "ours_s_per_step": ours, "hf_s_per_step": hf,
-                      "ours_tokens_per_s": tokens / ours, "hf_tokens_per_s": tokens / hf,
-                      "ratio": hf / ours, "torch": torch.__version__}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "qa_step",
+                "device": args.device,
+                "model": str(model_dir),
+                "batch_size": args.batch_size,
+                "seq_len": args.seq_len,
+                "ours_s_per_step": ours,
+                "hf_s_per_step": hf,
+                "ours_tokens_per_s": tokens / ours,
+                "hf_tokens_per_s": tokens / hf,
+                "ratio": hf / ours,
+                "torch": torch.__version__,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

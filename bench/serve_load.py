@@ -68,8 +68,9 @@ def log_model(root: Path) -> str:
 
 def start(name: str, cmd: list[str], root: Path, env: dict) -> subprocess.Popen:
     with open(root / f"{name}.log", "w") as out:  # its own session: stopped with its workers
-        return subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        return subprocess.Popen(
+            cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def body(sentence: str) -> bytes:
@@ -118,8 +119,11 @@ def load(port: int, payloads: list[bytes], clients: int, seconds: float) -> dict
         t.start()
     for t in threads:
         t.join()
-    return {"latencies": latencies, "failures": failures,
-            "seconds": time.perf_counter() - start_time}  # fmt: skip
+    return {
+        "latencies": latencies,
+        "failures": failures,
+        "seconds": time.perf_counter() - start_time,
+    }
 
 
 def summary(rounds: list[dict]) -> dict:
@@ -156,17 +160,34 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     uri = log_model(root)
     bin_dir = str(Path(sys.executable).parent)  # `mlflow models serve` execs uvicorn from PATH
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
-           "PYTHONPATH": str(ROOT), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-           "CUDA_VISIBLE_DEVICES": ""}  # CPU, as the issue asks
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
+        "PYTHONPATH": str(ROOT),
+        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        "CUDA_VISIBLE_DEVICES": "",
+    }  # CPU, as the issue asks
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     ports = {"ours": free_port(), "mlflow": free_port()}
     cmds = {
         "ours": [sys.executable, "-m", "bert_core", "serve", uri, "--port", str(ports["ours"])],
-        "mlflow": [f"{bin_dir}/mlflow", "models", "serve", "-m", uri, "--env-manager", "local",
-                   "--host", "127.0.0.1", "--port", str(ports["mlflow"]), "--workers", "1"],
-    }  # fmt: skip
+        "mlflow": [
+            f"{bin_dir}/mlflow",
+            "models",
+            "serve",
+            "-m",
+            uri,
+            "--env-manager",
+            "local",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports["mlflow"]),
+            "--workers",
+            "1",
+        ],
+    }
     procs = {side: start(side, cmd, root, env) for side, cmd in cmds.items()}
     try:
         for side, proc in procs.items():
@@ -179,23 +200,34 @@ def main() -> None:
                 seconds = args.duration / args.rounds
                 rounds[side].append(load(ports[side], payloads, args.clients, seconds))
         first = sentences[:50]
-        agree = np.mean([a == b for a, b in zip(labels(ports["ours"], first),
-                                                labels(ports["mlflow"], first), strict=True)])
+        agree = np.mean(
+            [
+                a == b
+                for a, b in zip(
+                    labels(ports["ours"], first), labels(ports["mlflow"], first), strict=True
+                )
+            ]
+        )
     finally:
         for proc in procs.values():
             stop_server(proc)
     ours, ref = summary(rounds["ours"]), summary(rounds["mlflow"])
     result = {
-        "clients": args.clients, "duration_s_per_side": args.duration, "rounds": args.rounds,
-        "rows_per_request": 1, "device": "cpu", "cpus": os.cpu_count(),
-        "load_avg_before": round(load_avg, 2), "threads": args.threads,
+        "clients": args.clients,
+        "duration_s_per_side": args.duration,
+        "rounds": args.rounds,
+        "rows_per_request": 1,
+        "device": "cpu",
+        "cpus": os.cpu_count(),
+        "load_avg_before": round(load_avg, 2),
+        "threads": args.threads,
         **{f"ours_{k}": v for k, v in ours.items()},
         **{f"mlflow_{k}": v for k, v in ref.items()},
         "throughput_ratio": round(ours["req_per_s"] / ref["req_per_s"], 3),
         "p50_ratio": round(ours["p50_ms"] / ref["p50_ms"], 3),
         "p99_ratio": round(ours["p99_ms"] / ref["p99_ms"], 3),
         "label_agreement": float(agree),
-    }  # fmt: skip
+    }
     print(json.dumps(result))
 
 

@@ -88,8 +88,12 @@ def reference_tokenizer(model_dir: Path, ours):
 def pad(rows: list[dict], tok) -> dict[str, torch.Tensor]:
     length = max(len(r["input_ids"]) for r in rows)
     out = {}
-    for key, value in (("input_ids", tok.pad_token_id), ("token_type_ids", 0),
-                       ("attention_mask", 0), ("labels", -100)):  # fmt: skip
+    for key, value in (
+        ("input_ids", tok.pad_token_id),
+        ("token_type_ids", 0),
+        ("attention_mask", 0),
+        ("labels", -100),
+    ):
         if key in rows[0]:
             out[key] = torch.tensor(
                 [r[key] + [value] * (length - len(r[key])) for r in rows], dtype=torch.long
@@ -131,26 +135,39 @@ def bench_ner(args, cfg: FinetuneConfig, device) -> dict:
     best, _, seconds = fit(
         model, len(train), lambda i: ner.collate(train, i), evaluate, cfg, device, "ours"
     )
-    result["ours"] = {"f1": best["metrics"]["f1"], "accuracy": best["metrics"]["accuracy"],
-                      "train_seconds": seconds, "best_epoch": best["epoch"]}  # fmt: skip
+    result["ours"] = {
+        "f1": best["metrics"]["f1"],
+        "accuracy": best["metrics"]["accuracy"],
+        "train_seconds": seconds,
+        "best_epoch": best["epoch"],
+    }
     del model
 
     # transformers (run_ner.py's preprocessing: first sub-token labelled, truncation)
     hf_tok = reference_tokenizer(args.model, tok)
 
     def encode(sents):
-        enc = hf_tok([s.words for s in sents], is_split_into_words=True, truncation=True,
-                     max_length=cfg.max_seq_length)  # fmt: skip
+        enc = hf_tok(
+            [s.words for s in sents],
+            is_split_into_words=True,
+            truncation=True,
+            max_length=cfg.max_seq_length,
+        )
         rows = []
         for i, s in enumerate(sents):
             word_ids, prev, labels = enc.word_ids(i), None, []
             for w in word_ids:
                 labels.append(-100 if w is None or w == prev else ner.LABELS.index(s.tags[w]))
                 prev = w
-            rows.append({"input_ids": enc["input_ids"][i],
-                         "token_type_ids": enc["token_type_ids"][i],
-                         "attention_mask": enc["attention_mask"][i], "labels": labels,
-                         "word_ids": word_ids})  # fmt: skip
+            rows.append(
+                {
+                    "input_ids": enc["input_ids"][i],
+                    "token_type_ids": enc["token_type_ids"][i],
+                    "attention_mask": enc["attention_mask"][i],
+                    "labels": labels,
+                    "word_ids": word_ids,
+                }
+            )
         return rows
 
     hf_train, hf_dev = encode(train_s), encode(dev_s)
@@ -158,8 +175,9 @@ def bench_ner(args, cfg: FinetuneConfig, device) -> dict:
     ref = transformers.BertForTokenClassification.from_pretrained(
         args.model, num_labels=len(ner.LABELS), dtype=torch.float32
     ).to(device)
-    seconds = train_reference(ref, lambda idx: pad([hf_train[i] for i in idx], hf_tok),
-                              len(hf_train), cfg, device)  # fmt: skip
+    seconds = train_reference(
+        ref, lambda idx: pad([hf_train[i] for i in idx], hf_tok), len(hf_train), cfg, device
+    )
     ref.eval()
     pred = [["O"] * len(s.words) for s in dev_s]
     with torch.inference_mode():
@@ -231,26 +249,39 @@ def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
     best, _, seconds = fit(
         model, len(train), lambda i: squad.collate(train, i), evaluate, cfg, device, "ours"
     )
-    result["ours"] = {**best["metrics"], "train_seconds": seconds, "train_windows": len(train),
-                      "best_epoch": best["epoch"]}  # fmt: skip
+    result["ours"] = {
+        **best["metrics"],
+        "train_seconds": seconds,
+        "train_windows": len(train),
+        "best_epoch": best["epoch"],
+    }
     del model
 
     # transformers, run_qa.py's preprocessing (stride = overlap between windows)
     hf_tok = reference_tokenizer(args.model, tok)
 
     def encode(examples, training):
-        enc = hf_tok([e.question for e in examples], [e.context for e in examples],
-                     truncation="only_second", max_length=cfg.max_seq_length,
-                     stride=cfg.doc_stride, return_overflowing_tokens=True,
-                     return_offsets_mapping=True)  # fmt: skip
+        enc = hf_tok(
+            [e.question for e in examples],
+            [e.context for e in examples],
+            truncation="only_second",
+            max_length=cfg.max_seq_length,
+            stride=cfg.doc_stride,
+            return_overflowing_tokens=True,
+            return_offsets_mapping=True,
+        )
         rows = []
         for w in range(len(enc["input_ids"])):
             i = enc["overflow_to_sample_mapping"][w]
             seq = enc.sequence_ids(w)
             offsets = [o if seq[k] == 1 else None for k, o in enumerate(enc["offset_mapping"][w])]
-            row = {"input_ids": enc["input_ids"][w], "token_type_ids": enc["token_type_ids"][w],
-                   "attention_mask": enc["attention_mask"][w], "example": i,
-                   "offsets": offsets}  # fmt: skip
+            row = {
+                "input_ids": enc["input_ids"][w],
+                "token_type_ids": enc["token_type_ids"][w],
+                "attention_mask": enc["attention_mask"][w],
+                "example": i,
+                "offsets": offsets,
+            }
             if training:
                 text, c0 = examples[i].answers[0]
                 c1 = c0 + len(text)
@@ -270,9 +301,12 @@ def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
     )
     keys = ("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions")
     seconds = train_reference(
-        ref, lambda idx: pad([{k: hf_train[i][k] for k in keys} for i in idx], hf_tok),
-        len(hf_train), cfg, device,
-    )  # fmt: skip
+        ref,
+        lambda idx: pad([{k: hf_train[i][k] for k in keys} for i in idx], hf_tok),
+        len(hf_train),
+        cfg,
+        device,
+    )
     ref.eval()
     logits = []
     with torch.inference_mode():
@@ -281,8 +315,10 @@ def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
             with autocast(device):
                 out = ref(**{k: v.to(device) for k, v in pad(rows, hf_tok).items()})
             s, e = out.start_logits.float().cpu().numpy(), out.end_logits.float().cpu().numpy()
-            logits += [(s[r, : len(x["input_ids"])], e[r, : len(x["input_ids"])])
-                       for r, x in enumerate(rows)]  # fmt: skip
+            logits += [
+                (s[r, : len(x["input_ids"])], e[r, : len(x["input_ids"])])
+                for r, x in enumerate(rows)
+            ]
     preds = hf_postprocess(dev_ex, hf_dev, logits, cfg)
     m = squad.squad_metrics(dev_ex, preds)
     result["transformers"] = {**m, "train_seconds": seconds, "train_windows": len(hf_train)}
@@ -294,8 +330,9 @@ def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=None, help="HF-layout BERT (default MiniLM-L6)")
-    p.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1].parent
-                   / "shared" / "data")  # fmt: skip
+    p.add_argument(
+        "--data", type=Path, default=Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    )
     p.add_argument("--tasks", default="conll2003,squad")
     p.add_argument("--ner-train", type=int, default=2000)
     p.add_argument("--ner-dev", type=int, default=500)
@@ -313,11 +350,17 @@ def main() -> None:
     args.model = args.model or default_model()
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    common = dict(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed,
-                  device=str(device))  # fmt: skip
-    out: dict = {"bench": "token_parity", "device": str(device), "model": str(args.model),
-                 "torch": torch.__version__, "epochs": args.epochs,
-                 "batch_size": args.batch_size}  # fmt: skip
+    common = dict(
+        epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, device=str(device)
+    )
+    out: dict = {
+        "bench": "token_parity",
+        "device": str(device),
+        "model": str(args.model),
+        "torch": torch.__version__,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+    }
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name()
     tasks = args.tasks.split(",")
@@ -325,8 +368,9 @@ def main() -> None:
         cfg = FinetuneConfig(learning_rate=args.ner_lr, max_seq_length=128, **common)
         out["conll2003"] = bench_ner(args, cfg, device)
     if "squad" in tasks:
-        cfg = squad.SquadConfig(learning_rate=args.squad_lr,
-                                max_seq_length=args.squad_max_seq_length, **common)  # fmt: skip
+        cfg = squad.SquadConfig(
+            learning_rate=args.squad_lr, max_seq_length=args.squad_max_seq_length, **common
+        )
         out["squad"] = bench_squad(args, cfg, device)
     print(json.dumps(out))
 

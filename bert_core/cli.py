@@ -39,32 +39,51 @@ NO_CHECKPOINT = "nothing written to --output (this step keeps no checkpoint); ru
 
 # command -> (the module whose `main` runs it, imported only then; what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "clean": ("bert_core.data.corpus",
-              "raw text -> normalised, de-duplicated, split documents"),
-    "vocab": ("bert_core.data.tokenizer",
-              "train a WordPiece vocabulary (vocab.txt, tokenizer.json)"),
-    "instances": ("bert_core.data.instances",
-                  "create MLM/NSP pre-training instances (Parquet shards)"),
+    "clean": ("bert_core.data.corpus", "raw text -> normalised, de-duplicated, split documents"),
+    "vocab": (
+        "bert_core.data.tokenizer",
+        "train a WordPiece vocabulary (vocab.txt, tokenizer.json)",
+    ),
+    "instances": (
+        "bert_core.data.instances",
+        "create MLM/NSP pre-training instances (Parquet shards)",
+    ),
     "pretrain": ("bert_core.pretrain.command", "pre-train BERT with Ray Train (MLM + NSP)"),
     "finetune": ("bert_core.finetune.command", "fine-tune on one GLUE task"),
-    "evaluate": ("bert_core.report.evaluate",
-                 "collect GLUE metrics into one table, plot and MLflow run"),
-    "runs": ("bert_core.track.runs",
-             "compare recent pipeline runs: GLUE scores and settings (MLflow)"),
+    "evaluate": (
+        "bert_core.report.evaluate",
+        "collect GLUE metrics into one table, plot and MLflow run",
+    ),
+    "runs": (
+        "bert_core.track.runs",
+        "compare recent pipeline runs: GLUE scores and settings (MLflow)",
+    ),
     "predict": ("bert_core.serve.predict", "answers of a fine-tuned model for a file of inputs"),
-    "promote": ("bert_core.serve.promote",
-                "a better version becomes champion; --full-traffic: it serves all traffic"),
-    "embed": ("bert_core.serve.embed",
-              "per-token or pooled vectors from chosen layers, to Parquet"),
-    "serve": ("bert_core.serve.server",
-              "an HTTP endpoint for a model, with limits (localhost unless told)"),
-    "deploy": ("bert_core.serve.deploy",
-               "a registered model's champion as a KServe InferenceService (canary on change)"),
-    "quantize": ("bert_core.compress.quantize",
-                 "a fine-tuned model as a dynamic-int8 CPU model, scored beside it"),
-    "distill": ("bert_core.compress.distill",
-                "a small student trained on a fine-tuned teacher's soft targets (GLUE)"),
-}  # fmt: skip
+    "promote": (
+        "bert_core.serve.promote",
+        "a better version becomes champion; --full-traffic: it serves all traffic",
+    ),
+    "embed": (
+        "bert_core.serve.embed",
+        "per-token or pooled vectors from chosen layers, to Parquet",
+    ),
+    "serve": (
+        "bert_core.serve.server",
+        "an HTTP endpoint for a model, with limits (localhost unless told)",
+    ),
+    "deploy": (
+        "bert_core.serve.deploy",
+        "a registered model's champion as a KServe InferenceService (canary on change)",
+    ),
+    "quantize": (
+        "bert_core.compress.quantize",
+        "a fine-tuned model as a dynamic-int8 CPU model, scored beside it",
+    ),
+    "distill": (
+        "bert_core.compress.distill",
+        "a small student trained on a fine-tuned teacher's soft targets (GLUE)",
+    ),
+}
 
 
 def _usage() -> str:
@@ -98,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # SIGTERM or SIGINT (errors.Interrupted), or a bare Ctrl-C
         stopped = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
         what = stopped.what or NO_CHECKPOINT
-        print(f"bert {name}: interrupted ({signal.Signals(stopped.signum).name}): {what}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"bert {name}: interrupted ({signal.Signals(stopped.signum).name}): {what}",
+            file=sys.stderr,
+        )
         return stopped.exit_code
 
 
@@ -223,7 +244,6 @@ def kfp_metrics(result_file: str | os.PathLike) -> dict[str, float]:
     from bert_core.report.evaluate import mlflow_metrics
 
     return mlflow_metrics(json.loads(Path(result_file).read_text()))
-
 
 
 # DVC: what pipelines/run_dvc.py (`make run`) calls around `dvc repro`.

@@ -151,8 +151,12 @@ def text_lines(f, path: str | os.PathLike, limit: int = MAX_LINE_CHARS) -> Itera
     characters in memory: a longer one is an `InputError` naming the file and the line."""
     for number, line in enumerate(iter(lambda: f.readline(limit + 1), ""), start=1):
         if len(line) > limit:
-            raise InputError(path, f"a line over {limit:,} characters: one sentence, paragraph "
-                                   "or record per line is the format", line=number)  # fmt: skip
+            raise InputError(
+                path,
+                f"a line over {limit:,} characters: one sentence, paragraph "
+                "or record per line is the format",
+                line=number,
+            )
         yield line
 
 

@@ -64,8 +64,10 @@ def _hub(spec: str) -> tuple[str, str]:
         )
     bad = [part for part in match["repo"].split("/") if not ID_PART.match(part)]
     if bad:
-        raise BertError(f"{spec}: {bad[0]!r} is not a Hub id (letters, digits, - _ . ; not "
-                        "starting or ending with - or ., no -- or ..)")  # fmt: skip
+        raise BertError(
+            f"{spec}: {bad[0]!r} is not a Hub id (letters, digits, - _ . ; not "
+            "starting or ending with - or ., no -- or ..)"
+        )
     revision = match["revision"]
     if not all(REF_PART.match(part) for part in revision.split("/")):
         raise BertError(
@@ -135,10 +137,13 @@ def folders(inputs: dict[str, object]) -> dict[str, object]:
     """`inputs` (option -> a spec, a list of them or None) with each named checkpoint as its
     `folder`, for `storage.check_apart`."""
     return {
-        option: [folder(v) for v in value] if isinstance(value, list | tuple)
-        else folder(value) if value else value
+        option: [folder(v) for v in value]
+        if isinstance(value, list | tuple)
+        else folder(value)
+        if value
+        else value
         for option, value in inputs.items()
-    }  # fmt: skip
+    }
 
 
 def location(spec: str | os.PathLike) -> str:
@@ -186,13 +191,16 @@ def _download(repo: str, revision: str) -> Path:
 
     def fetch(name: str, at: str) -> Path:
         try:
-            return Path(hf_hub_download(repo, name, revision=at, cache_dir=cache_dir(),
-                                        endpoint=endpoint))  # fmt: skip
+            return Path(
+                hf_hub_download(repo, name, revision=at, cache_dir=cache_dir(), endpoint=endpoint)
+            )
         except EntryNotFoundError:
             if name in OPTIONAL:
                 return snapshot
-            raise BertError(f"{where}: no {name} at that revision: not a BERT checkpoint in the "
-                            "Hugging Face layout") from None  # fmt: skip
+            raise BertError(
+                f"{where}: no {name} at that revision: not a BERT checkpoint in the "
+                "Hugging Face layout"
+            ) from None
         except RevisionNotFoundError:
             raise BertError(f"{where}: {repo} has no revision {at!r}") from None
         except RepositoryNotFoundError:

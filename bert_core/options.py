@@ -40,9 +40,12 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
 
 
 def option(
-    default: typing.Any, help: str, *aliases: str, within: str | None = None,
+    default: typing.Any,
+    help: str,
+    *aliases: str,
+    within: str | None = None,
     **argparse_kw: typing.Any,
-) -> typing.Any:  # fmt: skip
+) -> typing.Any:
     """A config field that is also the option `--field-name` (and `aliases`, e.g. "--lr").
     `within`: a float's range, a key of `RANGES`. `argparse_kw` (metavar, choices, type, ...) go
     to `add_argument` as they are; `help` may be `argparse.SUPPRESS`;
@@ -153,8 +156,10 @@ def _argument(
     elif typing.get_origin(kind) is tuple:
         items = typing.get_args(kind)
         finite = number(within)  # one converter: `tuple[float, float]` needs equal items
-        items = tuple(finite if x is float else number(within, int) if x is int and within else x
-                      for x in items)  # fmt: skip
+        items = tuple(
+            finite if x is float else number(within, int) if x is int and within else x
+            for x in items
+        )
         if len(items) == 2 and items[1] is Ellipsis:  # tuple[X, ...]: a comma list
             convert = comma_list(items[0])
             kw.update(type=optional(convert) if can_be_none else convert, default=default)

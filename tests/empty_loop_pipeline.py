@@ -10,8 +10,9 @@ from kfp import dsl
 
 def component(func):
     """A lightweight component that installs nothing when its pod starts."""
-    return dsl.component(base_image="python:3.11", packages_to_install=[],
-                         install_kfp_package=False)(func)  # fmt: skip
+    return dsl.component(
+        base_image="python:3.11", packages_to_install=[], install_kfp_package=False
+    )(func)
 
 
 @component

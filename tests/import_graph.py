@@ -141,6 +141,8 @@ def against_layers(edges: dict[str, Iterable[str]], layers: list[list[str]]) -> 
         for dst in targets:
             b = unit_of(dst, rank)
             if a != b and rank[b] >= rank[a]:
-                wrong.append(f"{src} -> {dst} ({a.removeprefix('bert_core.')} may not import "
-                             f"{b.removeprefix('bert_core.')})")  # fmt: skip
+                wrong.append(
+                    f"{src} -> {dst} ({a.removeprefix('bert_core.')} may not import "
+                    f"{b.removeprefix('bert_core.')})"
+                )
     return sorted(wrong)

@@ -52,12 +52,18 @@ class KubeApi:
     def kubeconfig(self, folder: Path) -> Path:
         """A kubeconfig naming this server and its token (what `kubectl config` writes)."""
         path = folder / "kubeconfig"
-        path.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "test",
-            "clusters": [{"name": "test", "cluster": {"server": self.url}}],
-            "users": [{"name": "test", "user": {"token": self.token}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
-        }))  # fmt: skip
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "test",
+                    "clusters": [{"name": "test", "cluster": {"server": self.url}}],
+                    "users": [{"name": "test", "user": {"token": self.token}}],
+                    "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+                }
+            )
+        )
         return path
 
     def _handler(self):
@@ -85,13 +91,22 @@ class KubeApi:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length).decode() if length else ""
                 kind = self.headers.get("Content-Type", "")
-                api.requests.append({"method": method, "path": url.path, "query": query,
-                                     "content_type": kind, "body": raw})  # fmt: skip
+                api.requests.append(
+                    {
+                        "method": method,
+                        "path": url.path,
+                        "query": query,
+                        "content_type": kind,
+                        "body": raw,
+                    }
+                )
                 if self.headers.get("Authorization") != f"Bearer {api.token}":
                     return self._status(401, "Unauthorized", "Unauthorized")
                 parts = url.path.removeprefix(PREFIX).split("/")
-                if not url.path.startswith(PREFIX) or len(parts) != 3 or parts[1] != (
-                    "inferenceservices"
+                if (
+                    not url.path.startswith(PREFIX)
+                    or len(parts) != 3
+                    or parts[1] != ("inferenceservices")
                 ):
                     return self._status(404, "NotFound", f"the server could not find {url.path}")
                 key = (parts[0], parts[2])
@@ -110,12 +125,16 @@ class KubeApi:
 
             def _apply(self, key, what, body: dict, query: dict) -> None:
                 if not query.get("fieldManager"):
-                    return self._status(400, "BadRequest",
-                                        "fieldManager is required for apply requests")  # fmt: skip
+                    return self._status(
+                        400, "BadRequest", "fieldManager is required for apply requests"
+                    )
                 meta = body.get("metadata", {})
                 if (meta.get("namespace", key[0]), meta.get("name")) != key:
-                    return self._status(400, "BadRequest", "the name or namespace of the "
-                                        "object does not match the URL")  # fmt: skip
+                    return self._status(
+                        400,
+                        "BadRequest",
+                        "the name or namespace of the object does not match the URL",
+                    )
                 problems = crd_problems(body, api.schemas)
                 if problems:
                     return self._status(422, "Invalid", f"{what} is invalid: {problems}")
@@ -124,12 +143,11 @@ class KubeApi:
                 server = (old or {}).get("metadata", {})
                 stored["metadata"] |= {
                     "uid": server.get("uid", str(uuid.uuid4())),
-                    "generation": server.get("generation", 0) + (old is None or
-                                                                 old["spec"] != body["spec"]),
+                    "generation": server.get("generation", 0)
+                    + (old is None or old["spec"] != body["spec"]),
                     "resourceVersion": str(len(api.requests)),
-                    "managedFields": [{"manager": query["fieldManager"],
-                                       "operation": "Apply"}],
-                }  # fmt: skip
+                    "managedFields": [{"manager": query["fieldManager"], "operation": "Apply"}],
+                }
                 api.objects[key] = stored
                 self._answer(201 if old is None else 200, stored)
 

@@ -132,14 +132,42 @@ def pretraining_instances(
         mp.chdir(root)
         mp.delenv("BERT_PARENT_RUN_ID", raising=False)
         for argv in (
-            ["clean", "--input", root / "slice.txt", "--output", root / "clean",
-             "--num-shards", num_shards, "--num-workers", "1"],
-            ["vocab", "--input", root / "clean", "--output", root / "vocab",
-             "--vocab-size", vocab_size],
-            ["instances", "--input", root / "clean", "--vocab", root / "vocab" / "vocab.txt",
-             "--output", root / "instances", "--max-seq-length", max_seq_length,
-             "--dupe-factor", "1", "--num-workers", "1"],
-        ):  # fmt: skip
+            [
+                "clean",
+                "--input",
+                root / "slice.txt",
+                "--output",
+                root / "clean",
+                "--num-shards",
+                num_shards,
+                "--num-workers",
+                "1",
+            ],
+            [
+                "vocab",
+                "--input",
+                root / "clean",
+                "--output",
+                root / "vocab",
+                "--vocab-size",
+                vocab_size,
+            ],
+            [
+                "instances",
+                "--input",
+                root / "clean",
+                "--vocab",
+                root / "vocab" / "vocab.txt",
+                "--output",
+                root / "instances",
+                "--max-seq-length",
+                max_seq_length,
+                "--dupe-factor",
+                "1",
+                "--num-workers",
+                "1",
+            ],
+        ):
             assert cli.main([str(a) for a in argv]) == 0, argv
     return root / "instances"
 
@@ -275,21 +303,34 @@ class RayHead:
         self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         self.env.pop("RAY_ADDRESS", None)
         cmd = [
-            str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-            "--node-ip-address=127.0.0.1", f"--port={free_port()}",
-            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.port}", f"--ray-client-server-port={free_port()}",
+            str(Path(sys.executable).with_name("ray")),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={free_port()}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.port}",
+            f"--ray-client-server-port={free_port()}",
             f"--dashboard-agent-listen-port={free_port()}",
             f"--dashboard-agent-grpc-port={free_port()}",
             f"--runtime-env-agent-port={free_port()}",
-            "--num-cpus=2", "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={self.tmp}",
-        ]  # fmt: skip
+            "--num-cpus=2",
+            "--num-gpus=0",
+            "--disable-usage-stats",
+            f"--temp-dir={self.tmp}",
+        ]
         self.log = Path(self.tmp) / "head.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                cmd, env=self.env, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT,
+                cmd,
+                env=self.env,
+                cwd=self.tmp,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         self.url = f"http://127.0.0.1:{self.port}"
 
     def api(self, method: str, path: str):

@@ -45,7 +45,7 @@ KINDS = {
             "id2label": dict(enumerate(ner.LABELS)),
             "finetuning_task": "conll2003",
         },
-    ),  # fmt: skip
+    ),
     "question-answering": (
         heads.BertForQuestionAnswering,
         {"num_labels": 2, "finetuning_task": "squad"},

@@ -34,8 +34,9 @@ def test_the_loop_finder_finds_loops():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     layers = [["bert_core.serve"], ["bert_core.finetune"]]
     wrong = against_layers({"bert_core.finetune.engine": {"bert_core.serve.registry"}}, layers)
-    assert wrong == ["bert_core.finetune.engine -> bert_core.serve.registry "
-                     "(finetune may not import serve)"]  # fmt: skip
+    assert wrong == [
+        "bert_core.finetune.engine -> bert_core.serve.registry (finetune may not import serve)"
+    ]
     siblings = [["bert_core.serve", "bert_core.report"]]
     assert against_layers({"bert_core.report.evaluate": {"bert_core.serve.predict"}}, siblings)
 
@@ -62,8 +63,11 @@ def test_only_the_cli_loads_modules_by_name():
     `serve.predictors.PREDICTORS`), so readers and the import checks see every edge; the CLI's
     dispatch table stays lazy (start-up time: `bert clean` never imports torch's users)."""
     by_name = re.compile(r"\bimport_module\(|\b__import__\(|importlib\.util")
-    offenders = [p.relative_to(ROOT).as_posix() for p in PKG.rglob("*.py")
-                 if by_name.search(p.read_text()) and p.name != "cli.py"]  # fmt: skip
+    offenders = [
+        p.relative_to(ROOT).as_posix()
+        for p in PKG.rglob("*.py")
+        if by_name.search(p.read_text()) and p.name != "cli.py"
+    ]
     assert offenders == []
     from bert_core.cli import COMMANDS
 
@@ -73,8 +77,11 @@ def test_only_the_cli_loads_modules_by_name():
 
 
 def test_no_module_is_over_400_lines():
-    long = {p.relative_to(ROOT).as_posix(): n for p in PKG.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}  # fmt: skip
+    long = {
+        p.relative_to(ROOT).as_posix(): n
+        for p in PKG.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert long == {}
 
 

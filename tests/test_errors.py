@@ -160,8 +160,10 @@ def test_a_password_in_a_uri_setting_is_refused_before_anything_and_never_shown(
     ):
         assert cli.main(argv) == 2
         out, err = capsys.readouterr()
-        assert err == f"bert {argv[0]}: error: {where}: {uri.replace(SECRET, '***')} holds a " + (
-            err.split(" holds a ", 1)[1]
+        assert (
+            err
+            == f"bert {argv[0]}: error: {where}: {uri.replace(SECRET, '***')} holds a "
+            + (err.split(" holds a ", 1)[1])
         )
         assert SECRET not in out + err and err.count("\n") == 1
     with pytest.raises(BadValue, match=r"^data\.corpus: s3://AKIAEXAMPLE:\*\*\*@") as e:
@@ -173,6 +175,13 @@ def test_a_password_in_a_uri_setting_is_refused_before_anything_and_never_shown(
     with pytest.raises(BadValue, match=r"^finetune_tasks: postgresql\+psycopg2://mlflow:\*\*\*@"):
         lineage.kfp_pipeline_run({"finetune_tasks": ["SST-2", db]})
     assert list(tmp_path.iterdir()) == []  # no store, no output: refused before anything
-    refuse_secrets([("a", "s3://bucket/key"), ("b", "http://user@host:5000"),
-                    ("c", "models:/bert-sst2@champion"), ("d", "hf:org/name@" + "0" * 40),
-                    ("e", "http://[bad"), ("f", "C:/data/x")])  # fmt: skip
+    refuse_secrets(
+        [
+            ("a", "s3://bucket/key"),
+            ("b", "http://user@host:5000"),
+            ("c", "models:/bert-sst2@champion"),
+            ("d", "hf:org/name@" + "0" * 40),
+            ("e", "http://[bad"),
+            ("f", "C:/data/x"),
+        ]
+    )

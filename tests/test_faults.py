@@ -97,9 +97,13 @@ def _start(argv: list, work: Path, env: dict, name: str, **popen) -> Run:
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "bert_core", *map(str, argv)],
-            cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=work,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             **popen,
-        )  # fmt: skip
+        )
     return Run(proc, log)
 
 
@@ -305,8 +309,10 @@ class References:
 
     @cached_property
     def clean(self) -> Reference:
-        return self._run("clean", ["clean", "--input", self.root / "slice.txt",
-                                   "--num-shards", 2, "--num-workers", 1])  # fmt: skip
+        return self._run(
+            "clean",
+            ["clean", "--input", self.root / "slice.txt", "--num-shards", 2, "--num-workers", 1],
+        )
 
     @cached_property
     def vocab(self) -> Reference:
@@ -314,17 +320,44 @@ class References:
 
     @cached_property
     def instances(self) -> Reference:
-        return self._run("instances", [
-            "instances", "--input", self.clean.output, "--vocab",
-            self.vocab.output / "vocab.txt", "--max-seq-length", 48, "--dupe-factor", 1,
-            "--num-workers", 2,
-        ])  # fmt: skip
+        return self._run(
+            "instances",
+            [
+                "instances",
+                "--input",
+                self.clean.output,
+                "--vocab",
+                self.vocab.output / "vocab.txt",
+                "--max-seq-length",
+                48,
+                "--dupe-factor",
+                1,
+                "--num-workers",
+                2,
+            ],
+        )
 
     @cached_property
     def pretrain(self) -> Reference:
-        argv = ["pretrain", "--instances", self.instances.output, "--steps", 48,
-                "--batch-size", 16, "--checkpoint-every", 4, "--log-every", 2, "--seed", 7,
-                "--learning-rate", 5e-3, "--warmup-steps", 2]  # fmt: skip
+        argv = [
+            "pretrain",
+            "--instances",
+            self.instances.output,
+            "--steps",
+            48,
+            "--batch-size",
+            16,
+            "--checkpoint-every",
+            4,
+            "--log-every",
+            2,
+            "--seed",
+            7,
+            "--learning-rate",
+            5e-3,
+            "--warmup-steps",
+            2,
+        ]
         snapshot = self.root / "pretrain" / "ray" / "pretrain" / "checkpoint_manager_snapshot.json"
         return self._run("pretrain", argv, marker=lambda: _recorded(snapshot, 4))
 
@@ -346,9 +379,25 @@ class References:
         return self.root / "tiny"
 
     def finetune_argv(self) -> list:
-        return ["finetune", "--task", "SST-2", "--data", self.data / "glue" / "SST-2",
-                "--model", self.tiny_model, "--epochs", 1, "--max-train-examples", 200,
-                "--max-eval-examples", 100, "--max-seq-length", 64, "--seed", 1]  # fmt: skip
+        return [
+            "finetune",
+            "--task",
+            "SST-2",
+            "--data",
+            self.data / "glue" / "SST-2",
+            "--model",
+            self.tiny_model,
+            "--epochs",
+            1,
+            "--max-train-examples",
+            200,
+            "--max-eval-examples",
+            100,
+            "--max-seq-length",
+            64,
+            "--seed",
+            1,
+        ]
 
     @cached_property
     def finetune(self) -> Reference:
@@ -464,8 +513,11 @@ def _stopped_pretrain(run: Run, sig: signal.Signals, output: Path) -> int:
     # one they recover from (Ray 2.60's controller timing out a `ray.get` when the machine is
     # busy; its PlacementGroupCleaner finding "multiple active Ray instances" when another
     # local Ray runs beside this one, as two jobs on one machine do: both seen in fresh clones)
-    ours = [line for line in text.splitlines()
-            if not re.search(r"\((?!RayTrainWorker)\w+ pid=\d+\)", line)]  # fmt: skip
+    ours = [
+        line
+        for line in text.splitlines()
+        if not re.search(r"\((?!RayTrainWorker)\w+ pid=\d+\)", line)
+    ]
     assert "Traceback" not in "\n".join(ours) and len(last) == 1, text[-3000:]
     found = re.fullmatch(
         rf"bert pretrain: interrupted \({sig.name}\): checkpoint at step (\d+) saved in "
@@ -556,8 +608,10 @@ def test_pretrain_killed_or_stopped_resumes_and_ends_as_one_go(refs, tmp_path, e
     _assert_no_leftovers(mark)
     statuses = _statuses(f"sqlite:///{work / 'mlflow.db'}", "pretrain")
     assert statuses == ["FINISHED", *["KILLED"] * 4], statuses
-    print(f"\nfaults: pretrain: reference {ref.timing}; kills {kills}; resumed at {resumed}, "
-          f"stopped by SIGTERM at step {stops[0]}, by SIGINT at {stops[1]}")  # fmt: skip
+    print(
+        f"\nfaults: pretrain: reference {ref.timing}; kills {kills}; resumed at {resumed}, "
+        f"stopped by SIGTERM at step {stops[0]}, by SIGINT at {stops[1]}"
+    )
 
 
 @pytest.mark.slow
@@ -653,18 +707,29 @@ def test_a_step_that_loses_its_s3_endpoint_fails_clearly_and_reruns(refs, tmp_pa
         import boto3
 
         boto3.client(
-            "s3", endpoint_url=s3.url, region_name=env["AWS_DEFAULT_REGION"],
+            "s3",
+            endpoint_url=s3.url,
+            region_name=env["AWS_DEFAULT_REGION"],
             aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
             aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-        ).upload_file(str(refs.root / "slice.txt"), "faults", "corpus/slice.txt")  # fmt: skip
+        ).upload_file(str(refs.root / "slice.txt"), "faults", "corpus/slice.txt")
         return s3
 
     s3 = start_s3()
     try:
         mark = f"s3-{os.getpid()}"
         env = {**_env(work, mark), **services.client_env(s3.url, {}), "TMPDIR": str(tmp)}
-        argv = ["clean", "--input", "s3://faults/corpus/", "--num-shards", 2,
-                "--num-workers", 1, "--output", output]  # fmt: skip
+        argv = [
+            "clean",
+            "--input",
+            "s3://faults/corpus/",
+            "--num-shards",
+            2,
+            "--num-workers",
+            1,
+            "--output",
+            output,
+        ]
         run = _start(argv, work, env, "lost")
         _kill_service(s3)
         killed = time.monotonic()
@@ -716,8 +781,13 @@ def test_a_full_disk_fails_clearly_and_leaves_nothing(step, refs, tmp_path, empt
         argv = ["clean", "--input", book, "--num-shards", 1, "--num-workers", 1]
     else:
         argv = refs.finetune_argv()
-    run = _start([*argv, "--output", output], work, _env(work, f"disk-{os.getpid()}"), "full",
-                 preexec_fn=_limit_file_size)  # fmt: skip
+    run = _start(
+        [*argv, "--output", output],
+        work,
+        _env(work, f"disk-{os.getpid()}"),
+        "full",
+        preexec_fn=_limit_file_size,
+    )
     assert run.proc.wait() == 2, run.text()[-3000:]
     text = run.text()
     assert (

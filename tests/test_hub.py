@@ -139,16 +139,27 @@ def test_a_missing_file_or_revision_is_one_line_naming_the_checkpoint(hub_server
 
 
 @pytest.mark.parametrize(
-    "spec", [f"hf:{REPO}", f"hf:{REPO}@", f"hf:{REPO}@..", f"hf:{REPO}@.", f"hf:{REPO}@a/../b",
-             f"hf:{REPO}@.hidden", f"hf:{REPO}@x.lock", f"hf:{REPO}@a b", f"hf:no-org@{REVISION}"],
-)  # fmt: skip
+    "spec",
+    [
+        f"hf:{REPO}",
+        f"hf:{REPO}@",
+        f"hf:{REPO}@..",
+        f"hf:{REPO}@.",
+        f"hf:{REPO}@a/../b",
+        f"hf:{REPO}@.hidden",
+        f"hf:{REPO}@x.lock",
+        f"hf:{REPO}@a b",
+        f"hf:no-org@{REVISION}",
+    ],
+)
 def test_a_name_without_a_revision_or_with_a_bad_one_is_refused(spec):
     with pytest.raises(BertError, match="is hf:ORG/NAME@REVISION|is not a revision"):
         hub.resolve(spec)
 
 
-@pytest.mark.parametrize("repo", ["../..", "org/..", "./bert", "org/-bert", "org/bert.git",
-                                  "org/be--rt", "o..rg/bert"])  # fmt: skip
+@pytest.mark.parametrize(
+    "repo", ["../..", "org/..", "./bert", "org/-bert", "org/bert.git", "org/be--rt", "o..rg/bert"]
+)
 def test_a_name_that_is_no_hub_id_is_refused_and_nothing_cached_is_touched(hub_server, repo):
     """Every part of the name is a Hub id: `..`, `.` or a leading `-` would make the cache
     folder another repository's or the whole cache."""
@@ -177,10 +188,25 @@ def test_finetune_starts_from_a_checkpoint_named_on_the_hub(
     monkeypatch.setenv("BERT_REGISTERED_MODEL", "none")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
-    argv = ["finetune", "--task", "SST-2", "--data", str(shared_data / "glue" / "SST-2"),
-            "--model", f"hf:{REPO}@v1.0", "--output", str(out), "--epochs", "1",
-            "--max-train-examples", "32", "--max-eval-examples", "32",
-            "--max-seq-length", "32"]  # fmt: skip
+    argv = [
+        "finetune",
+        "--task",
+        "SST-2",
+        "--data",
+        str(shared_data / "glue" / "SST-2"),
+        "--model",
+        f"hf:{REPO}@v1.0",
+        "--output",
+        str(out),
+        "--epochs",
+        "1",
+        "--max-train-examples",
+        "32",
+        "--max-eval-examples",
+        "32",
+        "--max-seq-length",
+        "32",
+    ]
     assert cli.main(argv) == 0
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and config["hidden_size"] == 384  # MiniLM's shape

@@ -167,13 +167,22 @@ def _by_kind(docs: list[dict], kind: str) -> list[dict]:
 def test_kustomization_renders_the_services(rendered):
     names = {(d["kind"], d["metadata"]["name"]) for d in rendered}
     assert {
-        ("Namespace", "bert"), ("RayCluster", "bert-ray"), ("Deployment", "mlflow"),
-        ("Deployment", "minio"), ("StatefulSet", "postgres"), ("Job", "minio-create-bucket"),
-        ("Secret", "bert-s3"), ("Secret", "bert-postgres"), ("ConfigMap", "bert-pipeline-env"),
-        ("Secret", "bert-ray-auth"), ("Secret", "bert-minio-root"),
-        ("ConfigMap", "bert-minio-policy"), ("NetworkPolicy", "default-deny"),
-        ("Secret", "bert-serve-s3"), ("ServiceAccount", "bert-serve"),
-    } <= names  # fmt: skip
+        ("Namespace", "bert"),
+        ("RayCluster", "bert-ray"),
+        ("Deployment", "mlflow"),
+        ("Deployment", "minio"),
+        ("StatefulSet", "postgres"),
+        ("Job", "minio-create-bucket"),
+        ("Secret", "bert-s3"),
+        ("Secret", "bert-postgres"),
+        ("ConfigMap", "bert-pipeline-env"),
+        ("Secret", "bert-ray-auth"),
+        ("Secret", "bert-minio-root"),
+        ("ConfigMap", "bert-minio-policy"),
+        ("NetworkPolicy", "default-deny"),
+        ("Secret", "bert-serve-s3"),
+        ("ServiceAccount", "bert-serve"),
+    } <= names
     assert {d["metadata"].get("namespace") for d in rendered if d["kind"] != "Namespace"} == {
         "bert"
     }
@@ -187,8 +196,11 @@ def test_fallback_renderer_agrees_with_kubectl(k8s_copy, rendered):
     assert ids(render_fallback(k8s_copy)) == ids(rendered)
     images = lambda docs: sorted(c["image"] for d in docs for c in _containers(d))  # noqa: E731
     assert images(render_fallback(k8s_copy)) == images(rendered)
-    notes = lambda docs: {d["metadata"]["name"]: d["metadata"].get("annotations")  # noqa: E731
-                          for d in docs if d["kind"] == "Secret"}  # fmt: skip
+    notes = lambda docs: {  # noqa: E731
+        d["metadata"]["name"]: d["metadata"].get("annotations")
+        for d in docs
+        if d["kind"] == "Secret"
+    }
     assert notes(render_fallback(k8s_copy)) == notes(rendered)
 
 
@@ -262,8 +274,11 @@ def test_pipeline_env_points_at_the_services_and_the_ray_jobs_api(rendered):
     ns = ray["metadata"]["namespace"]
     head_svc = f"{ray['metadata']['name']}-head-svc.{ns}.svc.cluster.local"
     assert env["data"]["RAY_ADDRESS"] == f"http://{head_svc}:8265"
-    head_ports = {p["containerPort"] for c in _containers_of(ray["spec"]["headGroupSpec"])
-                  for p in c.get("ports", [])}  # fmt: skip
+    head_ports = {
+        p["containerPort"]
+        for c in _containers_of(ray["spec"]["headGroupSpec"])
+        for p in c.get("ports", [])
+    }
     assert 8265 in head_ports
     services = {d["metadata"]["name"]: d for d in _by_kind(rendered, "Service")}
     expected = [("MLFLOW_TRACKING_URI", "mlflow", 5000), ("AWS_ENDPOINT_URL", "minio", 9000)]
@@ -349,8 +364,9 @@ def test_mlflow_server_uses_postgres_and_s3_without_inline_credentials(rendered)
     (pip_args,) = _pip_installs(DOCKER / "Dockerfile.mlflow")
     assert any(a.startswith("psycopg2-binary==") for a in pip_args)
     assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {
-        "name": "bert-postgres", "key": "POSTGRES_PASSWORD"
-    }  # fmt: skip
+        "name": "bert-postgres",
+        "key": "POSTGRES_PASSWORD",
+    }
     names = list(env)  # $(VAR) expands only variables defined before it
     assert names.index("POSTGRES_USER") < names.index(option.envvar) > names.index("POSTGRES_DB")
     assert "MLFLOW_S3_ENDPOINT_URL" in env
@@ -370,8 +386,10 @@ def test_credentials_come_only_from_secrets(rendered, k8s_copy):
     # The credential files are git-ignored and kept out of Docker build contexts ...
     out = subprocess.run(
         ["git", "check-ignore", "--no-index", *[f"infra/k8s/{f}" for f in ENV_FILES]],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.stdout.split() == [f"infra/k8s/{f}" for f in ENV_FILES], out.stdout + out.stderr
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
     assert not set(tracked.stdout.split()) & {f"infra/k8s/{f}" for f in ENV_FILES}
@@ -483,9 +501,10 @@ def test_mlflow_image_pins_every_package():
 
 def test_dockerignore_keeps_what_the_build_needs():
     ignored = [
-        ln for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        ln
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
         if ln.strip() and not ln.startswith("#")
-    ]  # fmt: skip
+    ]
     for needed in ["pyproject.toml", "constraints-cpu.txt", "bert_core", "README.md"]:
         assert needed not in ignored
     assert {".venv", ".git", "runs", "mlflow.db"} <= set(ignored)
@@ -564,15 +583,17 @@ def test_kfp_runs_put_their_artifacts_in_our_bucket(rendered_kfp, k8s_copy):
     from tests.cluster import pod_env
 
     objects: pod_env.Objects = {
-        (d["kind"], d["metadata"]["name"]): _decoded(d) if d["kind"] == "Secret"
+        (d["kind"], d["metadata"]["name"]): _decoded(d)
+        if d["kind"] == "Secret"
         else dict(d.get("data") or {})
         for d in rendered_kfp
-    }  # fmt: skip
+    }
     launcher = _object(rendered_kfp, "ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)
     assert launcher["metadata"]["namespace"] == "kubeflow"
-    assert launcher["data"] == pod_env.manifest_objects(k8s_copy / "env")[
-        ("ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)
-    ]  # what the harness reads
+    assert (
+        launcher["data"]
+        == pod_env.manifest_objects(k8s_copy / "env")[("ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)]
+    )  # what the harness reads
     root = pod_env.pipeline_root(objects)
     assert root == f"{cluster.BUCKET}/kfp"
     assert pod_env.pipeline_root(objects, "s3://other/root") == "s3://other/root"  # a run's own
@@ -582,14 +603,18 @@ def test_kfp_runs_put_their_artifacts_in_our_bucket(rendered_kfp, k8s_copy):
     assert session["region_name"] == config["AWS_DEFAULT_REGION"]
     keys = objects[("Secret", cluster.SECRET)]
     assert (session["aws_access_key_id"], session["aws_secret_access_key"]) == (
-        keys["AWS_ACCESS_KEY_ID"], keys["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+        keys["AWS_ACCESS_KEY_ID"],
+        keys["AWS_SECRET_ACCESS_KEY"],
+    )
     for broken in (
         lambda o: o.pop(("ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)),
         lambda o: o.pop(("Secret", cluster.SECRET)),
         lambda o: o[("ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)].update(
             providers=o[("ConfigMap", pod_env.LAUNCHER_CONFIG_MAP)]["providers"].replace(
-                "disableSSL", "disableSsl")),
-    ):  # fmt: skip
+                "disableSSL", "disableSsl"
+            )
+        ),
+    ):
         copy_ = copy.deepcopy(objects)
         broken(copy_)
         with pytest.raises(pod_env.PodConfigError):
@@ -620,9 +645,16 @@ def test_ray_jobs_api_is_behind_the_token_of_bert_ray_auth(rendered, rendered_kf
         ("RayCluster", "bert-ray", lambda d: d["spec"].update(rayVersion="2.51.0")),
         ("Secret", "bert-ray-auth", lambda d: d["data"].pop("auth_token")),
         ("ConfigMap", "bert-pipeline-env", lambda d: d["data"].update(RAY_AUTH_MODE="disabled")),
-        ("RayCluster", "bert-ray", lambda d: _containers(d)[0].setdefault("env", []).append(
-            {"name": "RAY_AUTH_MODE", "value": "disabled"})),
-    ]  # fmt: skip
+        (
+            "RayCluster",
+            "bert-ray",
+            lambda d: (
+                _containers(d)[0]
+                .setdefault("env", [])
+                .append({"name": "RAY_AUTH_MODE", "value": "disabled"})
+            ),
+        ),
+    ]
     for kind, name, change in breaks:
         with pytest.raises(AssertionError):
             check_ray_auth(_broken(rendered, kind, name, change))
@@ -632,8 +664,9 @@ def _ray_head_env(config: dict[str, str], secret: dict[str, str]) -> dict[str, s
     """The Ray settings of the head container on the cluster: the ConfigMap's RAY_AUTH_MODE and
     what KubeRay adds (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN from the Secret's auth_token)."""
     return {"RAY_AUTH_MODE": config["RAY_AUTH_MODE"]} | {
-        "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secret["auth_token"]
-    }  # fmt: skip
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secret["auth_token"],
+    }
 
 
 @pytest.mark.slow
@@ -679,16 +712,22 @@ def test_ray_head_with_the_manifests_settings_refuses_requests_without_the_token
         )
         pod_env = {k: config[k] for k in ("RAY_AUTH_MODE",)} | {
             k: secret[k] for k in cluster.RAY_AUTH_KEYS
-        }  # fmt: skip
+        }
         ok = subprocess.run(
-            [sys.executable, "-c", client], env=base_env | pod_env, capture_output=True,
-            text=True, timeout=120,
-        )  # fmt: skip
+            [sys.executable, "-c", client],
+            env=base_env | pod_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert ok.returncode == 0 and "jobs 0" in ok.stdout, ok.stderr[-2000:]
         without = subprocess.run(
-            [sys.executable, "-c", client], env=base_env, capture_output=True, text=True,
+            [sys.executable, "-c", client],
+            env=base_env,
+            capture_output=True,
+            text=True,
             timeout=120,
-        )  # fmt: skip
+        )
         assert without.returncode != 0, "a client without the token was let in"
     finally:
         head.stop()
@@ -698,9 +737,12 @@ def test_ray_head_with_the_manifests_settings_refuses_requests_without_the_token
 
 BUCKET_ACTIONS = {"s3:GetBucketLocation", "s3:ListBucket", "s3:ListBucketMultipartUploads"}
 OBJECT_ACTIONS = {
-    "s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
+    "s3:GetObject",
+    "s3:PutObject",
+    "s3:DeleteObject",
+    "s3:AbortMultipartUpload",
     "s3:ListMultipartUploadParts",
-}  # fmt: skip
+}
 
 
 def check_minio_policy(policy: dict) -> None:
@@ -771,8 +813,9 @@ def test_minio_pipeline_user_is_scoped_to_the_bucket(rendered, rendered_kfp):
     root = _object(rendered, "Secret", "bert-minio-root")
     assert set(root["data"]) == {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"}
     assert _secret_users(rendered, "bert-minio-root") == {
-        ("Deployment", "minio"), ("Job", "minio-create-bucket")
-    }  # fmt: skip
+        ("Deployment", "minio"),
+        ("Job", "minio-create-bucket"),
+    }
     assert not [d for d in rendered_kfp if d["metadata"]["name"] == "bert-minio-root"]
     (minio,) = _containers(_object(rendered, "Deployment", "minio"))
     minio_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in minio["env"]}
@@ -822,9 +865,13 @@ def _run_setup_script(tmp_path: Path, docs: list[dict], env: dict[str, str]):
     )
     fake.chmod(0o755)
     run = subprocess.run(
-        ["/bin/sh", "-ec", c["args"][0]], env={"PATH": f"{bin_dir}:/usr/bin:/bin"} | env,
-        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        ["/bin/sh", "-ec", c["args"][0]],
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin"} | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     recorded = [json.loads(x) for x in calls.read_text().splitlines()] if calls.exists() else []
     return run, recorded
 
@@ -840,7 +887,7 @@ def _setup_job_env(rendered: list[dict]) -> dict[str, str]:
         ("bert-s3", "AWS_SECRET_ACCESS_KEY"): secrets.token_hex(20),
         ("bert-serve-s3", "AWS_ACCESS_KEY_ID"): "bert-serve",
         ("bert-serve-s3", "AWS_SECRET_ACCESS_KEY"): secrets.token_hex(20),
-    }  # fmt: skip
+    }
     env = {}
     for var in mc["env"]:
         ref = var.get("valueFrom", {}).get("secretKeyRef")
@@ -870,11 +917,17 @@ def test_minio_setup_job_passes_no_key_on_a_command_line(tmp_path, rendered):
         ["admin", "policy", "create", "root", "bert-readwrite", f"{policy_dir}/minio-policy.json"],
         ["admin", "user", "add", "root"],
         ["admin", "policy", "attach", "root", "bert-readwrite", "--user", "bert-pipeline"],
-        ["admin", "policy", "create", "root", "bert-serve-readonly",
-         f"{policy_dir}/minio-policy-serve.json"],
+        [
+            "admin",
+            "policy",
+            "create",
+            "root",
+            "bert-serve-readonly",
+            f"{policy_dir}/minio-policy-serve.json",
+        ],
         ["admin", "user", "add", "root"],
         ["admin", "policy", "attach", "root", "bert-serve-readonly", "--user", "bert-serve"],
-    ]  # fmt: skip
+    ]
     assert argvs[0][:2] == ["admin", "info"]
     user_adds = [c["stdin"] for c in calls if c["argv"][:3] == ["admin", "user", "add"]]
     assert user_adds == [
@@ -882,8 +935,11 @@ def test_minio_setup_job_passes_no_key_on_a_command_line(tmp_path, rendered):
         f"{env['SERVE_ACCESS_KEY_ID']}\n{env['SERVE_SECRET_ACCESS_KEY']}\n",
     ]
     for call in calls:
-        for value in (env["MINIO_ROOT_PASSWORD"], env["AWS_SECRET_ACCESS_KEY"],
-                      env["SERVE_SECRET_ACCESS_KEY"]):  # fmt: skip
+        for value in (
+            env["MINIO_ROOT_PASSWORD"],
+            env["AWS_SECRET_ACCESS_KEY"],
+            env["SERVE_SECRET_ACCESS_KEY"],
+        ):
             assert value not in " ".join(call["argv"]), call
 
     # The same check catches a script that passes the key as an argument.
@@ -922,10 +978,12 @@ KFP_NAMESPACE = "kubeflow"  # a standalone KFP install runs its pipeline pods th
 # (pkg/controller/v1beta1/inferenceservice/components/predictor.go buildObjectMeta), with the
 # InferenceService's own labels (`bert deploy` writes bert.*) and Knative's revision labels.
 PREDICTOR_LABELS = {
-    "serving.kserve.io/inferenceservice": "bert-sst2", "component": "predictor",
-    "bert.registered-model": "bert-sst2", "serving.knative.dev/service": "bert-sst2-predictor",
+    "serving.kserve.io/inferenceservice": "bert-sst2",
+    "component": "predictor",
+    "bert.registered-model": "bert-sst2",
+    "serving.knative.dev/service": "bert-sst2-predictor",
     "serving.knative.dev/revision": "bert-sst2-predictor-00001",
-}  # fmt: skip
+}
 # What routes requests to it in Knative mode (KServe's own install: Knative Serving in
 # knative-serving, Istio's ingress gateway in istio-system; networkpolicies.yaml says more), and
 # lookalikes that must be refused.
@@ -1026,45 +1084,67 @@ def connection_allowed(policies: list[dict], src, dst, port: int, protocol: str 
             continue
         ns, labels = here
         selecting = [
-            p for p in policies
-            if p["metadata"]["namespace"] == ns and direction in _policy_types(p)
+            p
+            for p in policies
+            if p["metadata"]["namespace"] == ns
+            and direction in _policy_types(p)
             and _selects(p["spec"]["podSelector"], labels)
-        ]  # fmt: skip
+        ]
         if selecting and not any(
             _port_matches(rule.get("ports"), port, protocol)
-            and (not rule.get(peers_key) or any(
-                _peer_matches(peer, ns, there) for peer in rule[peers_key]))
-            for p in selecting for rule in p["spec"].get(rules_key, [])
-        ):  # fmt: skip
+            and (
+                not rule.get(peers_key)
+                or any(_peer_matches(peer, ns, there) for peer in rule[peers_key])
+            )
+            for p in selecting
+            for rule in p["spec"].get(rules_key, [])
+        ):
             return False
     return True
 
 
 # Who may reach whom, and on which port: everything else must be refused.
-EXPECTED_PATHS = {
-    ("pipeline-pod", "minio", 9000), ("pipeline-pod", "mlflow", 5000),
-    ("pipeline-pod", "ray-head", 8265),
-    ("ray-head", "minio", 9000), ("ray-head", "mlflow", 5000),
-    ("ray-worker-gpu", "minio", 9000), ("ray-worker-gpu", "mlflow", 5000),
-    ("ray-worker-cpu", "minio", 9000), ("ray-worker-cpu", "mlflow", 5000),
-    ("mlflow", "postgres", 5432), ("mlflow", "minio", 9000),
-    ("minio-create-bucket", "minio", 9000),
-    # KServe: the predictor's storage initializer reads the model; Knative's activator and the
-    # Istio gateway send requests to queue-proxy, Knative's autoscaler scrapes its metrics
-    ("predictor", "minio", 9000), ("activator", "predictor", 8012),
-    ("istio-gateway", "predictor", 8012), ("kn-autoscaler", "predictor", 9090),
-    # the autoscaler sidecar to the Kubernetes API (any address: see networkpolicies.yaml)
-    ("ray-head", "kube-apiserver", 443), ("ray-head", "kube-apiserver", 6443),
-    ("ray-head", "internet", 443),
-} | {  # Ray pods among themselves, on every port (GCS, raylets, object managers, workers)
-    (f"ray-worker-{group}", "ray-head", port)
-    for group in ("gpu", "cpu") for port in (6379, 8265, 10001, 52365, 23456)
-} | {
-    (src, dst, port)
-    for src, dst in [("ray-head", "ray-worker-gpu"), ("ray-head", "ray-worker-cpu"),
-                     ("ray-worker-gpu", "ray-worker-cpu"), ("ray-worker-cpu", "ray-worker-gpu")]
-    for port in (52365, 23456)
-}  # fmt: skip
+EXPECTED_PATHS = (
+    {
+        ("pipeline-pod", "minio", 9000),
+        ("pipeline-pod", "mlflow", 5000),
+        ("pipeline-pod", "ray-head", 8265),
+        ("ray-head", "minio", 9000),
+        ("ray-head", "mlflow", 5000),
+        ("ray-worker-gpu", "minio", 9000),
+        ("ray-worker-gpu", "mlflow", 5000),
+        ("ray-worker-cpu", "minio", 9000),
+        ("ray-worker-cpu", "mlflow", 5000),
+        ("mlflow", "postgres", 5432),
+        ("mlflow", "minio", 9000),
+        ("minio-create-bucket", "minio", 9000),
+        # KServe: the predictor's storage initializer reads the model; Knative's activator and the
+        # Istio gateway send requests to queue-proxy, Knative's autoscaler scrapes its metrics
+        ("predictor", "minio", 9000),
+        ("activator", "predictor", 8012),
+        ("istio-gateway", "predictor", 8012),
+        ("kn-autoscaler", "predictor", 9090),
+        # the autoscaler sidecar to the Kubernetes API (any address: see networkpolicies.yaml)
+        ("ray-head", "kube-apiserver", 443),
+        ("ray-head", "kube-apiserver", 6443),
+        ("ray-head", "internet", 443),
+    }
+    | {  # Ray pods among themselves, on every port (GCS, raylets, object managers, workers)
+        (f"ray-worker-{group}", "ray-head", port)
+        for group in ("gpu", "cpu")
+        for port in (6379, 8265, 10001, 52365, 23456)
+    }
+    | {
+        (src, dst, port)
+        for src, dst in [
+            ("ray-head", "ray-worker-gpu"),
+            ("ray-head", "ray-worker-cpu"),
+            ("ray-worker-gpu", "ray-worker-cpu"),
+            ("ray-worker-cpu", "ray-worker-gpu"),
+        ]
+        for port in (52365, 23456)
+    }
+)
 
 
 def _reachability(docs: list[dict]) -> tuple[set, dict]:
@@ -1084,15 +1164,26 @@ def _reachability(docs: list[dict]) -> tuple[set, dict]:
         "internet": ipaddress.IPv4Address("93.184.216.34"),
     }
     ports = {  # what listens where (or could: Ray picks worker ports at random)
-        "minio": [9000, 9001], "mlflow": [5000], "postgres": [5432],
-        "ray-head": [6379, 8265, 10001, 52365, 23456], "ray-worker-gpu": [52365, 23456],
+        "minio": [9000, 9001],
+        "mlflow": [5000],
+        "postgres": [5432],
+        "ray-head": [6379, 8265, 10001, 52365, 23456],
+        "ray-worker-gpu": [52365, 23456],
         "ray-worker-cpu": [52365, 23456],
-        "minio-create-bucket": [8080], "debug": [8080], "pipeline-pod": [8080], "kfp-ui": [3000],
-        "impostor": [8080], "kube-apiserver": [443, 6443], "internet": [80, 443],
+        "minio-create-bucket": [8080],
+        "debug": [8080],
+        "pipeline-pod": [8080],
+        "kfp-ui": [3000],
+        "impostor": [8080],
+        "kube-apiserver": [443, 6443],
+        "internet": [80, 443],
         # queue-proxy (8012 HTTP/1, 8013 HTTP/2, 8022 admin, 9090/9091 metrics), bert serve
-        "predictor": [8012, 8013, 8022, 8080, 9090, 9091], "fake-predictor": [8012],
-        "activator": [8012], "kn-autoscaler": [8080], "istio-gateway": [8080],
-    }  # fmt: skip
+        "predictor": [8012, 8013, 8022, 8080, 9090, 9091],
+        "fake-predictor": [8012],
+        "activator": [8012],
+        "kn-autoscaler": [8080],
+        "istio-gateway": [8080],
+    }
     allowed, dns = set(), {}
     endpoints = {**pods, **ips}
     for src in pods:
@@ -1141,8 +1232,9 @@ def test_network_policies_deny_by_default_and_allow_only_what_the_pipeline_needs
 
     loose = _broken(rendered, "NetworkPolicy", "ray-head-dashboard-ingress", any_namespace)
     assert ("impostor", "ray-head", 8265) in _reachability(loose)[0]
-    open_pg = _broken(rendered, "NetworkPolicy", "postgres-ingress",
-                      lambda p: p["spec"]["ingress"][0].pop("from"))  # fmt: skip
+    open_pg = _broken(
+        rendered, "NetworkPolicy", "postgres-ingress", lambda p: p["spec"]["ingress"][0].pop("from")
+    )
     assert ("pipeline-pod", "postgres", 5432) in _reachability(open_pg)[0]
     no_dns = [d for d in rendered if d["metadata"]["name"] != "allow-dns-egress"]
     assert not any(_reachability(no_dns)[1].values())
@@ -1175,14 +1267,17 @@ def command_line_leaks(docs: list[dict]) -> list[str]:
         for c in _all_containers(doc):
             where = f"{doc['kind']}/{doc['metadata']['name']}/{c['name']}"
             secret_vars = {
-                e["name"] for e in c.get("env", [])
+                e["name"]
+                for e in c.get("env", [])
                 if "secretKeyRef" in e.get("valueFrom", {})
                 and SECRET_NAME.search(e["valueFrom"]["secretKeyRef"]["key"])
             } | {
-                key for src in c.get("envFrom", []) if "secretRef" in src
+                key
+                for src in c.get("envFrom", [])
+                if "secretRef" in src
                 for key in secrets_by_name.get(src["secretRef"]["name"], {})
                 if SECRET_NAME.search(key)
-            }  # fmt: skip
+            }
             text = "\n".join(_command_lines(c))
             for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", text):
                 if var in secret_vars or SECRET_NAME.search(var):
@@ -1207,13 +1302,28 @@ def test_no_password_on_a_command_line(rendered, rendered_kfp):
     old_mlflow = "--backend-store-uri=postgresql://$(POSTGRES_USER):$(POSTGRES_PASSWORD)@postgres"
     cases = [
         ("Deployment", "mlflow", lambda d: _containers(d)[0]["args"].append(old_mlflow)),
-        ("Deployment", "mlflow", lambda d: _containers(d)[0]["args"].append(
-            "--backend-store-uri=postgresql://mlflow:hunter2hunter2@postgres/mlflow")),
-        ("Deployment", "minio", lambda d: _containers(d)[0]["args"].append(
-            _decoded(_object(rendered, "Secret", "bert-minio-root"))["MINIO_ROOT_PASSWORD"])),
-        ("Job", "minio-create-bucket", lambda d: _containers(d)[0]["args"].append(
-            'mc admin user add root "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY"')),
-    ]  # fmt: skip
+        (
+            "Deployment",
+            "mlflow",
+            lambda d: _containers(d)[0]["args"].append(
+                "--backend-store-uri=postgresql://mlflow:hunter2hunter2@postgres/mlflow"
+            ),
+        ),
+        (
+            "Deployment",
+            "minio",
+            lambda d: _containers(d)[0]["args"].append(
+                _decoded(_object(rendered, "Secret", "bert-minio-root"))["MINIO_ROOT_PASSWORD"]
+            ),
+        ),
+        (
+            "Job",
+            "minio-create-bucket",
+            lambda d: _containers(d)[0]["args"].append(
+                'mc admin user add root "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY"'
+            ),
+        ),
+    ]
     for kind, name, change in cases:
         assert command_line_leaks(_broken(rendered, kind, name, change)), (kind, name)
 
@@ -1271,9 +1381,16 @@ def test_images_are_fully_qualified_and_pinned(rendered, rendered_kfp):
         base = _parse(DOCKER / name).baseimage
         assert image_problem(base) is None and re.search(r":3\.11\.\d+-", base), base
     # The check refuses short names, missing and floating tags.
-    for bad in ("minio/minio", "postgres:16.6", "quay.io/minio/minio", "quay.io/minio/mc:latest",
-                "docker.io/library/python:3.11-slim", "registry.example.com/bert/bert",
-                "docker.io/library/postgres:16", "docker.io/library/postgres:latest"):  # fmt: skip
+    for bad in (
+        "minio/minio",
+        "postgres:16.6",
+        "quay.io/minio/minio",
+        "quay.io/minio/mc:latest",
+        "docker.io/library/python:3.11-slim",
+        "registry.example.com/bert/bert",
+        "docker.io/library/postgres:16",
+        "docker.io/library/postgres:latest",
+    ):
         assert image_problem(bad), bad
 
 
@@ -1287,15 +1404,21 @@ def test_dockerfiles_are_hadolint_clean(tmp_path):
     for name in DOCKERFILES:
         text = (DOCKER / name).read_text()
         assert "hadolint ignore" not in text, name
-        out = subprocess.run([exe, "--no-color", str(DOCKER / name)], capture_output=True,
-                             text=True, timeout=60, cwd=ROOT)  # fmt: skip
+        out = subprocess.run(
+            [exe, "--no-color", str(DOCKER / name)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr
     unpinned = tmp_path / "Dockerfile"
     unpinned.write_text(
         (DOCKER / "Dockerfile").read_text().replace("git=1:2.39.5-0+deb12u3", "git")
     )
-    out = subprocess.run([exe, "--no-color", str(unpinned)], capture_output=True, text=True,
-                         timeout=60, cwd=tmp_path)  # fmt: skip
+    out = subprocess.run(
+        [exe, "--no-color", str(unpinned)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert out.returncode != 0 and "DL3008" in out.stdout, out.stdout
 
 
@@ -1335,14 +1458,29 @@ def test_every_container_has_requests_and_limits(rendered, rendered_kfp):
     assert resource_problems(rendered) == [] and resource_problems(rendered_kfp) == []
     for kind, name, change in [
         ("Job", "minio-create-bucket", lambda d: _containers(d)[0]["resources"].pop("limits")),
-        ("StatefulSet", "postgres",
-         lambda d: _containers(d)[0]["resources"]["requests"].pop("memory")),
+        (
+            "StatefulSet",
+            "postgres",
+            lambda d: _containers(d)[0]["resources"]["requests"].pop("memory"),
+        ),
         ("RayCluster", "bert-ray", lambda d: d["spec"]["autoscalerOptions"].pop("resources")),
-        ("RayCluster", "bert-ray", lambda d: _pod_specs(d)[1].setdefault(
-            "initContainers", []).append({"name": "init", "image": "x", "resources": {}})),
-        ("RayCluster", "bert-ray",
-         lambda d: _pod_specs(d)[1]["containers"][0]["resources"]["limits"].pop("nvidia.com/gpu")),
-    ]:  # fmt: skip
+        (
+            "RayCluster",
+            "bert-ray",
+            lambda d: (
+                _pod_specs(d)[1]
+                .setdefault("initContainers", [])
+                .append({"name": "init", "image": "x", "resources": {}})
+            ),
+        ),
+        (
+            "RayCluster",
+            "bert-ray",
+            lambda d: _pod_specs(d)[1]["containers"][0]["resources"]["limits"].pop(
+                "nvidia.com/gpu"
+            ),
+        ),
+    ]:
         assert resource_problems(_broken(rendered, kind, name, change)), (kind, name)
 
 
@@ -1354,30 +1492,67 @@ def test_every_container_has_requests_and_limits(rendered, rendered_kfp):
 # against the Kubernetes schema (test_raycluster_has_kuberay_required_fields).
 KUBERAY_FIELDS = {
     "spec": {
-        "authOptions", "autoscalerOptions", "enableInTreeAutoscaling", "gcsFaultToleranceOptions",
-        "headGroupSpec", "headServiceAnnotations", "historyServerOptions", "managedBy",
-        "networkPolicy", "rayVersion", "suspend", "tlsOptions", "upgradeStrategy",
+        "authOptions",
+        "autoscalerOptions",
+        "enableInTreeAutoscaling",
+        "gcsFaultToleranceOptions",
+        "headGroupSpec",
+        "headServiceAnnotations",
+        "historyServerOptions",
+        "managedBy",
+        "networkPolicy",
+        "rayVersion",
+        "suspend",
+        "tlsOptions",
+        "upgradeStrategy",
         "workerGroupSpecs",
     },
     "headGroupSpec": {
-        "enableIngress", "headService", "ingressOptions", "labels", "rayStartParams",
-        "resources", "serviceType", "template",
+        "enableIngress",
+        "headService",
+        "ingressOptions",
+        "labels",
+        "rayStartParams",
+        "resources",
+        "serviceType",
+        "template",
     },
     "workerGroupSpec": {
-        "groupName", "idleTimeoutSeconds", "labels", "maxReplicas", "minReplicas", "numOfHosts",
-        "priority", "rayStartParams", "replicas", "resources", "scaleStrategy", "suspend",
+        "groupName",
+        "idleTimeoutSeconds",
+        "labels",
+        "maxReplicas",
+        "minReplicas",
+        "numOfHosts",
+        "priority",
+        "rayStartParams",
+        "replicas",
+        "resources",
+        "scaleStrategy",
+        "suspend",
         "template",
     },
     "autoscalerOptions": {
-        "args", "command", "env", "envFrom", "idleTimeoutSeconds", "image", "imagePullPolicy",
-        "resources", "securityContext", "upscalingMode", "version", "volumeMounts",
+        "args",
+        "command",
+        "env",
+        "envFrom",
+        "idleTimeoutSeconds",
+        "image",
+        "imagePullPolicy",
+        "resources",
+        "securityContext",
+        "upscalingMode",
+        "version",
+        "volumeMounts",
     },
     "authOptions": {"enableK8sTokenAuth", "mode", "secretName"},
-}  # fmt: skip
+}
 KUBERAY_REQUIRED = {
-    "spec": {"headGroupSpec"}, "headGroupSpec": {"template"},
+    "spec": {"headGroupSpec"},
+    "headGroupSpec": {"template"},
     "workerGroupSpec": {"groupName", "maxReplicas", "minReplicas", "template"},
-}  # fmt: skip
+}
 KUBERAY_ENUMS = {
     ("authOptions", "mode"): {"disabled", "token"},
     ("autoscalerOptions", "upscalingMode"): {"Default", "Aggressive", "Conservative"},
@@ -1408,9 +1583,10 @@ def check_gpu_autoscaling(ray: dict) -> None:
     options = spec.get("autoscalerOptions") or {}
     assert 60 <= options.get("idleTimeoutSeconds", 0) <= 3600, options
     (gpu,) = [
-        g for g in spec["workerGroupSpecs"]
+        g
+        for g in spec["workerGroupSpecs"]
         if any("nvidia.com/gpu" in c["resources"]["limits"] for c in _containers_of(g))
-    ]  # fmt: skip
+    ]
     assert gpu["minReplicas"] == 0 and gpu["replicas"] == 0, "no GPU pod while nothing trains"
     assert gpu["maxReplicas"] == 8
     pod = gpu["template"]["spec"]
@@ -1425,9 +1601,10 @@ def check_cpu_autoscaling(ray: dict) -> None:
     ray/autoscaler/v2/scheduler.py AUTOSCALER_CONSERVE_GPU_NODES) on any node, from 0 pods,
     running the CPU image."""
     (cpu,) = [
-        g for g in ray["spec"]["workerGroupSpecs"]
+        g
+        for g in ray["spec"]["workerGroupSpecs"]
         if not any("nvidia.com/gpu" in c["resources"]["limits"] for c in _containers_of(g))
-    ]  # fmt: skip
+    ]
     assert cpu["minReplicas"] == 0 and cpu["replicas"] == 0 and cpu["maxReplicas"] >= 1
     pod = cpu["template"]["spec"]
     assert "nodeSelector" not in pod and "tolerations" not in pod
@@ -1519,8 +1696,9 @@ def test_versions_agree_with_the_lock_the_manifests_and_the_images(rendered, ren
     kuberay = versions["kuberay-operator"]["version"]
     assert f"--version {kuberay}" in " ".join(versions["kuberay-operator"]["install"])
     assert f"KubeRay operator {kuberay}" in (K8S / "raycluster.yaml").read_text()
-    third_party = {r for r in _images(rendered + rendered_kfp)
-                   if not r.startswith("registry.example.com/")}  # fmt: skip
+    third_party = {
+        r for r in _images(rendered + rendered_kfp) if not r.startswith("registry.example.com/")
+    }
     assert third_party == {versions[k]["image"] for k in ("minio", "mc", "postgres")}
     for name in DOCKERFILES:
         assert _parse(DOCKER / name).baseimage == versions["python"]["image"], name
@@ -1535,9 +1713,11 @@ KSERVE = K8S / "kserve"
 
 def _kserve_manifests() -> list[dict]:
     return render(KSERVE) + [
-        d for f in sorted((KSERVE / "examples").glob("*.yaml"))
-        for d in yaml.safe_load_all(f.read_text()) if d
-    ]  # fmt: skip
+        d
+        for f in sorted((KSERVE / "examples").glob("*.yaml"))
+        for d in yaml.safe_load_all(f.read_text())
+        if d
+    ]
 
 
 def test_kserve_install_steps_the_manifests_and_deploy_name_one_mode():
@@ -1666,16 +1846,30 @@ def test_kserve_schema_script_reads_the_crds_strips_them_and_writes_a_stable_fil
         sys.path.pop(0)
     crds = {}
     for kind, (name, served) in kserve_schemas.CRDS.items():
-        crds[name] = yaml.safe_dump({
-            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "spec": {"names": {"kind": kind}, "versions": [
-                {"name": "v0old", "schema": {"openAPIV3Schema": {"type": "string"}}},
-                {"name": served, "schema": {"openAPIV3Schema": {
-                    "type": "object", "description": "dropped",
-                    "properties": {"spec": {"type": "object", "description": "dropped too"}},
-                }}},
-            ]},
-        }).encode()  # fmt: skip
+        crds[name] = yaml.safe_dump(
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "spec": {
+                    "names": {"kind": kind},
+                    "versions": [
+                        {"name": "v0old", "schema": {"openAPIV3Schema": {"type": "string"}}},
+                        {
+                            "name": served,
+                            "schema": {
+                                "openAPIV3Schema": {
+                                    "type": "object",
+                                    "description": "dropped",
+                                    "properties": {
+                                        "spec": {"type": "object", "description": "dropped too"}
+                                    },
+                                }
+                            },
+                        },
+                    ],
+                },
+            }
+        ).encode()
     (tmp_path / "crds").mkdir()
     for name, body in crds.items():
         (tmp_path / "crds" / name).write_bytes(body)
@@ -1763,10 +1957,19 @@ def storage_initializer_requests(uri: str) -> list[tuple[str, str, dict[str, str
     ]
 
 
-S3_ACTIONS = BUCKET_ACTIONS | OBJECT_ACTIONS | {
-    "s3:CreateBucket", "s3:DeleteBucket", "s3:PutBucketPolicy", "s3:GetBucketPolicy",
-    "s3:DeleteObjectVersion", "s3:PutObjectTagging", "s3:GetObjectTagging",
-}  # fmt: skip
+S3_ACTIONS = (
+    BUCKET_ACTIONS
+    | OBJECT_ACTIONS
+    | {
+        "s3:CreateBucket",
+        "s3:DeleteBucket",
+        "s3:PutBucketPolicy",
+        "s3:GetBucketPolicy",
+        "s3:DeleteObjectVersion",
+        "s3:PutObjectTagging",
+        "s3:GetObjectTagging",
+    }
+)
 
 
 def check_serve_policy(policy: dict, storage_uri: str) -> None:
@@ -1780,12 +1983,14 @@ def check_serve_policy(policy: dict, storage_uri: str) -> None:
         f"arn:aws:s3:::{bucket}/{prefix}/x"
         for bucket in ("bert", "other")
         for prefix in ("mlflow/1/models/m-1/artifacts", "data", "dvc", "kfp", "ray", "mlflow-old")
-    ]  # fmt: skip
+    ]
     granted = {
-        (action, resource) for action in S3_ACTIONS for resource in resources
+        (action, resource)
+        for action in S3_ACTIONS
+        for resource in resources
         for context in ({}, {"s3:prefix": "mlflow/"}, {"s3:prefix": "data/"})
         if s3_allowed(policy, action, resource, context)
-    }  # fmt: skip
+    }
     assert granted == {
         ("s3:ListBucket", "arn:aws:s3:::bert"),
         ("s3:GetObject", "arn:aws:s3:::bert/mlflow/1/models/m-1/artifacts/x"),
@@ -1837,11 +2042,16 @@ def test_kserve_serve_user_reads_only_the_mlflow_models(rendered, example_isvc):
 # serving.kserve.io/ + these), and the variables pkg/credentials/s3/utils.go BuildS3EnvVars
 # makes of them; s3-endpoint and s3-usehttps make S3_ENDPOINT, S3_USE_HTTPS, AWS_ENDPOINT_URL.
 KSERVE_S3_ANNOTATIONS = {
-    "s3-endpoint": None, "s3-usehttps": None, "s3-verifyssl": "S3_VERIFY_SSL",
-    "s3-region": "AWS_DEFAULT_REGION", "s3-usevirtualbucket": "S3_USER_VIRTUAL_BUCKET",
-    "s3-useaccelerate": "S3_USE_ACCELERATE", "s3-useanoncredential": "awsAnonymousCredential",
-    "s3-cabundle": "AWS_CA_BUNDLE", "s3-cabundle-configmap": "AWS_CA_BUNDLE_CONFIGMAP",
-}  # fmt: skip
+    "s3-endpoint": None,
+    "s3-usehttps": None,
+    "s3-verifyssl": "S3_VERIFY_SSL",
+    "s3-region": "AWS_DEFAULT_REGION",
+    "s3-usevirtualbucket": "S3_USER_VIRTUAL_BUCKET",
+    "s3-useaccelerate": "S3_USE_ACCELERATE",
+    "s3-useanoncredential": "awsAnonymousCredential",
+    "s3-cabundle": "AWS_CA_BUNDLE",
+    "s3-cabundle-configmap": "AWS_CA_BUNDLE_CONFIGMAP",
+}
 # The Secret keys it takes as the S3 keys: the `credentials.s3` entry of the
 # inferenceservice-config its charts install (s3AccessKeyIDName, s3SecretAccessKeyName:
 # config/configmap/inferenceservice.yaml, charts/kserve-resources/values.yaml).
@@ -1862,8 +2072,11 @@ def kserve_s3_env(service_account: dict, docs: list[dict]) -> dict[str, str]:
         if KSERVE_S3_KEYS[1] not in data:
             continue
         env |= {key: data[key] for key in KSERVE_S3_KEYS}
-        kserve = {k.removeprefix("serving.kserve.io/"): v for k, v in notes.items()
-                  if k.startswith("serving.kserve.io/")}  # fmt: skip
+        kserve = {
+            k.removeprefix("serving.kserve.io/"): v
+            for k, v in notes.items()
+            if k.startswith("serving.kserve.io/")
+        }
         if unknown := set(kserve) - set(KSERVE_S3_ANNOTATIONS):
             raise AssertionError(f"annotations KServe does not read: {sorted(unknown)}")
         if endpoint := kserve.get("s3-endpoint", "").strip():
@@ -1876,8 +2089,11 @@ def kserve_s3_env(service_account: dict, docs: list[dict]) -> dict[str, str]:
             env |= {"S3_ENDPOINT": host, "AWS_ENDPOINT_URL": url}
             if use:
                 env["S3_USE_HTTPS"] = use
-        env |= {var: kserve[note] for note, var in KSERVE_S3_ANNOTATIONS.items()
-                if var and note in kserve}  # fmt: skip
+        env |= {
+            var: kserve[note]
+            for note, var in KSERVE_S3_ANNOTATIONS.items()
+            if var and note in kserve
+        }
     return env
 
 
@@ -1922,17 +2138,28 @@ def test_kserve_service_account_gives_the_storage_initializer_the_read_only_user
     assert serve["AWS_ACCESS_KEY_ID"] != pipeline["AWS_ACCESS_KEY_ID"]  # the examples too
     notes = lambda d: d["metadata"]["annotations"]  # noqa: E731
     for kind, name, change in [
-        ("Secret", "bert-serve-s3", lambda d: notes(d).update({
-            "serving.kserve.io/s3-use-https": notes(d).pop("serving.kserve.io/s3-usehttps")})),
-        ("Secret", "bert-serve-s3", lambda d: notes(d).update(
-            {"serving.kserve.io/s3-usehttps": "1"})),
+        (
+            "Secret",
+            "bert-serve-s3",
+            lambda d: notes(d).update(
+                {"serving.kserve.io/s3-use-https": notes(d).pop("serving.kserve.io/s3-usehttps")}
+            ),
+        ),
+        (
+            "Secret",
+            "bert-serve-s3",
+            lambda d: notes(d).update({"serving.kserve.io/s3-usehttps": "1"}),
+        ),
         ("Secret", "bert-serve-s3", lambda d: notes(d).pop("serving.kserve.io/s3-endpoint")),
-        ("Secret", "bert-serve-s3", lambda d: d["data"].update(
-            awsSecretAccessKey=d["data"].pop("AWS_SECRET_ACCESS_KEY"))),
+        (
+            "Secret",
+            "bert-serve-s3",
+            lambda d: d["data"].update(awsSecretAccessKey=d["data"].pop("AWS_SECRET_ACCESS_KEY")),
+        ),
         ("ServiceAccount", "bert-serve", lambda d: d.pop("secrets")),
         ("ServiceAccount", "bert-serve", lambda d: d.update(secrets=[{"name": "bert-s3"}])),
         ("ServiceAccount", "bert-serve", lambda d: d.pop("automountServiceAccountToken")),
-    ]:  # fmt: skip
+    ]:
         with pytest.raises((AssertionError, KeyError)):
             check_serve_credentials(_broken(rendered, kind, name, change), example_isvc)
 
@@ -1958,9 +2185,16 @@ def test_kserve_predictor_pods_reach_minio_and_only_knative_and_istio_reach_them
 
     def reach(docs: list[dict]) -> set[tuple[str, str, int]]:
         nps = _by_kind(docs, "NetworkPolicy")
-        paths = {("predictor", dst, port) for dst, port in
-                 [("minio", 9000), ("mlflow", 5000), ("postgres", 5432), ("ray-head", 8265)]
-                 if connection_allowed(nps, pods["predictor"], pods[dst], port)}  # fmt: skip
+        paths = {
+            ("predictor", dst, port)
+            for dst, port in [
+                ("minio", 9000),
+                ("mlflow", 5000),
+                ("postgres", 5432),
+                ("ray-head", 8265),
+            ]
+            if connection_allowed(nps, pods["predictor"], pods[dst], port)
+        }
         if connection_allowed(nps, pods["predictor"], internet, 443):
             paths.add(("predictor", "internet", 443))
         if connection_allowed(nps, pods["no-isvc-label"], pods["minio"], 9000):
@@ -1972,20 +2206,27 @@ def test_kserve_predictor_pods_reach_minio_and_only_knative_and_istio_reach_them
         return paths
 
     assert reach(rendered) == {
-        ("predictor", "minio", 9000), ("activator", "predictor", 8012),
-        ("istio-gateway", "predictor", 8012), ("kn-autoscaler", "predictor", 9090),
-    }  # fmt: skip
+        ("predictor", "minio", 9000),
+        ("activator", "predictor", 8012),
+        ("istio-gateway", "predictor", 8012),
+        ("kn-autoscaler", "predictor", 9090),
+    }
     # Negative controls.
     no_egress = [d for d in rendered if d["metadata"]["name"] != "kserve-predictor-egress"]
     assert ("predictor", "minio", 9000) not in reach(no_egress)  # default-deny: no download
-    open_egress = _broken(rendered, "NetworkPolicy", "kserve-predictor-egress",
-                          lambda p: p["spec"].update(egress=[{}]))  # fmt: skip
+    open_egress = _broken(
+        rendered,
+        "NetworkPolicy",
+        "kserve-predictor-egress",
+        lambda p: p["spec"].update(egress=[{}]),
+    )
     assert ("predictor", "internet", 443) in reach(open_egress)
 
     def drop_predictor_peer(policy: dict) -> None:
         peers = policy["spec"]["ingress"][0]["from"]
-        peers[:] = [p for p in peers if "component" not in p.get("podSelector", {}).get(
-            "matchLabels", {})]  # fmt: skip
+        peers[:] = [
+            p for p in peers if "component" not in p.get("podSelector", {}).get("matchLabels", {})
+        ]
 
     closed = _broken(rendered, "NetworkPolicy", "minio-ingress", drop_predictor_peer)
     assert ("predictor", "minio", 9000) not in reach(closed)
@@ -1999,8 +2240,12 @@ def test_kserve_predictor_pods_reach_minio_and_only_knative_and_istio_reach_them
     assert ("fake-activator", "predictor", 8012) in reach(loose)
     no_ingress = [d for d in rendered if d["metadata"]["name"] != "kserve-predictor-ingress"]
     assert ("debug", "predictor", 8080) not in reach(no_ingress)  # default-deny still holds
-    all_ports = _broken(rendered, "NetworkPolicy", "kserve-predictor-ingress",
-                        lambda p: [r.pop("ports") for r in p["spec"]["ingress"]])  # fmt: skip
+    all_ports = _broken(
+        rendered,
+        "NetworkPolicy",
+        "kserve-predictor-ingress",
+        lambda p: [r.pop("ports") for r in p["spec"]["ingress"]],
+    )
     assert ("activator", "predictor", 8080) in reach(all_ports)
 
 
@@ -2012,8 +2257,9 @@ KFP_RUNNER = ("kubeflow", "pipeline-runner")
 RBAC_VERBS = ("get", "list", "watch", "create", "update", "patch", "delete", "deletecollection")
 
 
-def rbac_allowed(docs: list[dict], account: tuple[str, str], verb: str, group: str,
-                 resource: str, namespace: str) -> bool:  # fmt: skip
+def rbac_allowed(
+    docs: list[dict], account: tuple[str, str], verb: str, group: str, resource: str, namespace: str
+) -> bool:
     """RBAC (rbac.authorization.k8s.io/v1) over the Roles and RoleBindings of `docs`: a
     RoleBinding in `namespace` naming the service account (namespace, name) binds a Role of that
     namespace with a rule granting the verb on the group's resource (`*` matches all).
@@ -2024,15 +2270,19 @@ def rbac_allowed(docs: list[dict], account: tuple[str, str], verb: str, group: s
             continue
         if binding["roleRef"]["kind"] != "Role":
             raise AssertionError(f"roleRef not modelled: {binding['roleRef']}")
-        names = {(s.get("namespace"), s["name"]) for s in binding["subjects"]
-                 if s["kind"] == "ServiceAccount"}  # fmt: skip
+        names = {
+            (s.get("namespace"), s["name"])
+            for s in binding["subjects"]
+            if s["kind"] == "ServiceAccount"
+        }
         role = roles.get((namespace, binding["roleRef"]["name"]))
         if account not in names or role is None:
             continue
         for rule in role["rules"]:
-            if all(want in rule.get(key, []) or "*" in rule.get(key, [])
-                   for key, want in (("verbs", verb), ("apiGroups", group),
-                                     ("resources", resource))):  # fmt: skip
+            if all(
+                want in rule.get(key, []) or "*" in rule.get(key, [])
+                for key, want in (("verbs", verb), ("apiGroups", group), ("resources", resource))
+            ):
                 return True
     return False
 
@@ -2040,18 +2290,27 @@ def rbac_allowed(docs: list[dict], account: tuple[str, str], verb: str, group: s
 def rbac_grants(docs: list[dict]) -> set[tuple]:
     """Everything the RBAC of `docs` grants, over the accounts, verbs, resources and namespaces
     that matter here."""
-    accounts = [KFP_RUNNER, ("kubeflow", "default"), ("bert", "pipeline-runner"),
-                ("bert", "bert-serve")]  # fmt: skip
+    accounts = [
+        KFP_RUNNER,
+        ("kubeflow", "default"),
+        ("bert", "pipeline-runner"),
+        ("bert", "bert-serve"),
+    ]
     resources = [
-        ("serving.kserve.io", "inferenceservices"), ("serving.kserve.io", "servingruntimes"),
-        ("", "pods"), ("", "secrets"), ("serving.knative.dev", "services"),
-    ]  # fmt: skip
+        ("serving.kserve.io", "inferenceservices"),
+        ("serving.kserve.io", "servingruntimes"),
+        ("", "pods"),
+        ("", "secrets"),
+        ("serving.knative.dev", "services"),
+    ]
     return {
         (acct, verb, group, res, ns)
-        for acct in accounts for verb in RBAC_VERBS for group, res in resources
+        for acct in accounts
+        for verb in RBAC_VERBS
+        for group, res in resources
         for ns in ("bert", "kubeflow", "default")
         if rbac_allowed(docs, acct, verb, group, res, ns)
-    }  # fmt: skip
+    }
 
 
 def test_the_pipeline_runner_may_get_create_and_patch_inferenceservices_in_bert_only():
@@ -2064,12 +2323,15 @@ def test_the_pipeline_runner_may_get_create_and_patch_inferenceservices_in_bert_
     docs = render(KSERVE)
     rbac = [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
     assert {(d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in rbac} == {
-        ("Role", "bert-deploy", "bert"), ("RoleBinding", "bert-deploy", "bert")}  # fmt: skip
+        ("Role", "bert-deploy", "bert"),
+        ("RoleBinding", "bert-deploy", "bert"),
+    }
     for doc in rbac:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     (binding,) = _by_kind(docs, "RoleBinding")
     assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": KFP_RUNNER[1], "namespace": KFP_RUNNER[0]}]  # fmt: skip
+        {"kind": "ServiceAccount", "name": KFP_RUNNER[1], "namespace": KFP_RUNNER[0]}
+    ]
     assert rbac_grants(docs) == {
         (KFP_RUNNER, verb, "serving.kserve.io", "inferenceservices", "bert")
         for verb in ("get", "create", "patch")
@@ -2080,7 +2342,11 @@ def test_the_pipeline_runner_may_get_create_and_patch_inferenceservices_in_bert_
         ("Role", lambda d: d["rules"][0].update(resources=["*"])),
         ("Role", lambda d: d["rules"][0]["verbs"].remove("create")),
         ("RoleBinding", lambda d: d["subjects"][0].update(namespace="bert")),
-        ("RoleBinding", lambda d: d["subjects"].append(
-            {"kind": "ServiceAccount", "name": "default", "namespace": "kubeflow"})),
-    ]:  # fmt: skip
+        (
+            "RoleBinding",
+            lambda d: d["subjects"].append(
+                {"kind": "ServiceAccount", "name": "default", "namespace": "kubeflow"}
+            ),
+        ),
+    ]:
         assert rbac_grants(_broken(docs, kind, "bert-deploy", change)) != rbac_grants(docs), kind

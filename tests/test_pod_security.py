@@ -29,8 +29,16 @@ import yaml
 from tests.test_infra import ENV_FILES, K8S, render
 
 ROOT = Path(__file__).resolve().parents[1]
-RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
-                      "persistentVolumeClaim", "projected", "secret"}  # fmt: skip
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 CHECKOV = Path(sys.prefix) / "checkov" / "bin" / "checkov"  # the Makefile's own venv for it
 
 
@@ -45,8 +53,11 @@ def restricted_problems(pod: dict, containers: list[dict] | None = None) -> list
         kind = set(volume) - {"name"}
         if not kind <= RESTRICTED_VOLUMES:
             problems.append(f"volume {volume['name']}: {sorted(kind)}")
-    everyone = containers if containers is not None else (
-        pod.get("containers", []) + pod.get("initContainers", []))  # fmt: skip
+    everyone = (
+        containers
+        if containers is not None
+        else (pod.get("containers", []) + pod.get("initContainers", []))
+    )
     for c in everyone:
         ctx, name = c.get("securityContext") or {}, c["name"]
         if ctx.get("privileged"):
@@ -99,10 +110,17 @@ def manifests(tmp_path_factory) -> list[dict]:
 
 def test_every_pod_we_own_is_restricted(manifests):
     found = pods(manifests)
-    assert {"Deployment/mlflow", "Deployment/minio", "Job/minio-create-bucket",
-            "StatefulSet/postgres", "RayCluster/bert-ray/head", "RayCluster/bert-ray/gpu",
-            "RayCluster/bert-ray/cpu", "ServingRuntime/bert-serve-gpu",
-            "ServingRuntime/bert-serve"} <= set(found)  # fmt: skip
+    assert {
+        "Deployment/mlflow",
+        "Deployment/minio",
+        "Job/minio-create-bucket",
+        "StatefulSet/postgres",
+        "RayCluster/bert-ray/head",
+        "RayCluster/bert-ray/gpu",
+        "RayCluster/bert-ray/cpu",
+        "ServingRuntime/bert-serve-gpu",
+        "ServingRuntime/bert-serve",
+    } <= set(found)
     for where, (pod, containers) in found.items():
         assert restricted_problems(pod, containers) == [], where
         # each read-only container has a writable /tmp
@@ -123,7 +141,7 @@ def test_every_pod_we_own_is_restricted(manifests):
         (
             ("containers", 0, "securityContext", "allowPrivilegeEscalation"),
             "allowPrivilegeEscalation is not false",
-        ),  # fmt: skip
+        ),
         (("containers", 0, "securityContext", "capabilities"), "do not drop ALL"),
         (("containers", 0, "securityContext", "readOnlyRootFilesystem"), "writable"),
     ],
@@ -161,8 +179,10 @@ def test_kfp_task_pods_run_as_the_images_user():
     uid = re.search(r"useradd --create-home --uid (\d+)", dockerfile)
     for name, executor in executors.items():
         assert executor["securityContext"] == {
-            "runAsUser": uid.group(1), "runAsGroup": uid.group(1), "runAsNonRoot": True
-        }, name  # fmt: skip
+            "runAsUser": uid.group(1),
+            "runAsGroup": uid.group(1),
+            "runAsNonRoot": True,
+        }, name
         assert uid.group(1) != "0"
 
 
@@ -186,8 +206,11 @@ def test_checkov_passes_over_infra_and_fails_a_pod_without_its_security_context(
     (tmp_path / "infra/k8s/unhardened.yaml").write_text(yaml.safe_dump(deployment))
     out = subprocess.run(
         [CHECKOV, "--config-file", "infra/checkov.yaml", "-o", "json"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     reports = json.loads(out.stdout)
     failed = [f for r in reports for f in r["results"]["failed_checks"]]
     assert out.returncode == 1 and failed, out.stderr[-2000:]

@@ -39,8 +39,9 @@ def _imports(path: Path, known: set[str]) -> set[str]:
             if node.level:
                 prefix = package[: len(package) - node.level + 1]
                 base = ".".join([*prefix, *([base] if base else [])])
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                     for a in node.names]  # fmt: skip
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         else:
             continue
         found |= {n for n in names if n in known}
@@ -80,8 +81,9 @@ def test_every_pipelines_module_is_a_command_or_imported_by_product_code():
     orphans = {}
     for name in pipelines:
         if name not in reached:
-            users = sorted(str(p.relative_to(ROOT)) for p in tests.values()
-                           if name in _imports(p, {name}))  # fmt: skip
+            users = sorted(
+                str(p.relative_to(ROOT)) for p in tests.values() if name in _imports(p, {name})
+            )
             orphans[name] = users
     assert not orphans, (
         "modules under pipelines/ that no product code imports and that are no command (move "

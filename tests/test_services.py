@@ -119,12 +119,34 @@ def test_data_steps_read_and_write_s3(s3_env, shared_data, tmp_path, monkeypatch
     )
     s3 = f"s3://{BUCKET}/steps"
     for argv in (
-        ["clean", "--input", f"{s3}/book.txt", "--output", f"{s3}/clean", "--num-shards", "2",
-         "--num-workers", "1"],
+        [
+            "clean",
+            "--input",
+            f"{s3}/book.txt",
+            "--output",
+            f"{s3}/clean",
+            "--num-shards",
+            "2",
+            "--num-workers",
+            "1",
+        ],
         ["vocab", "--input", f"{s3}/clean", "--output", f"{s3}/vocab", "--vocab-size", "200"],
-        ["instances", "--input", f"{s3}/clean", "--vocab", f"{s3}/vocab/vocab.txt", "--output",
-         f"{s3}/instances", "--max-seq-length", "32", "--dupe-factor", "1", "--num-workers", "1"],
-    ):  # fmt: skip
+        [
+            "instances",
+            "--input",
+            f"{s3}/clean",
+            "--vocab",
+            f"{s3}/vocab/vocab.txt",
+            "--output",
+            f"{s3}/instances",
+            "--max-seq-length",
+            "32",
+            "--dupe-factor",
+            "1",
+            "--num-workers",
+            "1",
+        ],
+    ):
         assert cli.main(argv) == 0, capsys.readouterr().err
     names = set(_objects("steps/"))
     assert {"steps/clean/shard-00000.txt", "steps/clean/stats.json"} <= names
@@ -205,10 +227,19 @@ def test_dvc_push_wipe_pull_round_trip(s3_env, tmp_path):
 def test_preflight_passes_when_services_are_up(s3_env, mlflow_server, tmp_path):
     storage.preflight(mlflow_server.url, [f"s3://{BUCKET}/ray", tmp_path])
     out = subprocess.run(
-        [sys.executable, "-m", "bert_core.storage", "--tracking-uri", mlflow_server.url,
-         f"s3://{BUCKET}/instances"],
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bert_core.storage",
+            "--tracking-uri",
+            mlflow_server.url,
+            f"s3://{BUCKET}/instances",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "preflight: ok" in out.stdout, out.stderr
 
 
@@ -218,8 +249,11 @@ def test_preflight_fails_fast_on_unreachable_tracking_server(s3_env):
         storage.preflight(dead, [f"s3://{BUCKET}/ray"], timeout=2)
     out = subprocess.run(
         [sys.executable, "-m", "bert_core.storage", "--tracking-uri", dead],
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert f"preflight: error: MLflow tracking server {dead} is unreachable" in out.stderr
 
@@ -265,8 +299,12 @@ def test_secret_never_reaches_params_tags_logs_files_or_git(
     env |= {"MLFLOW_EXPERIMENT_NAME": "infra-security", "AWS_SECRET_ACCESS_KEY": FAKE_SECRET}
     out = subprocess.run(
         [sys.executable, "-c", STEP, f"s3://{BUCKET}/security"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     (run_id,) = re.findall(r"^RUN_ID=(\w+)$", out.stdout, re.M)
     # A real pipeline step, `bert clean`, with the same environment.
@@ -274,8 +312,12 @@ def test_secret_never_reaches_params_tags_logs_files_or_git(
     (tmp_path / "raw.txt").write_text(text * 20)
     clean = subprocess.run(
         [sys.executable, "-m", "bert_core", "clean", "--input", "raw.txt", "--output", "clean"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert clean.returncode == 0, clean.stderr
     assert list((tmp_path / "clean").glob("shard-*.txt"))
     client = mlflow.MlflowClient(mlflow_server.url)
@@ -294,10 +336,18 @@ def test_secret_never_reaches_params_tags_logs_files_or_git(
     assert any(k.endswith(f"{run_id}/artifacts/config.json") for k in _objects("mlflow/"))
     # Git: no tracked file of the project holds it (nor any AWS-style secret assignment).
     grep = subprocess.run(
-        ["git", "grep", "-nIE", f"{FAKE_SECRET}|aws_secret_access_key *[:=] *[A-Za-z0-9/+]{{20,}}",
-         "--", ":!tests/test_services.py"],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            "git",
+            "grep",
+            "-nIE",
+            f"{FAKE_SECRET}|aws_secret_access_key *[:=] *[A-Za-z0-9/+]{{20,}}",
+            "--",
+            ":!tests/test_services.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert grep.returncode == 1 and not grep.stdout, grep.stdout
 
 
@@ -310,14 +360,31 @@ def tiny_instances(tmp_path_factory, shared_data) -> Path:
     slice of a shared-corpus book (as tests/pretrain/test_pretrain.py does, smaller: a few
     steps only)."""
     return pretraining_instances(
-        tmp_path_factory.mktemp("pt-svc"), shared_data, chars=12_000, num_shards=2,
-        vocab_size=500, max_seq_length=32,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("pt-svc"),
+        shared_data,
+        chars=12_000,
+        num_shards=2,
+        vocab_size=500,
+        max_seq_length=32,
+    )
 
 
 def _pretrain(instances: Path, cwd: Path, env: dict[str, str], *args: str):
-    cmd = [sys.executable, "-m", "bert_core", "pretrain", "--instances", str(instances),
-           "--output", "run", "--preset", "tiny", "--num-workers", "1", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bert_core",
+        "pretrain",
+        "--instances",
+        str(instances),
+        "--output",
+        "run",
+        "--preset",
+        "tiny",
+        "--num-workers",
+        "1",
+        *args,
+    ]
     env = {**env, "PYTHONPATH": str(ROOT)}
     env.pop("BERT_PARENT_RUN_ID", None)
     env.pop("RAY_ADDRESS", None)  # a private local Ray, started by the command
@@ -334,10 +401,22 @@ def test_tiny_pretrain_logs_to_server_and_checkpoints_to_bucket(
     env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server.url}
     env |= {"MLFLOW_EXPERIMENT_NAME": "infra-pretrain"}
     out = _pretrain(
-        tiny_instances, tmp_path, env,
-        "--steps", "4", "--batch-size", "8", "--log-every", "2", "--checkpoint-every", "2",
-        "--storage-path", f"s3://{BUCKET}/ray", "--run-name", "svc-tiny",
-    )  # fmt: skip
+        tiny_instances,
+        tmp_path,
+        env,
+        "--steps",
+        "4",
+        "--batch-size",
+        "8",
+        "--log-every",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--storage-path",
+        f"s3://{BUCKET}/ray",
+        "--run-name",
+        "svc-tiny",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "pretrain: step 4/4" in out.stdout
     # Metrics: in the server's store, one point per log line.

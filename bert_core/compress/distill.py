@@ -76,18 +76,25 @@ class DistillConfig(FinetuneConfig):
     """`bert finetune`'s options (one run, no sweep) and the distillation's own."""
 
     learning_rate: float = option(
-        5e-5, "peak learning rate (a small student takes a larger one than BERT-base's 2e-5)",
-        "--lr", within="positive",
-    )  # fmt: skip
+        5e-5,
+        "peak learning rate (a small student takes a larger one than BERT-base's 2e-5)",
+        "--lr",
+        within="positive",
+    )
     temperature: float = option(
-        2.0, "softmax temperature of the soft targets (Hinton et al. 2015; not used for "
-        "STS-B's regression)", within="positive",
-    )  # fmt: skip
+        2.0,
+        "softmax temperature of the soft targets (Hinton et al. 2015; not used for "
+        "STS-B's regression)",
+        within="positive",
+    )
     alpha: float = option(
         0.5, "weight of the soft (teacher) loss; 1 - alpha on the labels", within="share"
     )
-    student_layers: int | None = option(None, "keep this many of --student's layers, evenly "
-                                        "spaced (default: all)", type=optional(int))  # fmt: skip
+    student_layers: int | None = option(
+        None,
+        "keep this many of --student's layers, evenly spaced (default: all)",
+        type=optional(int),
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -109,12 +116,23 @@ def dev_score(task: GlueFinetune, model, device, cfg) -> dict:
     metrics, score, _ = task.evaluate(model, device, cfg)
     seconds = time.perf_counter() - start
     examples = sum(len(f) for f in task.dev.values())
-    return {"metrics": numeric(metrics), "score": score, "parameters": num_parameters(model),
-            "dev_examples_per_second": examples / seconds}  # fmt: skip
+    return {
+        "metrics": numeric(metrics),
+        "score": score,
+        "parameters": num_parameters(model),
+        "dev_examples_per_second": examples / seconds,
+    }
 
 
-def distill(task: GlueFinetune, data: Path, teacher: Path, student: Path, output: str,
-            cfg: DistillConfig, uris: dict[str, str]) -> dict:  # fmt: skip
+def distill(
+    task: GlueFinetune,
+    data: Path,
+    teacher: Path,
+    student: Path,
+    output: str,
+    cfg: DistillConfig,
+    uris: dict[str, str],
+) -> dict:
     """Distil (see the module doc) into `output`; returns metrics.json's content. `uris`: what
     --teacher, --student and --data were given as, recorded instead of local copies."""
     import mlflow
@@ -124,13 +142,21 @@ def distill(task: GlueFinetune, data: Path, teacher: Path, student: Path, output
 
     check_pair(task, teacher, student, cfg.max_seq_length)
     depth = BertConfig.from_json_file(student / "config.json").num_hidden_layers
-    layers = list(range(depth)) if cfg.student_layers is None else pick_layers(
-        depth, cfg.student_layers)  # fmt: skip
+    layers = (
+        list(range(depth)) if cfg.student_layers is None else pick_layers(depth, cfg.student_layers)
+    )
     counts = task.prepare(data, load_tokenizer(teacher), cfg)  # bad data fails here
     device = optim.resolve_device(cfg.device)
-    params = {"task": task.name, "teacher": uris["teacher"], "student": uris["student"],
-              "data": uris["data"], **asdict(cfg), "student_layer_ids": ",".join(map(str, layers)),
-              **counts, "device": str(device)}  # fmt: skip
+    params = {
+        "task": task.name,
+        "teacher": uris["teacher"],
+        "student": uris["student"],
+        "data": uris["data"],
+        **asdict(cfg),
+        "student_layer_ids": ",".join(map(str, layers)),
+        **counts,
+        "device": str(device),
+    }
     for key in SKIPPED:
         params.pop(key)
     with start_run(f"distill-{task.name}", params), output_dir(output) as tmp:
@@ -143,17 +169,30 @@ def distill(task: GlueFinetune, data: Path, teacher: Path, student: Path, output
         model = Distiller(small.to(device), cfg.temperature, cfg.alpha)
         batch = lambda i: {**task.train_batch(i), "teacher_logits": soft[i]}  # noqa: E731
         evaluate = lambda m: task.evaluate(m.student, device, cfg)  # noqa: E731
-        best, history, train_seconds = fit(model, task.num_train, batch, evaluate, cfg, device,
-                                           f"distill {task.name}", mlflow.log_metrics)  # fmt: skip
-        scored = {"teacher": dev_score(task, big, device, cfg),
-                  "student": dev_score(task, small, device, cfg)}  # fmt: skip
+        best, history, train_seconds = fit(
+            model,
+            task.num_train,
+            batch,
+            evaluate,
+            cfg,
+            device,
+            f"distill {task.name}",
+            mlflow.log_metrics,
+        )
+        scored = {
+            "teacher": dev_score(task, big, device, cfg),
+            "student": dev_score(task, small, device, cfg),
+        }
         run = (small, best, history, train_seconds)
         result = run_result(task, cfg, run, uris["student"], uris["data"], device) | {
             "teacher": {"model": uris["teacher"], **scored["teacher"]},
             "student": {"source": uris["student"], "layers": kept, **scored["student"]},
-            "distillation": {"temperature": cfg.temperature, "alpha": cfg.alpha,
-                             "teacher_logits_seconds": teacher_seconds},
-        }  # fmt: skip
+            "distillation": {
+                "temperature": cfg.temperature,
+                "alpha": cfg.alpha,
+                "teacher_logits_seconds": teacher_seconds,
+            },
+        }
         save_model(task, small, tmp / "model")
         task.write_outputs(tmp, small, best["preds"], device, cfg)
         log_results(tmp, result)
@@ -173,8 +212,9 @@ def log_results(out: Path, result: dict) -> None:
     mlflow.log_metrics(task_run(teacher["score"], teacher["metrics"], "teacher/eval"))
     for role, scored in (("teacher", teacher), ("student", student)):
         speed = scored["dev_examples_per_second"]
-        mlflow.log_metrics({f"{role}/parameters": scored["parameters"],
-                            f"{role}/dev_examples_per_second": speed})  # fmt: skip
+        mlflow.log_metrics(
+            {f"{role}/parameters": scored["parameters"], f"{role}/dev_examples_per_second": speed}
+        )
     write_record(out, inference_settings(result))
 
 
@@ -193,9 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(args, DistillConfig)
     task = load_task(args.task)
     if not isinstance(task, GlueFinetune):
-        raise BertError(f"--task {task.name}: bert distill supports the GLUE tasks (sentence or "
-                        "pair classification, STS-B regression), not token, span or "
-                        "multiple-choice tasks")  # fmt: skip
+        raise BertError(
+            f"--task {task.name}: bert distill supports the GLUE tasks (sentence or "
+            "pair classification, STS-B regression), not token, span or "
+            "multiple-choice tasks"
+        )
     given = {"--teacher": args.teacher, "--student": args.student, "--data": args.data}
     check_apart({"--output": args.output}, hub.folders(given))
     with (

@@ -29,9 +29,12 @@ from bert_core.model.heads import ClassifierOutput
 
 
 def distillation_loss(
-    student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
-    temperature: float, alpha: float,
-) -> torch.Tensor:  # fmt: skip
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    alpha: float,
+) -> torch.Tensor:
     """The batch's mean loss (see the module doc) for logits [B, C]; C == 1 is a regression."""
     student, teacher = student.float(), teacher.float()
     if student.shape[-1] == 1:  # regression: squared error to the teacher, then to the label
@@ -41,9 +44,11 @@ def distillation_loss(
     else:
         t = temperature
         soft = F.kl_div(
-            F.log_softmax(student / t, dim=-1), F.log_softmax(teacher / t, dim=-1),
-            reduction="batchmean", log_target=True,
-        ) * (t * t)  # fmt: skip
+            F.log_softmax(student / t, dim=-1),
+            F.log_softmax(teacher / t, dim=-1),
+            reduction="batchmean",
+            log_target=True,
+        ) * (t * t)
         hard = F.cross_entropy(student, labels.long())
     return alpha * soft + (1.0 - alpha) * hard
 

@@ -39,21 +39,30 @@ from bert_core.serve.predictor import read_config
 from bert_core.serve.registry import write_record
 from bert_core.storage import check_apart, exists, local_copy, output_dir
 
-HEADS = ("BertForSequenceClassification", "BertForTokenClassification",
-         "BertForQuestionAnswering", "BertForMultipleChoice")  # fmt: skip
+HEADS = (
+    "BertForSequenceClassification",
+    "BertForTokenClassification",
+    "BertForQuestionAnswering",
+    "BertForMultipleChoice",
+)
 
 
 @dataclass
 class QuantizeConfig:
     """`bert quantize`'s options."""
 
-    model: str = option(MISSING, "the fine-tuned model: a `bert finetune` output or model folder, "
-                        "runs:/<run>/model, models:/<name>@<alias>")  # fmt: skip
+    model: str = option(
+        MISSING,
+        "the fine-tuned model: a `bert finetune` output or model folder, "
+        "runs:/<run>/model, models:/<name>@<alias>",
+    )
     output: str = option(MISSING, "the output folder (model/, metrics.json)")
-    data: str | None = option(None, "the task's data folder: score fp32 and int8 on its dev set",
-                              type=optional(str))  # fmt: skip
-    max_eval_examples: int | None = option(None, "dev examples scored (default: all)",
-                                           type=optional(int))  # fmt: skip
+    data: str | None = option(
+        None, "the task's data folder: score fp32 and int8 on its dev set", type=optional(str)
+    )
+    max_eval_examples: int | None = option(
+        None, "dev examples scored (default: all)", type=optional(int)
+    )
     eval_batch_size: int = option(64, "dev batch size")
 
 
@@ -65,8 +74,11 @@ def head_class(config: dict, where: Path) -> str:
     for arch in archs:
         if arch in HEADS:
             return arch
-    raise InputError(where, f"architectures {archs}: not a fine-tuned model (a head of "
-                     f"{', '.join(HEADS)}); `bert finetune` it first")  # fmt: skip
+    raise InputError(
+        where,
+        f"architectures {archs}: not a fine-tuned model (a head of "
+        f"{', '.join(HEADS)}); `bert finetune` it first",
+    )
 
 
 def size_mb(folder: Path) -> float:
@@ -80,8 +92,13 @@ def prepare(task, data: Path, source: Path, settings: dict, cfg: QuantizeConfig)
 
     names = {f.name for f in fields(task.config_class)}
     tcfg = task.config_class(**{k: v for k, v in settings.items() if k in names})
-    tcfg = replace(tcfg, max_train_examples=1, max_eval_examples=cfg.max_eval_examples,
-                   eval_batch_size=cfg.eval_batch_size, device="cpu")  # fmt: skip
+    tcfg = replace(
+        tcfg,
+        max_train_examples=1,
+        max_eval_examples=cfg.max_eval_examples,
+        eval_batch_size=cfg.eval_batch_size,
+        device="cpu",
+    )
     task.prepare(data, load_tokenizer(source), tcfg)
     return tcfg
 
@@ -108,8 +125,10 @@ def quantize(cfg: QuantizeConfig, source: Path, settings: dict, data: Path | Non
     task = None
     if data is not None:
         if not task_name:
-            raise InputError(source / CONFIG_NAME, "no finetuning_task: --data needs the task the "
-                             "model was fine-tuned on")  # fmt: skip
+            raise InputError(
+                source / CONFIG_NAME,
+                "no finetuning_task: --data needs the task the model was fine-tuned on",
+            )
         task = load_task(task_name)
         if not data.is_dir():
             raise NotFound(f"--data {cfg.data}: no such folder")
@@ -119,8 +138,12 @@ def quantize(cfg: QuantizeConfig, source: Path, settings: dict, data: Path | Non
     tags = {"bert.source_model": str(cfg.model), "bert.quantization": int8.METHOD}
     with start_run("quantize", params, tags), output_dir(cfg.output) as tmp:
         fp32 = head.from_pretrained(source).eval()
-        result = {"task": task_name, "quantization": {"method": int8.METHOD, **info},
-                  "parameters": num_parameters(fp32), "config": settings}  # fmt: skip
+        result = {
+            "task": task_name,
+            "quantization": {"method": int8.METHOD, **info},
+            "parameters": num_parameters(fp32),
+            "config": settings,
+        }
         if task is not None:
             metrics, value = score(task, fp32, tcfg)
             result["fp32"] = {"metrics": numeric(metrics), "score": value}
@@ -148,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from bert_core.serve.mlflow_model import local_model
 
-    cfg = config_from_args(build_parser().parse_args(sys.argv[1:] if argv is None else argv),
-                           QuantizeConfig)  # fmt: skip
+    cfg = config_from_args(
+        build_parser().parse_args(sys.argv[1:] if argv is None else argv), QuantizeConfig
+    )
     check_apart({"--output": cfg.output}, {"--model": cfg.model, "--data": cfg.data})
     if cfg.data is not None and not exists(cfg.data):
         raise NotFound(f"--data {cfg.data}: no such folder")

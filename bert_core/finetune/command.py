@@ -66,9 +66,14 @@ def load_task(name: str) -> FinetuneTask:
 
 
 def finetune(
-    task: FinetuneTask, data_dir: str | Path, model_dir: str | Path, output: str | Path, cfg,
-    data_uri: str | None = None, model_uri: str | None = None,
-) -> dict:  # fmt: skip
+    task: FinetuneTask,
+    data_dir: str | Path,
+    model_dir: str | Path,
+    output: str | Path,
+    cfg,
+    data_uri: str | None = None,
+    model_uri: str | None = None,
+) -> dict:
     """Fine-tune (one run, or a sweep of trials with the best on dev kept), write the output
     folder (local or s3://); returns metrics.json's content. `data_uri`, `model_uri`: where
     `data_dir` and `model_dir` were copied from (s3:// URIs), recorded instead of them."""
@@ -124,8 +129,7 @@ def finetune(
     return result
 
 
-def run_result(task: FinetuneTask, cfg, run: tuple, model_uri: str, data_uri: str,
-               device) -> dict:  # fmt: skip
+def run_result(task: FinetuneTask, cfg, run: tuple, model_uri: str, data_uri: str, device) -> dict:
     """What metrics.json holds for every trained model (`bert finetune`, `bert distill`): the
     kept epoch's metrics and score, the history, the settings, the task's counts, the training
     time and where model and data came from, and the task's baseline on the same dev set (the

@@ -55,24 +55,28 @@ class FinetuneConfig:
     eval_batch_size: int = option(128, "prediction batch size", within="positive")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, ...")
     init: str = option(
-        "pretrained", "pretrained: the model folder's weights; random: the same architecture "
+        "pretrained",
+        "pretrained: the model folder's weights; random: the same architecture "
         "(its config.json, vocab) from random weights, the control that shows what "
         "pre-training brings",
-    )  # fmt: skip
+    )
     lr_sweep: tuple[float, ...] | None = option(
-        None, "learning rates to try, e.g. 5e-5,4e-5,3e-5,2e-5 ('paper': that grid); each "
+        None,
+        "learning rates to try, e.g. 5e-5,4e-5,3e-5,2e-5 ('paper': that grid); each "
         "trial is a nested MLflow run and the best on dev is kept (bert_core.finetune.sweep)",
         type=float_list,
-    )  # fmt: skip
+    )
     restarts: int = option(
-        1, "seeds per learning rate (--seed, --seed+1, ...): the paper's random restarts on "
+        1,
+        "seeds per learning rate (--seed, --seed+1, ...): the paper's random restarts on "
         "small data sets; the data sample stays --seed's",
-    )  # fmt: skip
+    )
     top_bilstm: bool = option(
-        False, "Table 5's '+ BiLSTM': a randomly initialised BiLSTM between the encoder and the "
+        False,
+        "Table 5's '+ BiLSTM': a randomly initialised BiLSTM between the encoder and the "
         "task's head, trained with it (the paper's aid to a left-to-right model, which lacks "
         "right-hand context); kept in the model's config.json",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.max_seq_length < 8:

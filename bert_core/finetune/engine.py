@@ -177,16 +177,20 @@ def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None
     # LABEL_0, LABEL_1) would be kept beside the task's names, the two disagreeing
     names = list(task.labels or ())
     config = bert.BertConfig.from_json_file(
-        model_dir / bert.CONFIG_NAME, num_labels=task.num_labels, finetuning_task=task.name,
+        model_dir / bert.CONFIG_NAME,
+        num_labels=task.num_labels,
+        finetuning_task=task.name,
         id2label=dict(enumerate(names)) or None,
-        label2id={n: i for i, n in enumerate(names)} or None, **task.model_overrides,
-    )  # fmt: skip
+        label2id={n: i for i, n in enumerate(names)} or None,
+        **task.model_overrides,
+    )
     vocab = model_dir / "vocab.txt"
     if vocab.is_file() and (size := len(read_vocab(vocab))) > config.vocab_size:
         raise InputError(  # its ids past the embedding table: another model's vocabulary
-            vocab, f"{size} tokens, more than the model's vocab_size {config.vocab_size} "
+            vocab,
+            f"{size} tokens, more than the model's vocab_size {config.vocab_size} "
             f"({model_dir / bert.CONFIG_NAME}): the vocabulary of another model",
-        )  # fmt: skip
+        )
     if max_seq_length is not None and max_seq_length > config.max_position_embeddings:
         raise BadValue(
             f"max_seq_length {max_seq_length} exceeds the model's max_position_embeddings "
@@ -255,9 +259,12 @@ def build_optimizer(model: torch.nn.Module, cfg: FinetuneConfig, total_steps: in
 
 @torch.inference_mode()
 def predict_batches(
-    model, lengths: Sequence[int], make_batch: Callable[[np.ndarray], dict],
-    device: torch.device, batch_size: int,
-) -> Iterator[tuple[np.ndarray, typing.Any]]:  # fmt: skip
+    model,
+    lengths: Sequence[int],
+    make_batch: Callable[[np.ndarray], dict],
+    device: torch.device,
+    batch_size: int,
+) -> Iterator[tuple[np.ndarray, typing.Any]]:
     """The prediction loop of every task: examples in length-sorted batches (least padding),
     yielding (index, model outputs) where `index` holds the batch rows' positions in the input.
 
@@ -365,8 +372,13 @@ def numeric(metrics: dict) -> dict:
 # The run
 
 
-def train(task: FinetuneTask, model_dir: str | Path, cfg, device: torch.device,
-          log_metrics: Callable[..., None] | None = None):  # fmt: skip
+def train(
+    task: FinetuneTask,
+    model_dir: str | Path,
+    cfg,
+    device: torch.device,
+    log_metrics: Callable[..., None] | None = None,
+):
     """One training run on the prepared task: the model (seeded with `cfg.seed`, from the
     folder's weights or random ones by `cfg.init`) fitted with `cfg`, the best epoch loaded.
     Returns (model, best epoch's record, all epochs, training seconds). The whole step, or one

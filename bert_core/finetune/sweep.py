@@ -41,18 +41,26 @@ SELECTED_BY = "dev score of each trial's best epoch (the task's score); ties: th
 def trial_configs(cfg) -> list:
     """Every (learning rate, seed) trial of `cfg`, learning rates in the order given."""
     rates = cfg.lr_sweep or (cfg.learning_rate,)
-    return [replace(cfg, learning_rate=lr, seed=cfg.seed + r)
-            for lr in rates for r in range(cfg.restarts)]  # fmt: skip
+    return [
+        replace(cfg, learning_rate=lr, seed=cfg.seed + r)
+        for lr in rates
+        for r in range(cfg.restarts)
+    ]
 
 
 def _record(i: int, cfg, best: dict, seconds: float, run_id: str | None) -> dict:
     from bert_core.finetune.engine import numeric
 
     return {
-        "trial": i, "learning_rate": cfg.learning_rate, "seed": cfg.seed, "score": best["score"],
-        "best_epoch": best["epoch"], "metrics": numeric(best["metrics"]),
-        "train_seconds": seconds, "run_id": run_id,
-    }  # fmt: skip
+        "trial": i,
+        "learning_rate": cfg.learning_rate,
+        "seed": cfg.seed,
+        "score": best["score"],
+        "best_epoch": best["epoch"],
+        "metrics": numeric(best["metrics"]),
+        "train_seconds": seconds,
+        "run_id": run_id,
+    }
 
 
 def summary(trials: list[dict], chosen: int, data_seed: int | None) -> dict:
@@ -104,8 +112,14 @@ def run_trials(task, model_dir, cfg, device: torch.device, train: Callable):
     section = summary(trials, chosen, cfg.seed if cfg.max_train_examples else None)
     # the step run reads as the chosen trial's: its parameters, and its per-epoch history
     mlflow.log_params({"learning_rate": kept_cfg.learning_rate, "seed": kept_cfg.seed})
-    mlflow.set_tags({"sweep.chosen_trial": chosen, "sweep.chosen_run_id": trials[chosen]["run_id"],
-                     "sweep.trials": len(trials), "sweep.selected_by": SELECTED_BY})  # fmt: skip
+    mlflow.set_tags(
+        {
+            "sweep.chosen_trial": chosen,
+            "sweep.chosen_run_id": trials[chosen]["run_id"],
+            "sweep.trials": len(trials),
+            "sweep.selected_by": SELECTED_BY,
+        }
+    )
     for record in kept[2]:
         mlflow.log_metrics(epoch_metrics(record), step=record["epoch"])
     return kept, kept_cfg, section
@@ -127,11 +141,19 @@ def pick_best(folders: list[str | Path], output: str | Path) -> dict:
     if len(tasks) != 1:
         raise InputError(folders[0], f"a sweep is over one task, got {sorted(tasks)}")
     trials = [
-        {"trial": i, "learning_rate": r["config"]["learning_rate"], "seed": r["config"]["seed"],
-         "score": r["score"], "best_epoch": r["best_epoch"], "metrics": r["metrics"],
-         "train_seconds": r.get("train_seconds"), "run_id": None, "source": str(f)}
+        {
+            "trial": i,
+            "learning_rate": r["config"]["learning_rate"],
+            "seed": r["config"]["seed"],
+            "score": r["score"],
+            "best_epoch": r["best_epoch"],
+            "metrics": r["metrics"],
+            "train_seconds": r.get("train_seconds"),
+            "run_id": None,
+            "source": str(f),
+        }
         for i, (r, f) in enumerate(zip(results, folders, strict=True))
-    ]  # fmt: skip
+    ]
     chosen = max(range(len(trials)), key=lambda i: (trials[i]["score"], -i))
     best = results[chosen] | {"sweep": summary(trials, chosen, None)}
     with atomic_dir(output) as tmp:

@@ -90,8 +90,9 @@ class BertConfig:
                 f"hidden_act {self.hidden_act!r} is unknown: use one of {', '.join(ACTIVATIONS)}"
             )
         if self.top_bilstm and self.hidden_size % 2:
-            raise BadValue(f"top_bilstm needs an even hidden_size (H/2 per direction), not "
-                             f"{self.hidden_size}")  # fmt: skip
+            raise BadValue(
+                f"top_bilstm needs an even hidden_size (H/2 per direction), not {self.hidden_size}"
+            )
         if self.num_labels < 1:
             raise BadValue(f"num_labels must be >= 1, got {self.num_labels}")
         if self.id2label is not None:
@@ -116,9 +117,7 @@ class BertConfig:
     def from_dict(cls, d: dict, **overrides) -> BertConfig:
         """Read a transformers/Google config (model and label names), ignoring other keys."""
         if d.get("position_embedding_type", "absolute") != "absolute":
-            raise BadValue(
-                f"position_embedding_type {d['position_embedding_type']!r} unsupported"
-            )
+            raise BadValue(f"position_embedding_type {d['position_embedding_type']!r} unsupported")
         d = dict(d)
         if "num_labels" not in d and isinstance(d.get("id2label"), dict):
             d["num_labels"] = len(d["id2label"])
@@ -161,8 +160,9 @@ class BertConfig:
         return d
 
 
-def shape(preset: str, layers: int = 0, hidden: int = 0, heads: int = 0,
-          intermediate: int = 0) -> dict[str, int]:  # fmt: skip
+def shape(
+    preset: str, layers: int = 0, hidden: int = 0, heads: int = 0, intermediate: int = 0
+) -> dict[str, int]:
     """BertConfig's size fields: the preset's (L, H, A) with each of `layers`, `hidden`, `heads`
     that is not 0 in its place, and the feed-forward size `intermediate`, else 4H (the paper's
     rule, so `hidden=1024` alone gives 4096). How Table 6's grid is swept: one preset, three

@@ -81,8 +81,10 @@ class BertForMultipleChoice(BertPreTrainedModel):
         labels: torch.Tensor | None = None,
     ) -> ClassifierOutput:
         B, C, L = input_ids.shape
-        flat = [x.reshape(B * C, L) if x is not None else None
-                for x in (input_ids, token_type_ids, attention_mask)]  # fmt: skip
+        flat = [
+            x.reshape(B * C, L) if x is not None else None
+            for x in (input_ids, token_type_ids, attention_mask)
+        ]
         pooled = self.bert(*flat).pooler_output
         logits = self.classifier(self.dropout(pooled)).view(B, C)
         loss = None if labels is None else F.cross_entropy(logits.float(), labels.long())
@@ -189,9 +191,13 @@ class BertForQuestionAnswering(_TokenLevelModel):
 
 # The paper's Table 7 choices of frozen features for NER (section 5.3), in its order.
 FEATURE_LAYERS = (
-    "embeddings", "second-to-last", "last", "weighted-sum-last4", "concat-last4",
+    "embeddings",
+    "second-to-last",
+    "last",
+    "weighted-sum-last4",
+    "concat-last4",
     "weighted-sum-all",
-)  # fmt: skip
+)
 
 
 def feature_states(choice: str, num_layers: int) -> tuple[tuple[int, ...], str]:

@@ -79,8 +79,9 @@ def _swap(model: nn.Module, make) -> None:
         if isinstance(module, BertSelfAttention):
             qkv = nn.Linear(module.query.in_features, 3 * module.query.out_features)
             with torch.no_grad():
-                qkv.weight.copy_(torch.cat([module.query.weight, module.key.weight,
-                                            module.value.weight]))  # fmt: skip
+                qkv.weight.copy_(
+                    torch.cat([module.query.weight, module.key.weight, module.value.weight])
+                )
                 qkv.bias.copy_(torch.cat([module.query.bias, module.key.bias, module.value.bias]))
             _set(model, name, Int8SelfAttention(qkv, module.n_head))
     for name, module in list(model.named_modules()):
@@ -167,8 +168,10 @@ def load(cls: type[nn.Module], model_dir: str | Path) -> nn.Module:
 
     model_dir = Path(model_dir)
     if (method := (quantization(model_dir) or {}).get("method")) != METHOD:
-        raise InputError(model_dir / CONFIG_NAME, f"quantization method {method!r} is unknown "
-                         f"(this version reads {METHOD!r})")  # fmt: skip
+        raise InputError(
+            model_dir / CONFIG_NAME,
+            f"quantization method {method!r} is unknown (this version reads {METHOD!r})",
+        )
     try:
         state = load_file(model_dir / WEIGHTS_NAME)
     except (SafetensorError, OSError) as e:
@@ -192,8 +195,10 @@ def load(cls: type[nn.Module], model_dir: str | Path) -> nn.Module:
     own = _fp32_state(model)
     missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     if missing or unexpected:
-        raise InputError(model_dir / WEIGHTS_NAME, f"does not match {cls.__name__}: missing "
-                         f"{missing[:10]}, unexpected {unexpected[:10]}")  # fmt: skip
+        raise InputError(
+            model_dir / WEIGHTS_NAME,
+            f"does not match {cls.__name__}: missing {missing[:10]}, unexpected {unexpected[:10]}",
+        )
     with torch.no_grad():
         for key, tensor in own.items():
             tensor.copy_(state[key])

@@ -192,10 +192,11 @@ class BertPreTrainedModel(nn.Module):
             loaded[key] = value
         missing = [k for k in own if k not in loaded]
         unexpected = [k for k in loaded if k not in own]
+
         # heads, the pooler and Table 5's BiLSTM may start fresh: none is in every checkpoint
-        optional = lambda k: k.startswith(HEAD_PREFIXES) or re.search(  # noqa: E731
-            r"(^|\.)(pooler|bilstm)\.", k
-        )
+        def optional(k: str) -> bool:
+            return k.startswith(HEAD_PREFIXES) or bool(re.search(r"(^|\.)(pooler|bilstm)\.", k))
+
         bad_missing = [k for k in missing if not optional(k)]
         bad_unexpected = [k for k in unexpected if not k.startswith(HEAD_PREFIXES)]
         if bad_missing or bad_unexpected:

@@ -28,8 +28,9 @@ def nonfinite(state: dict[str, torch.Tensor]) -> str | None:
 def check_finite(state: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
     """`state`, or an error naming `file` and the first non-finite tensor in it."""
     if (name := nonfinite(state)) is not None:
-        raise InputError(file, f"weight {name} holds NaN or infinite values (a diverged "
-                         "training?): not loaded")  # fmt: skip
+        raise InputError(
+            file, f"weight {name} holds NaN or infinite values (a diverged training?): not loaded"
+        )
     return state
 
 

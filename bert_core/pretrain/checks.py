@@ -58,9 +58,13 @@ def check_inputs(cfg: PretrainConfig) -> int:
 
         config, model = BertConfig(**cfg.shape()), f"the {cfg.preset} preset"
     check_seq_length(cfg.instances, config.max_position_embeddings, model)
-    limits = {"input_ids": len(vocab), "masked_lm_ids": len(vocab),
-              "token_type_ids": config.type_vocab_size,
-              "masked_lm_positions": config.max_position_embeddings, LABEL_COLUMN: 2}  # fmt: skip
+    limits = {
+        "input_ids": len(vocab),
+        "masked_lm_ids": len(vocab),
+        "token_type_ids": config.type_vocab_size,
+        "masked_lm_positions": config.max_position_embeddings,
+        LABEL_COLUMN: 2,
+    }
     for folder in (cfg.instances, cfg.heldout):
         if folder == cfg.instances or exists(folder):
             check_shards(folder, limits)
@@ -108,8 +112,11 @@ def check_shards(instances_dir: str, limits: dict[str, int]) -> None:
         for name in (*COLUMNS, LABEL_COLUMN):
             kind = schema.field(name).type
             inner = kind.value_type if pa.types.is_list(kind) else None
-            ok = pa.types.is_integer(kind) if name == LABEL_COLUMN else (
-                inner is not None and pa.types.is_integer(inner))  # fmt: skip
+            ok = (
+                pa.types.is_integer(kind)
+                if name == LABEL_COLUMN
+                else (inner is not None and pa.types.is_integer(inner))
+            )
             if not ok:
                 want = "integers" if name == LABEL_COLUMN else "lists of integers"
                 raise InputError(shard, f"column {name} holds {kind}, expected {want}")
@@ -137,10 +144,7 @@ def _min_max(meta: pq.ParquetFile, name: str) -> tuple[int | None, int | None]:
     """(min, max) of a column's values over the shard, from the footer's statistics where every
     row group has them, else from the data."""
     md = meta.metadata
-    leaf = next(
-        j for j in range(md.num_columns)
-        if md.schema.column(j).path.split(".")[0] == name
-    )  # fmt: skip
+    leaf = next(j for j in range(md.num_columns) if md.schema.column(j).path.split(".")[0] == name)
     lows, highs = [], []
     for i in range(md.num_row_groups):
         if not md.row_group(i).num_rows:

@@ -178,12 +178,19 @@ def _stop_on_signals(control) -> Iterator[_Stop]:
 
     def handler(signum: int, frame) -> None:
         if stop.signum is not None:
-            raise Interrupted(signum, "stopped again before the checkpoint was saved; the same "
-                                      "command resumes from the last one")  # fmt: skip
+            raise Interrupted(
+                signum,
+                "stopped again before the checkpoint was saved; the same "
+                "command resumes from the last one",
+            )
         stop.signum = signum
         name = signal.Signals(signum).name
-        print(f"pretrain: {name}: saving a checkpoint after this step, then stopping (signal "
-              "again to stop at once)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"pretrain: {name}: saving a checkpoint after this step, then stopping (signal "
+            "again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         # not here: a Ray call inside a signal handler could interrupt another Ray call
         threading.Thread(target=control.put, args=("stop",), daemon=True).start()
 

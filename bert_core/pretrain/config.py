@@ -36,8 +36,11 @@ class PretrainConfig:
 
     instances: str = option(MISSING, "folder of shard-*.parquet and vocab.txt (or s3://)")
     output: str = option(MISSING, "run folder: model/, pretrain_metrics.csv")
-    preset: str = option("tiny", "model size: tiny/mini/small/medium/base/large (L/H/A: "
-                         "2/128/2, 4/256/4, 4/512/8, 8/512/8, 12/768/12, 24/1024/16)")  # fmt: skip
+    preset: str = option(
+        "tiny",
+        "model size: tiny/mini/small/medium/base/large (L/H/A: "
+        "2/128/2, 4/256/4, 4/512/8, 8/512/8, 12/768/12, 24/1024/16)",
+    )
     num_layers: int = option(0, "Transformer layers L; 0: the preset's")
     hidden_size: int = option(0, "hidden size H; 0: the preset's")
     num_heads: int = option(0, "attention heads A (must divide H); 0: the preset's")
@@ -73,16 +76,19 @@ class PretrainConfig:
     dynamic_masking: bool = option(False, "re-mask on every read (RoBERTa)")
     # dynamic masking: each default is the instances' own (`pretrain.data.dynamic_masking`)
     masked_lm_prob: float | None = option(
-        None, "dynamic masking: share of the tokens predicted (default: the instances' own, "
-        "from their stats.json)", within="share",
-    )  # fmt: skip
+        None,
+        "dynamic masking: share of the tokens predicted (default: the instances' own, "
+        "from their stats.json)",
+        within="share",
+    )
     max_predictions_per_seq: int | None = option(
         None, "dynamic masking: predictions per sequence, at most (default: the instances' own)"
     )
     masking_recipe: str | None = option(
-        None, "dynamic masking: predictions shown as [MASK]/random/unchanged, percent (default: "
+        None,
+        "dynamic masking: predictions shown as [MASK]/random/unchanged, percent (default: "
         f"the instances' own, else {DEFAULT_RECIPE})",
-    )  # fmt: skip
+    )
     objective: str = option(
         "mlm+nsp",
         "training loss: mlm+nsp (the paper's); mlm (its 'No NSP' ablation, Table 5: the NSP "
@@ -126,8 +132,9 @@ class PretrainConfig:
         """The model's size fields: --preset's, each shape option given in its place."""
         from bert_core.model.config import shape
 
-        return shape(self.preset, self.num_layers, self.hidden_size, self.num_heads,
-                     self.intermediate_size)  # fmt: skip
+        return shape(
+            self.preset, self.num_layers, self.hidden_size, self.num_heads, self.intermediate_size
+        )
 
     def exports_at(self, step: int) -> bool:
         """Is a model exported after this step (--export-every, --export-steps)?"""
@@ -187,9 +194,16 @@ class PretrainConfig:
             raise BertError(f"--export-steps must be within 1..--steps ({self.steps})")
         if self.export_every < 0:
             raise BertError("--export-every must be >= 1, or 0 for none")
-        for name in ("log_every", "checkpoint_every", "eval_every", "eval_sequences",
-                     "max_predictions_per_seq", "keep_checkpoints", "cpus_per_worker",
-                     "stop_after"):  # fmt: skip
+        for name in (
+            "log_every",
+            "checkpoint_every",
+            "eval_every",
+            "eval_sequences",
+            "max_predictions_per_seq",
+            "keep_checkpoints",
+            "cpus_per_worker",
+            "stop_after",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise BertError(f"--{name.replace('_', '-')} must be >= 1")
@@ -201,15 +215,20 @@ class PretrainConfig:
 
         if self.preset not in PRESETS:
             raise BertError(f"--preset must be one of {', '.join(PRESETS)}, not {self.preset!r}")
-        sizes = {"--num-layers": self.num_layers, "--hidden-size": self.hidden_size,
-                 "--num-heads": self.num_heads,
-                 "--intermediate-size": self.intermediate_size}  # fmt: skip
+        sizes = {
+            "--num-layers": self.num_layers,
+            "--hidden-size": self.hidden_size,
+            "--num-heads": self.num_heads,
+            "--intermediate-size": self.intermediate_size,
+        }
         if min(sizes.values()) < 0:
             raise BertError(f"{', '.join(sizes)} must be >= 1, or 0 for the preset's")
         given = [name for name, value in sizes.items() if value]
         if given and self.init_model:
-            raise BertError(f"{', '.join(given)}: --init-model {self.init_model} has its own "
-                            "shape (its config.json); leave them 0")  # fmt: skip
+            raise BertError(
+                f"{', '.join(given)}: --init-model {self.init_model} has its own "
+                "shape (its config.json); leave them 0"
+            )
         try:
             BertConfig(**self.shape())
         except ValueError as e:  # heads that do not divide the hidden size

@@ -275,10 +275,13 @@ def stop(client, sid: str, storage: str, wait_s: float = 180) -> str:
         time.sleep(POLL_S)
     saved = re.findall(r"checkpoint at step (\d+) saved", client.get_job_logs(sid) or "")
     if saved:
-        return f"Ray job {sid} stopped with a checkpoint at step {saved[-1]} under {storage}; " \
-               "the same command resumes from it"  # fmt: skip
-    return f"Ray job {sid} stopped; the same command resumes from its last checkpoint under " \
-           f"{storage}"  # fmt: skip
+        return (
+            f"Ray job {sid} stopped with a checkpoint at step {saved[-1]} under {storage}; "
+            "the same command resumes from it"
+        )
+    return (
+        f"Ray job {sid} stopped; the same command resumes from its last checkpoint under {storage}"
+    )
 
 
 async def _print_logs(client, sid: str) -> None:

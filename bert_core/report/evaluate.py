@@ -78,8 +78,11 @@ def _read(folder: str | Path) -> tuple[str, dict]:
         return uri, data
     except FileNotFoundError as e:
         if str(folder).rstrip("/").endswith(".json"):  # the file, not its folder
-            raise InputError(folder, "--results takes the `bert finetune` output folder that "
-                             "holds metrics.json, not the file") from None  # fmt: skip
+            raise InputError(
+                folder,
+                "--results takes the `bert finetune` output folder that "
+                "holds metrics.json, not the file",
+            ) from None
         raise NotFound(f"{e} (is {folder} a `bert finetune` output?)") from None
     except json.JSONDecodeError as e:
         raise InputError(uri, f"not valid JSON: {e.msg}", line=e.lineno) from None
@@ -212,9 +215,10 @@ def group_systems(groups: Sequence[Group]) -> dict[str, dict]:
         inits = {f: init_of(d) for f, d in data.items()}
         if name is not None and len(set(inits.values())) > 1:
             raise InputError(
-                folders[0], f"--system {name!r} mixes --init {sorted(set(inits.values()))} "
+                folders[0],
+                f"--system {name!r} mixes --init {sorted(set(inits.values()))} "
                 "results: give each its own --results/--system pair, or no --system",
-            )  # fmt: skip
+            )
         for folder, init in inits.items():
             if init not in SYSTEM_OF_INIT:
                 raise InputError(_metrics_file(folder), f"unknown init {init!r}")
@@ -225,10 +229,11 @@ def group_systems(groups: Sequence[Group]) -> dict[str, dict]:
                 raise InputError(folder, f"system {name!r} mixes pretrained and random init")
     named = {name for name, _ in groups}
     rank = {
-        name: (0, 0, "") if name in named else (1, *((ROWS.index(name), "") if name in ROWS
-                                                     else (len(ROWS), name)))
+        name: (0, 0, "")
+        if name in named
+        else (1, *((ROWS.index(name), "") if name in ROWS else (len(ROWS), name)))
         for name in systems
-    }  # fmt: skip
+    }
     return dict(sorted(systems.items(), key=lambda kv: rank[kv[0]]))  # stable: named as given
 
 
@@ -340,14 +345,18 @@ def evaluate(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert evaluate", description=__doc__.split("\n")[0])
     p.add_argument(
-        "--results", nargs="+", action="append", required=True,
+        "--results",
+        nargs="+",
+        action="append",
+        required=True,
         help="`bert finetune` output folders; repeat for several systems (one row each)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--system", action="append",
+        "--system",
+        action="append",
         help="row name of the matching --results (default: by each result's init: "
         f"{SYSTEM_OF_INIT['pretrained']!r}, or {SYSTEM_OF_INIT['random']!r} for the control)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--output", required=True, help="folder for glue_results.json, table, plot (or s3://)"
     )

@@ -22,16 +22,26 @@ TABLE_ORDER = ["MNLI", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE", "
 # `test_metrics`.
 TOKEN_TASKS = {
     "squad": ("SQuAD v1.1 (Table 2 layout)", {"exact_match": "Dev EM", "f1": "Dev F1"}),
-    "squad_v2": ("SQuAD v2.0 (Table 3 layout)", {
-        "exact_match": "Dev EM", "f1": "Dev F1",
-        "best_exact": "Dev EM (tuned null threshold)", "best_f1": "Dev F1 (tuned null threshold)",
-    }),
-    "conll2003": ("CoNLL-2003 NER", {
-        "f1": "Dev F1", "strict_f1": "Dev F1 (seqeval strict)",
-        "test_f1": "Test F1", "test_strict_f1": "Test F1 (seqeval strict)",
-    }),
+    "squad_v2": (
+        "SQuAD v2.0 (Table 3 layout)",
+        {
+            "exact_match": "Dev EM",
+            "f1": "Dev F1",
+            "best_exact": "Dev EM (tuned null threshold)",
+            "best_f1": "Dev F1 (tuned null threshold)",
+        },
+    ),
+    "conll2003": (
+        "CoNLL-2003 NER",
+        {
+            "f1": "Dev F1",
+            "strict_f1": "Dev F1 (seqeval strict)",
+            "test_f1": "Test F1",
+            "test_strict_f1": "Test F1 (seqeval strict)",
+        },
+    ),
     "swag": ("SWAG (Table 4 layout)", {"accuracy": "Dev Acc"}),
-}  # fmt: skip
+}
 REQUIRED = {"squad": ("exact_match", "f1"), "squad_v2": ("exact_match", "f1")}
 # A feature-based tagger's row (`evaluate.system_of`): "feature-based (CHOICE)".
 FEATURE_ROW = re.compile(r"feature-based \((.+)\)")
@@ -44,38 +54,62 @@ def feature_row(choice: str) -> str:
 # The paper's Table 7 (CoNLL-2003 dev F1, BERT-Base): each feature-based row and fine-tuning,
 # shown beside ours when a feature-based row is in the table.
 PAPER_TABLE7 = {
-    "embeddings": 91.0, "second-to-last": 95.6, "last": 94.9, "weighted-sum-last4": 95.9,
-    "concat-last4": 96.1, "weighted-sum-all": 95.5, "fine-tuning": 96.4,
-}  # fmt: skip
+    "embeddings": 91.0,
+    "second-to-last": 95.6,
+    "last": 94.9,
+    "weighted-sum-last4": 95.9,
+    "concat-last4": 96.1,
+    "weighted-sum-all": 95.5,
+    "fine-tuning": 96.4,
+}
 # The paper's ablation tables (dev sets, BERT-Base-scale pre-training): each row by the name of
 # the system `make table5` / `table6` / `table8` gives it, and the columns as (header, task,
 # metric). A table of ours / the paper's is added for each whose rows are in the report.
 PAPER_TABLES = {
     "Table 5": (
-        (("MNLI-m (Acc)", "MNLI", "matched_accuracy"), ("QNLI (Acc)", "QNLI", "accuracy"),
-         ("MRPC (Acc)", "MRPC", "accuracy"), ("SST-2 (Acc)", "SST-2", "accuracy"),
-         ("SQuAD (F1)", "squad", "f1")),
-        {"BERT (MLM & NSP)": (84.4, 88.4, 86.7, 92.7, 88.5),
-         "No NSP": (83.9, 84.9, 86.5, 92.6, 87.9),
-         "LTR & No NSP": (82.1, 84.3, 77.5, 92.1, 77.8),
-         "+ BiLSTM": (82.1, 84.1, 75.7, 91.6, 84.9)},
+        (
+            ("MNLI-m (Acc)", "MNLI", "matched_accuracy"),
+            ("QNLI (Acc)", "QNLI", "accuracy"),
+            ("MRPC (Acc)", "MRPC", "accuracy"),
+            ("SST-2 (Acc)", "SST-2", "accuracy"),
+            ("SQuAD (F1)", "squad", "f1"),
+        ),
+        {
+            "BERT (MLM & NSP)": (84.4, 88.4, 86.7, 92.7, 88.5),
+            "No NSP": (83.9, 84.9, 86.5, 92.6, 87.9),
+            "LTR & No NSP": (82.1, 84.3, 77.5, 92.1, 77.8),
+            "+ BiLSTM": (82.1, 84.1, 75.7, 91.6, 84.9),
+        },
     ),
     "Table 6": (
-        (("MNLI-m (Acc)", "MNLI", "matched_accuracy"), ("MRPC (Acc)", "MRPC", "accuracy"),
-         ("SST-2 (Acc)", "SST-2", "accuracy")),
-        {"L=3 H=768 A=12": (77.9, 79.8, 88.4), "L=6 H=768 A=3": (80.6, 82.2, 90.7),
-         "L=6 H=768 A=12": (81.9, 84.8, 91.3), "L=12 H=768 A=12": (84.4, 86.7, 92.9),
-         "L=12 H=1024 A=16": (85.7, 86.9, 93.3), "L=24 H=1024 A=16": (86.6, 87.8, 93.7)},
+        (
+            ("MNLI-m (Acc)", "MNLI", "matched_accuracy"),
+            ("MRPC (Acc)", "MRPC", "accuracy"),
+            ("SST-2 (Acc)", "SST-2", "accuracy"),
+        ),
+        {
+            "L=3 H=768 A=12": (77.9, 79.8, 88.4),
+            "L=6 H=768 A=3": (80.6, 82.2, 90.7),
+            "L=6 H=768 A=12": (81.9, 84.8, 91.3),
+            "L=12 H=768 A=12": (84.4, 86.7, 92.9),
+            "L=12 H=1024 A=16": (85.7, 86.9, 93.3),
+            "L=24 H=1024 A=16": (86.6, 87.8, 93.7),
+        },
     ),
     # recipes as `--masking-recipe MASK/RANDOM/KEEP` (the paper's columns: MASK, SAME, RND);
     # its feature-based NER column is no row of ours
     "Table 8": (
         (("MNLI-m (Acc)", "MNLI", "matched_accuracy"), ("NER fine-tuned (F1)", "conll2003", "f1")),
-        {"masking 80/10/10": (84.2, 95.4), "masking 100/0/0": (84.3, 94.9),
-         "masking 80/20/0": (84.1, 95.2), "masking 80/0/20": (84.4, 95.2),
-         "masking 0/80/20": (83.7, 94.8), "masking 0/100/0": (83.6, 94.9)},
+        {
+            "masking 80/10/10": (84.2, 95.4),
+            "masking 100/0/0": (84.3, 94.9),
+            "masking 80/20/0": (84.1, 95.2),
+            "masking 80/0/20": (84.4, 95.2),
+            "masking 0/80/20": (83.7, 94.8),
+            "masking 0/100/0": (83.6, 94.9),
+        },
     ),
-}  # fmt: skip
+}
 NOTE = (
     "Dev-set metrics in percent. Table 1's metric per task: F1 for QQP and MRPC, Spearman "
     "for STS-B, Matthews correlation for CoLA, accuracy for the others. GLUE score: mean of "
@@ -152,8 +186,11 @@ def glue_table(results: dict) -> list[str]:
     lines += gain_rows(results, cell, glue_cell)
     lines += ["", NOTE, ""]
     several = len(systems(results)) > 1
-    lines += ["| System | Task | Metrics | Task score |", "|---|---|---|---|"] if several else [
-        "| Task | Metrics | Task score |", "|---|---|---|"]  # fmt: skip
+    lines += (
+        ["| System | Task | Metrics | Task score |", "|---|---|---|---|"]
+        if several
+        else ["| Task | Metrics | Task score |", "|---|---|---|"]
+    )
     for name, r in systems(results).items():
         for task, t in r["tasks"].items():
             ms = ", ".join(f"{k} {_pct(v)}" for k, v in t["metrics"].items())
@@ -168,15 +205,22 @@ def token_tables(results: dict) -> str:
     a row per system and the gain rows."""
     parts = []
     for task, (title, columns) in TOKEN_TASKS.items():
-        rows = {n: r["token_tasks"][task] for n, r in systems(results).items()
-                if task in r.get("token_tasks", {})}  # fmt: skip
+        rows = {
+            n: r["token_tasks"][task]
+            for n, r in systems(results).items()
+            if task in r.get("token_tasks", {})
+        }
         if not rows:
             continue
         shown = [m for m in columns if any(m in r["metrics"] for r in rows.values())]
         paper = task == "conll2003" and any(FEATURE_ROW.fullmatch(n) for n in rows)
         heads = [columns[m] for m in shown] + (["Paper Dev F1 (BERT-Base, Table 7)"] * paper)
-        lines = [f"**{title}**", "", "| System | " + " | ".join(heads) + " |",
-                 "|---" * (len(heads) + 1) + "|"]  # fmt: skip
+        lines = [
+            f"**{title}**",
+            "",
+            "| System | " + " | ".join(heads) + " |",
+            "|---" * (len(heads) + 1) + "|",
+        ]
         for name, r in rows.items():
             cells = [_pct(r["metrics"][m]) if m in r["metrics"] else "-" for m in shown]
             if paper:
@@ -209,9 +253,12 @@ def paper_tables(results: dict) -> str:
         rows = {name: r for name, r in systems(results).items() if name in paper}
         if not rows:
             continue
-        lines = [f"**{title} layout: ours / the paper's (BERT-Base scale)**", "",
-                 "| System | " + " | ".join(head for head, _, _ in columns) + " |",
-                 "|---" * (len(columns) + 1) + "|"]  # fmt: skip
+        lines = [
+            f"**{title} layout: ours / the paper's (BERT-Base scale)**",
+            "",
+            "| System | " + " | ".join(head for head, _, _ in columns) + " |",
+            "|---" * (len(columns) + 1) + "|",
+        ]
         for name, r in rows.items():
             cells = []
             for (_, task, metric), number in zip(columns, paper[name], strict=True):
@@ -254,8 +301,9 @@ def plot_steps(results: dict, path: Path) -> None:
     tasks = [t for t in TABLE_ORDER if any(t in r["tasks"] for r in every.values())]
     fig, ax = plt.subplots(figsize=(6, 4))
     for k, task in enumerate(tasks):
-        points = [(steps[n], every[n]["tasks"][task]["score"]) for n in order
-                  if task in every[n]["tasks"]]  # fmt: skip
+        points = [
+            (steps[n], every[n]["tasks"][task]["score"]) for n in order if task in every[n]["tasks"]
+        ]
         ax.plot(*zip(*points, strict=True), marker="o", color=f"C{k}", label=task)
     ax.set_xlabel("pre-training steps")
     ax.set_ylabel("task score (dev, %)")
@@ -286,8 +334,14 @@ def plot_scores(results: dict, path: Path) -> None:
     values = [0.0]
     for k, (name, r) in enumerate(every.items()):
         ys = [r["tasks"][t]["score"] if t in r["tasks"] else float("nan") for t in names]
-        ys += [100 * r.get("token_tasks", {}).get(t, {}).get("metrics", {}).get(
-            _main_metric(t), float("nan")) for t in token]  # fmt: skip
+        ys += [
+            100
+            * r.get("token_tasks", {})
+            .get(t, {})
+            .get("metrics", {})
+            .get(_main_metric(t), float("nan"))
+            for t in token
+        ]
         xs = [i + (k - (len(every) - 1) / 2) * width for i in range(len(labels))]
         glue = f" (GLUE {r['glue_score']:.1f})" if r["glue_score"] is not None else ""
         bars = ax.bar(xs, ys, width, label=name + glue, color=f"C{k}")
@@ -296,8 +350,15 @@ def plot_scores(results: dict, path: Path) -> None:
         if r["glue_score"] is not None:  # a dashed line; its value in the legend or beside it
             ax.axhline(r["glue_score"], color=f"C{k}", linestyle="--", linewidth=1)
             if len(every) == 1:
-                ax.text(len(names) - 0.5, r["glue_score"], f"GLUE {r['glue_score']:.1f}",
-                        color=f"C{k}", ha="right", va="bottom", fontsize=8)  # fmt: skip
+                ax.text(
+                    len(names) - 0.5,
+                    r["glue_score"],
+                    f"GLUE {r['glue_score']:.1f}",
+                    color=f"C{k}",
+                    ha="right",
+                    va="bottom",
+                    fontsize=8,
+                )
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylim(min(values) - 5, 100)
     ax.set_ylabel("task score (dev, %)")

@@ -69,8 +69,11 @@ JSON_PATCH = "application/json-patch+json"
 class DeployConfig:
     """`bert deploy`'s options."""
 
-    task: str | None = option(None, "the task (SST-2, conll2003, ...): its registered model "
-                              f"({NAME_ENV} or bert-{{task}}) is served")  # fmt: skip
+    task: str | None = option(
+        None,
+        "the task (SST-2, conll2003, ...): its registered model "
+        f"({NAME_ENV} or bert-{{task}}) is served",
+    )
     model: str | None = option(None, "the registered model instead, e.g. bert-sst2")
     alias: str = option(CHAMPION, "the alias whose version is served")
     name: str | None = option(None, "the InferenceService's name (default: the model's)")
@@ -80,8 +83,9 @@ class DeployConfig:
         "the ServingRuntime (infra/k8s/kserve; default "
         f"{RUNTIME}, {GPU_RUNTIME} with --gpus: the CUDA image)",
     )
-    service_account: str = option("bert-serve", "the service account whose credentials read "
-                                  "the model's artifacts (read-only)")  # fmt: skip
+    service_account: str = option(
+        "bert-serve", "the service account whose credentials read the model's artifacts (read-only)"
+    )
     min_replicas: int = option(0, "fewest replicas; 0: scale to zero when idle")
     max_replicas: int = option(3, "most replicas under load")
     cpu: str = option("1", "CPU request")
@@ -107,11 +111,15 @@ class DeployConfig:
             raise BadValue("--canary-percent must be 1..99")
         if self.gpus < 0:
             raise BadValue("--gpus must be >= 0")
-        for flag, value in (("--cpu", self.cpu), ("--cpu-limit", self.cpu_limit),
-                            ("--memory", self.memory)):  # fmt: skip
+        for flag, value in (
+            ("--cpu", self.cpu),
+            ("--cpu-limit", self.cpu_limit),
+            ("--memory", self.memory),
+        ):
             if not QUANTITY.match(value) or not re.search(r"[1-9]", value.split("e")[0]):
-                raise BadValue(f"{flag} {value!r}: a Kubernetes quantity above 0, e.g. 500m, 2, "
-                               "512Mi, 4Gi")  # fmt: skip
+                raise BadValue(
+                    f"{flag} {value!r}: a Kubernetes quantity above 0, e.g. 500m, 2, 512Mi, 4Gi"
+                )
         if not DNS_LABEL.match(self.namespace):
             raise BadValue(
                 f"--namespace {self.namespace!r}: a namespace is lower-case letters, "
@@ -148,13 +156,17 @@ def served_version(cfg: DeployConfig) -> tuple[str, str]:
     name = cfg.registered_model
     version = by_alias(client, name, cfg.alias)
     if version is None:
-        raise BertError(f"{name}@{cfg.alias}: no such registered model or alias at {redacted(uri)} "
-                        "(bert finetune registers, bert promote moves champion)")  # fmt: skip
+        raise BertError(
+            f"{name}@{cfg.alias}: no such registered model or alias at {redacted(uri)} "
+            "(bert finetune registers, bert promote moves champion)"
+        )
     storage = in_bucket(str(client.get_model_version_download_uri(name, version.version)), cfg)
     if not storage.startswith("s3://"):
-        raise BertError(f"{name} version {version.version}: its artifacts are at "
-                        f"{storage}, not in a bucket; KServe reads s3:// (log models to the "
-                        "cluster's MLflow, whose artifacts are in the bucket)")  # fmt: skip
+        raise BertError(
+            f"{name} version {version.version}: its artifacts are at "
+            f"{storage}, not in a bucket; KServe reads s3:// (log models to the "
+            "cluster's MLflow, whose artifacts are in the bucket)"
+        )
     return str(version.version), storage
 
 
@@ -169,15 +181,19 @@ def in_bucket(uri: str, cfg: DeployConfig) -> str:
     bucket = os.environ.get("BERT_BUCKET")
     root = cfg.artifacts_destination or (f"{bucket.rstrip('/')}/mlflow" if bucket else None)
     if root is None:
-        raise BertError(f"{uri}: the MLflow server proxies its artifacts; name where they are "
-                        "with --artifacts-destination (the server's) or BERT_BUCKET")  # fmt: skip
+        raise BertError(
+            f"{uri}: the MLflow server proxies its artifacts; name where they are "
+            "with --artifacts-destination (the server's) or BERT_BUCKET"
+        )
     return f"{root.rstrip('/')}/{urlsplit(uri).path.lstrip('/')}"
 
 
 def inference_service(cfg: DeployConfig, version: str, storage: str, running: dict | None) -> dict:
     """The InferenceService (see the module doc); `running`: the service on the cluster now."""
-    resources = {"requests": {"cpu": cfg.cpu, "memory": cfg.memory},
-                 "limits": {"cpu": cfg.cpu_limit, "memory": cfg.memory}}  # fmt: skip
+    resources = {
+        "requests": {"cpu": cfg.cpu, "memory": cfg.memory},
+        "limits": {"cpu": cfg.cpu_limit, "memory": cfg.memory},
+    }
     if cfg.gpus:
         resources["limits"]["nvidia.com/gpu"] = str(cfg.gpus)
     predictor = {
@@ -207,7 +223,7 @@ def inference_service(cfg: DeployConfig, version: str, storage: str, running: di
                 "bert.registered-model": cfg.registered_model,
                 "bert.model-version": version,
                 "bert.model-alias": cfg.alias,
-            },  # fmt: skip
+            },
             "annotations": {"serving.kserve.io/deploymentMode": DEPLOYMENT_MODE},
         },
         "spec": {"predictor": predictor},
@@ -226,16 +242,24 @@ def cluster() -> Any:
         if in_pod:
             config.load_incluster_config(client_configuration=settings)
         else:
-            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"),
-                                    client_configuration=settings)  # fmt: skip
+            config.load_kube_config(
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=settings
+            )
     except (config.ConfigException, OSError) as e:
-        raise BertError(f"no Kubernetes cluster to deploy to ({e}): set KUBECONFIG, or "
-                        "use --dry-run") from None  # fmt: skip
+        raise BertError(
+            f"no Kubernetes cluster to deploy to ({e}): set KUBECONFIG, or use --dry-run"
+        ) from None
     return client.ApiClient(settings)
 
 
-def isvc_request(api: Any, method: str, namespace: str, name: str, body: Any = None,
-                 content_type: str | None = None) -> dict | None:  # fmt: skip
+def isvc_request(
+    api: Any,
+    method: str,
+    namespace: str,
+    name: str,
+    body: Any = None,
+    content_type: str | None = None,
+) -> dict | None:
     """One request on the InferenceService `namespace/name`: its JSON answer; None for a GET
     of one that does not exist; the API server's message as a BertError otherwise."""
     from kubernetes.client.exceptions import ApiException
@@ -247,9 +271,17 @@ def isvc_request(api: Any, method: str, namespace: str, name: str, body: Any = N
         query = [("fieldManager", FIELD_MANAGER)]
         query += [("force", "true")] if content_type == APPLY else []
     try:
-        return api.call_api(ISVC_PATH, method, {"namespace": namespace, "name": name},
-                            query, headers, body=body, auth_settings=["BearerToken"],
-                            response_type="object", _return_http_data_only=True)  # fmt: skip
+        return api.call_api(
+            ISVC_PATH,
+            method,
+            {"namespace": namespace, "name": name},
+            query,
+            headers,
+            body=body,
+            auth_settings=["BearerToken"],
+            response_type="object",
+            _return_http_data_only=True,
+        )
     except ApiException as e:
         if e.status == 404 and method == "GET":
             return None
@@ -257,8 +289,9 @@ def isvc_request(api: Any, method: str, namespace: str, name: str, body: Any = N
             message = json.loads(e.body or "{}").get("message") or e.reason
         except ValueError:
             message = e.reason
-        raise BertError(f"{method} inferenceservice {namespace}/{name}: {e.status} "
-                        f"{message}") from None  # fmt: skip
+        raise BertError(
+            f"{method} inferenceservice {namespace}/{name}: {e.status} {message}"
+        ) from None
 
 
 def full_traffic(api: Any, namespace: str, name: str) -> dict:
@@ -286,20 +319,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = config_from_args(build_parser().parse_args(sys.argv[1:] if argv is None else argv),
-                           DeployConfig)  # fmt: skip
+    cfg = config_from_args(
+        build_parser().parse_args(sys.argv[1:] if argv is None else argv), DeployConfig
+    )
     version, storage = served_version(cfg)
     if cfg.dry_run:
-        print(yaml.safe_dump(inference_service(cfg, version, storage, None), sort_keys=False),
-              end="")  # fmt: skip
+        print(
+            yaml.safe_dump(inference_service(cfg, version, storage, None), sort_keys=False), end=""
+        )
         return 0
     api = cluster()
     running = isvc_request(api, "GET", cfg.namespace, cfg.service)
     manifest = inference_service(cfg, version, storage, running)
     isvc_request(api, "PATCH", cfg.namespace, cfg.service, manifest, APPLY)
     canary = manifest["spec"]["predictor"].get("canaryTrafficPercent")
-    print(json.dumps({"inference_service": manifest["metadata"]["name"], "version": version,
-                      "storage_uri": storage, "canary_percent": canary}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "inference_service": manifest["metadata"]["name"],
+                "version": version,
+                "storage_uri": storage,
+                "canary_percent": canary,
+            }
+        )
+    )
     return 0
 
 

@@ -57,8 +57,9 @@ def parse_layers(spec: str) -> tuple[int, ...]:
     try:
         layers = tuple(int(x) for x in spec.split(","))
     except ValueError:
-        raise BadValue(f"--layers {spec!r}: integers like -1 or -4,-3,-2,-1, or one of "
-                         f"{', '.join(LAYER_SETS)}") from None  # fmt: skip
+        raise BadValue(
+            f"--layers {spec!r}: integers like -1 or -4,-3,-2,-1, or one of {', '.join(LAYER_SETS)}"
+        ) from None
     if len(set(layers)) < len(layers):
         raise BadValue(f"--layers {spec!r}: a layer given twice (its features would be too)")
     return layers
@@ -97,8 +98,10 @@ class Embedder(Predictor):
                 f"--layers {named}: this model has hidden states 0..{n} (or -{n + 1}..-1)"
             )
         if pooling == "cls" and self.config.is_decoder:  # its [CLS] attends to itself alone
-            raise BadValue(f"--pooling cls: {model_dir} is a left-to-right model (is_decoder), "
-                             "whose [CLS] vector is the same for every text; use mean")  # fmt: skip
+            raise BadValue(
+                f"--pooling cls: {model_dir} is a left-to-right model (is_decoder), "
+                "whose [CLS] vector is the same for every text; use mean"
+            )
         self.layers, self.combine, self.pooling = [x % (n + 1) for x in layers], combine, pooling
         hidden = self.config.hidden_size
         self.dim = hidden * len(layers) if combine == "concat" else hidden
@@ -132,9 +135,12 @@ class Embedder(Predictor):
         f = finetune_glue.featurize(None, examples, self.tokenizer, self.max_seq_length)
         out: list[dict] = [{}] * len(texts)
         batches = finetune.predict_batches(
-            _AllLayers(self.model), [len(x) for x in f.input_ids],
-            lambda i: finetune_glue.collate(f, i), self.device, self.settings.batch_size,
-        )  # fmt: skip
+            _AllLayers(self.model),
+            [len(x) for x in f.input_ids],
+            lambda i: finetune_glue.collate(f, i),
+            self.device,
+            self.settings.batch_size,
+        )
         for index, outputs in batches:
             h = self.combined(outputs.hidden_states).cpu().numpy()
             for row, i in enumerate(index):
@@ -196,9 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     layers = "last, last4, second-to-last, embeddings or indices: --layers=-2, --layers=0,6"
     p.add_argument("--layers", default="last", help=f"{layers} (default: last)")
     p.add_argument("--combine", choices=COMBINE, default="concat", help="of the chosen layers")
-    p.add_argument("--pooling", choices=POOLING, default="mean",
-                   help="mean (default): one vector per row, the mean of its tokens'; cls: the "
-                   "[CLS] token's; none: a vector per token")  # fmt: skip
+    p.add_argument(
+        "--pooling",
+        choices=POOLING,
+        default="mean",
+        help="mean (default): one vector per row, the mean of its tokens'; cls: the "
+        "[CLS] token's; none: a vector per token",
+    )
     p.add_argument("--column", action="append", default=[], metavar="MODEL=FILE")
     p.add_argument("--id-column", default="id", help="copied to the output when present")
     p.add_argument("--max-seq-length", type=int, default=128, help="longer text is cut")
@@ -230,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     rename, layers = parse_columns(args.column), parse_layers(args.layers)
     records.output_format(args.output, (".parquet",))  # before any model is loaded
     check_apart({"--output": args.output}, {"--input": args.input, "--model": args.model})
-    settings = Settings(max_seq_length=args.max_seq_length, batch_size=args.batch_size,
-                        device=args.device)  # fmt: skip
+    settings = Settings(
+        max_seq_length=args.max_seq_length, batch_size=args.batch_size, device=args.device
+    )
     params = {k: str(v) for k, v in vars(args).items() if k != "column"}
     env, tags = tracking_env(args.model)  # the experiment: as `bert predict`'s
     with environ(env), start_run("embed", params, tags):

@@ -53,9 +53,13 @@ class Limits:
     """ASGI middleware around `app`; see the module doc."""
 
     def __init__(
-        self, app, max_body_bytes: int, max_concurrency: int, body_timeout: float = 30.0,
+        self,
+        app,
+        max_body_bytes: int,
+        max_concurrency: int,
+        body_timeout: float = 30.0,
         retry_after: int = 1,
-    ):  # fmt: skip
+    ):
         self.app, self.max_body_bytes, self.max_concurrency = app, max_body_bytes, max_concurrency
         self.body_timeout, self.retry_after = body_timeout, retry_after
         self.in_flight = 0  # requests to the model (`limited`) admitted and not yet answered
@@ -72,8 +76,10 @@ class Limits:
             return
         to_model = limited(scope["path"])
         if to_model and self.in_flight >= self.max_concurrency:
-            message = (f"the server is at its limit of {self.max_concurrency} requests in flight "
-                       f"(--max-concurrency); retry in {self.retry_after} s")  # fmt: skip
+            message = (
+                f"the server is at its limit of {self.max_concurrency} requests in flight "
+                f"(--max-concurrency); retry in {self.retry_after} s"
+            )
             retry = [(b"retry-after", str(self.retry_after).encode())]
             await refuse(send, 503, "TEMPORARILY_UNAVAILABLE", message, retry, v2)
             return
@@ -110,8 +116,10 @@ class Limits:
 
     async def too_large(self, send, v2: bool, declared: int | None = None) -> None:
         size = "" if declared is None else f"{declared:,} bytes, "
-        message = (f"the request body is {size}more than the server's limit of "
-                   f"{self.max_body_bytes:,} bytes (--max-body-bytes)")  # fmt: skip
+        message = (
+            f"the request body is {size}more than the server's limit of "
+            f"{self.max_body_bytes:,} bytes (--max-body-bytes)"
+        )
         await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", message, (), v2)
 
 

@@ -149,9 +149,11 @@ def quiet_progress() -> None:
 
 
 def log_model(
-    model_dir: str | os.PathLike, settings: dict | None = None, run_id: str | None = None,
+    model_dir: str | os.PathLike,
+    settings: dict | None = None,
+    run_id: str | None = None,
     name: str = "model",
-):  # fmt: skip
+):
     """Log an HF-layout model folder as an MLflow pyfunc model on the open run (or `run_id`'s);
     returns MLflow's ModelInfo (`.model_uri` to register or load it). Its MLmodel names no path
     of this machine (`_PORTABLE`)."""
@@ -165,13 +167,19 @@ def log_model(
     # how text is cut, windowed and decoded; batch size and device are the server's business
     kept = {k: v for k, v in vars(Settings.from_dict(settings)).items() if k not in RUNTIME}
     return Model.log(
-        artifact_path=None, name=name, flavor=_PORTABLE, run_id=run_id,
+        artifact_path=None,
+        name=name,
+        flavor=_PORTABLE,
+        run_id=run_id,
         python_model=str(Path(__file__).with_name("pyfunc_model.py")),  # no pickle
-        artifacts={ARTIFACT: str(model_dir)}, code_paths=[str(Path(bert_core.__file__).parent)],
-        signature=signature(config), input_example=pd.DataFrame([cls.example(config)]),
-        pip_requirements=requirements(), model_config={CONFIG_KEY: kept},
+        artifacts={ARTIFACT: str(model_dir)},
+        code_paths=[str(Path(bert_core.__file__).parent)],
+        signature=signature(config),
+        input_example=pd.DataFrame([cls.example(config)]),
+        pip_requirements=requirements(),
+        model_config={CONFIG_KEY: kept},
         metadata={"bert_kind": cls.kind, "bert_task": config.get("finetuning_task") or ""},
-    )  # fmt: skip
+    )
 
 
 def _save_portable(path: str, mlflow_model, **kwargs) -> None:
@@ -243,6 +251,7 @@ def _layout(path: Path) -> tuple[Path, dict]:
         what = "a file, not a model folder" if path.exists() else "no such model folder"
         raise NotFound(f"{path}: {what}")
     if not (path / "config.json").is_file() and (path / "model" / "config.json").is_file():
-        raise NotFound(f"{path}: not a model folder (a `bert pretrain` output?); its "
-                                f"model is {path / 'model'}")  # fmt: skip
+        raise NotFound(
+            f"{path}: not a model folder (a `bert pretrain` output?); its model is {path / 'model'}"
+        )
     return path, {}

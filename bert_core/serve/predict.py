@@ -30,8 +30,14 @@ from bert_core.options import number
 from bert_core.serve import records
 from bert_core.serve.predictors import BadInput, Predictor, Settings, load_predictor
 
-OVERRIDES = ("batch_size", "device", "max_seq_length", "max_chars", "top_k",
-             "null_score_diff_threshold")  # fmt: skip
+OVERRIDES = (
+    "batch_size",
+    "device",
+    "max_seq_length",
+    "max_chars",
+    "top_k",
+    "null_score_diff_threshold",
+)
 
 
 def load(model: str | Path, overrides: dict | None = None) -> Predictor:
@@ -53,9 +59,14 @@ def output_schema(predictor: Predictor, with_id: bool):
 
 
 def predict_file(
-    predictor: Predictor, input: str | Path, output: str | Path, chunk_size: int = 2048,
-    rename: dict[str, str] | None = None, id_column: str = "id", progress: bool = True,
-) -> int:  # fmt: skip
+    predictor: Predictor,
+    input: str | Path,
+    output: str | Path,
+    chunk_size: int = 2048,
+    rename: dict[str, str] | None = None,
+    id_column: str = "id",
+    progress: bool = True,
+) -> int:
     """Answer every row of `input` into `output`; returns the number of rows."""
     from tqdm import tqdm
 
@@ -65,8 +76,12 @@ def predict_file(
     check_columns(predictor, rename or {}, first)
     with_id = id_column in first.frame.columns
     # disable=None: no bar when stderr is not a terminal (a KFP pod's log, CI): no log lines
-    bar = tqdm(total=records.count_rows(input), desc="predict", unit="row",
-               disable=None if progress else True)  # fmt: skip
+    bar = tqdm(
+        total=records.count_rows(input),
+        desc="predict",
+        unit="row",
+        disable=None if progress else True,
+    )
     rows = 0
     with records.writer(output, output_schema(predictor, with_id)) as write:
         for chunk in itertools.chain([first], chunks):
@@ -76,10 +91,12 @@ def predict_file(
                 hint = " (`--column MODEL=FILE` reads another column)" if e.row is None else ""
                 raise chunk.error(e.reason + hint, e.row) from None
             ids = [str(v) for v in chunk.frame[id_column]] if with_id else None
-            write([
-                {"row": chunk.start + i, **({"id": ids[i]} if with_id else {}), **answer}
-                for i, answer in enumerate(answers)
-            ])  # fmt: skip
+            write(
+                [
+                    {"row": chunk.start + i, **({"id": ids[i]} if with_id else {}), **answer}
+                    for i, answer in enumerate(answers)
+                ]
+            )
             rows += len(answers)
             bar.update(len(answers))
     bar.close()
@@ -121,8 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help=where)
     p.add_argument("--input", required=True, help=".txt, .tsv, .jsonl or .parquet; or s3://...")
     p.add_argument("--output", required=True, help=".jsonl or .parquet, local or s3://")
-    p.add_argument("--column", action="append", default=[], metavar="MODEL=FILE",
-                   help="read the model's column MODEL from the file's column FILE")  # fmt: skip
+    p.add_argument(
+        "--column",
+        action="append",
+        default=[],
+        metavar="MODEL=FILE",
+        help="read the model's column MODEL from the file's column FILE",
+    )
     p.add_argument("--id-column", default="id", help="copied to the output when present")
     p.add_argument("--chunk-size", type=int, default=2048, help="rows read at a time")
     p.add_argument("--batch-size", type=int, help="rows per forward pass (default: 64)")
@@ -130,9 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-length", type=int, help="default: the fine-tuning run's")
     p.add_argument("--max-chars", type=int, help="longer text is an error (default: 20000)")
     p.add_argument("--top-k", type=int, help="fill-mask: candidates per [MASK] (default: 5)")
-    p.add_argument("--null-score-diff-threshold", type=number(),
-                   help="SQuAD 2.0: answer \"\" when the null score beats the best span's by "
-                   "more (default: the threshold tuned on dev, best_f1_thresh)")  # fmt: skip
+    p.add_argument(
+        "--null-score-diff-threshold",
+        type=number(),
+        help='SQuAD 2.0: answer "" when the null score beats the best span\'s by '
+        "more (default: the threshold tuned on dev, best_f1_thresh)",
+    )
     return p
 
 
@@ -218,11 +243,17 @@ def main(argv: list[str] | None = None) -> int:
         predictor = load(args.model, {k: getattr(args, k) for k in OVERRIDES})
         start = time.perf_counter()
         with local_copy(args.input) as path:  # an s3:// input is downloaded first
-            rows = predict_file(predictor, path, args.output, args.chunk_size, rename,
-                                args.id_column)  # fmt: skip
+            rows = predict_file(
+                predictor, path, args.output, args.chunk_size, rename, args.id_column
+            )
         seconds = time.perf_counter() - start
         mlflow.log_metrics({"rows": rows, "rows_per_second": rows / max(seconds, 1e-9)})
-    summary = {"rows": rows, "kind": predictor.kind, "output": str(args.output),
-               "seconds": round(seconds, 3), "device": str(predictor.device)}  # fmt: skip
+    summary = {
+        "rows": rows,
+        "kind": predictor.kind,
+        "output": str(args.output),
+        "seconds": round(seconds, 3),
+        "device": str(predictor.device),
+    }
     print(json.dumps(summary))
     return 0

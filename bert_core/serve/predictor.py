@@ -49,8 +49,16 @@ class Settings:
     def __post_init__(self) -> None:
         """Counts and lengths >= 1 (`max_seq_length`: None or >= 8), each refused naming its
         option: 0 would fail deep in the model code, a negative length be taken as given."""
-        for name in ("batch_size", "max_chars", "top_k", "doc_stride", "max_query_length",
-                     "max_answer_length", "n_best_size", "max_seq_length"):  # fmt: skip
+        for name in (
+            "batch_size",
+            "max_chars",
+            "top_k",
+            "doc_stride",
+            "max_query_length",
+            "max_answer_length",
+            "n_best_size",
+            "max_seq_length",
+        ):
             value, least = getattr(self, name), 8 if name == "max_seq_length" else 1
             if value is not None and value < least:
                 raise BadValue(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
@@ -171,13 +179,17 @@ class Predictor:
                 if not v.strip():
                     raise BadInput(f"{name!r} is empty", row)
                 if not v.isascii() and (lone := _lone_surrogate(v)) is not None:
-                    raise BadInput(f"{name!r} is not Unicode text: a lone surrogate "
-                                   f"(U+{ord(v[lone]):04X}) at character {lone}", row)  # fmt: skip
+                    raise BadInput(
+                        f"{name!r} is not Unicode text: a lone surrogate "
+                        f"(U+{ord(v[lone]):04X}) at character {lone}",
+                        row,
+                    )
                 if len(v) > self.settings.max_chars:
                     raise BadInput(
                         f"{name!r} has {len(v):,} characters, more than max_chars "
-                        f"{self.settings.max_chars:,}", row,
-                    )  # fmt: skip
+                        f"{self.settings.max_chars:,}",
+                        row,
+                    )
             out[name] = values
         return out
 

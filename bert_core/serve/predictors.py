@@ -207,16 +207,20 @@ class ChoiceRanker(Predictor):
     @classmethod
     def example(cls, config: dict) -> dict[str, str]:
         endings = ("pours it into a cup.", "eats the kettle.", "flies away.", "sings loudly.")
-        return {"context": "A man fills a kettle with water.", "start": "He",
-                **dict(zip(swag.ENDINGS, endings, strict=True))}  # fmt: skip
+        return {
+            "context": "A man fills a kettle with water.",
+            "start": "He",
+            **dict(zip(swag.ENDINGS, endings, strict=True)),
+        }
 
     def answer(self, columns: dict[str, list]) -> list[dict]:
         starts = columns.get("start") or [None] * len(columns["context"])
         examples = [
-            swag.SwagExample(str(i), c, starts[i] or "",
-                             tuple(columns[e][i] for e in swag.ENDINGS), None)
+            swag.SwagExample(
+                str(i), c, starts[i] or "", tuple(columns[e][i] for e in swag.ENDINGS), None
+            )
             for i, c in enumerate(columns["context"])
-        ]  # fmt: skip
+        ]
         features = swag.featurize(examples, self.tokenizer, self.max_seq_length)
         logits = swag.predict(self.model, features, self.device, self.settings.batch_size)
         out = []
@@ -246,9 +250,10 @@ def predictor_class(config: dict, where: str | Path = "config.json") -> type[Pre
         if arch in PREDICTORS:
             return PREDICTORS[arch]
     raise InputError(
-        where, f"architectures {archs}: no prediction head we can serve (known: "
+        where,
+        f"architectures {archs}: no prediction head we can serve (known: "
         f"{', '.join(PREDICTORS)}); fine-tune the model first, or use `bert embed` for vectors",
-    )  # fmt: skip
+    )
 
 
 def load_predictor(model_dir: str | Path, settings: Settings | None = None) -> Predictor:

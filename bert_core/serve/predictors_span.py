@@ -67,9 +67,12 @@ class EntityTagger(Predictor):
         scores = [[0.0] * len(s) for s in spans]
         lengths = [len(x) for x in windows.input_ids]
         batches = finetune.predict_batches(
-            self.model, lengths, lambda i: ner.collate(windows, i), self.device,
+            self.model,
+            lengths,
+            lambda i: ner.collate(windows, i),
+            self.device,
             self.settings.batch_size,
-        )  # fmt: skip
+        )
         for index, outputs in batches:
             probs = outputs.logits.float().softmax(-1).cpu().numpy()
             for row, i in enumerate(index):
@@ -97,8 +100,15 @@ def entities(
         if words:
             start, end = spans[words[0]][0], spans[words[-1]][1]
             score = float(np.mean([scores[w] for w in words]))
-            out.append({"entity": kind, "text": text[start:end], "start": start, "end": end,
-                        "score": score})  # fmt: skip
+            out.append(
+                {
+                    "entity": kind,
+                    "text": text[start:end],
+                    "start": start,
+                    "end": end,
+                    "score": score,
+                }
+            )
             words.clear()
 
     for w, tag in enumerate(tags):
@@ -141,18 +151,22 @@ class QuestionAnswerer(Predictor):
     def answer(self, columns: dict[str, list]) -> list[dict]:
         s = self.settings
         cfg = squad.SquadConfig(
-            max_seq_length=self.max_seq_length, doc_stride=s.doc_stride,
-            max_query_length=s.max_query_length, max_answer_length=s.max_answer_length,
-            n_best_size=s.n_best_size, null_score_diff_threshold=s.null_score_diff_threshold,
-        )  # fmt: skip
+            max_seq_length=self.max_seq_length,
+            doc_stride=s.doc_stride,
+            max_query_length=s.max_query_length,
+            max_answer_length=s.max_answer_length,
+            n_best_size=s.n_best_size,
+            null_score_diff_threshold=s.null_score_diff_threshold,
+        )
         questions, contexts = columns["question"], columns["context"]
         encoded = self.tokenizer.encode_batch(questions, add_special_tokens=False)
         for row, q in enumerate(encoded):
             if len(q.ids) > cfg.max_query_length:
                 raise BadInput(
                     f"'question' has {len(q.ids)} tokens, more than max_query_length "
-                    f"{cfg.max_query_length}", row,
-                )  # fmt: skip
+                    f"{cfg.max_query_length}",
+                    row,
+                )
         examples = [squad.Example(str(i), q, contexts[i], []) for i, q in enumerate(questions)]
         try:
             features = squad.featurize(examples, self.tokenizer, cfg, "input")

@@ -38,8 +38,12 @@ from bert_core.serve.registry import (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert promote", description=__doc__.split("\n")[0])
     p.add_argument("task", help="the task (SST-2, conll2003, ...): its registered model")
-    p.add_argument("version", nargs="?", help="the version: a number, or the `bert finetune` "
-                   f"output folder that made it (default: the {CANDIDATE!r} alias)")  # fmt: skip
+    p.add_argument(
+        "version",
+        nargs="?",
+        help="the version: a number, or the `bert finetune` "
+        f"output folder that made it (default: the {CANDIDATE!r} alias)",
+    )
     p.add_argument(
         "--best-of",
         type=Path,
@@ -49,12 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--registered-model", help=f"the name (default: {NAME_ENV} or bert-{{task}})")
     p.add_argument("--force", action="store_true", help="make it champion whatever its score")
-    p.add_argument("--full-traffic", action="store_true",
-                   help="instead: the task's InferenceService sends all traffic to its latest "
-                   "version (ends `bert deploy`'s canary); the registry is left alone")  # fmt: skip
+    p.add_argument(
+        "--full-traffic",
+        action="store_true",
+        help="instead: the task's InferenceService sends all traffic to its latest "
+        "version (ends `bert deploy`'s canary); the registry is left alone",
+    )
     p.add_argument("--namespace", default="bert", help="--full-traffic: the service's namespace")
-    p.add_argument("--inference-service", help="--full-traffic: the service (default: the "
-                   "registered model's name, as `bert deploy` names it)")  # fmt: skip
+    p.add_argument(
+        "--inference-service",
+        help="--full-traffic: the service (default: the "
+        "registered model's name, as `bert deploy` names it)",
+    )
     return p
 
 
@@ -91,7 +101,9 @@ def best_of(folder: Path, name: str) -> str:
         raise NotFound(f"--best-of {folder}: no fine-tuning output there is registered as {name}")
     dev_sets = {(r["data"], json.dumps(r.get("num_dev_examples"))) for r, _ in found}
     if len(dev_sets) > 1:
-        raise BadValue(f"--best-of {folder}: {name}'s outputs were scored on different dev sets "
-                       f"{sorted(dev_sets)}: their scores do not compare")  # fmt: skip
+        raise BadValue(
+            f"--best-of {folder}: {name}'s outputs were scored on different dev sets "
+            f"{sorted(dev_sets)}: their scores do not compare"
+        )
     _, best = max(found, key=lambda item: item[0]["score"])
     return version_of(best, name)

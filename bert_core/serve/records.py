@@ -106,13 +106,15 @@ def read_chunks(
             header = row
             continue
         if fmt == "tsv" and len(row) != len(header):
-            raise InputError(path, f"{len(row)} tab-separated fields, the header has "
-                             f"{len(header)}", line=line)  # fmt: skip
+            raise InputError(
+                path, f"{len(row)} tab-separated fields, the header has {len(header)}", line=line
+            )
         rows.append(row)
         lines.append(line)
         if len(rows) == chunk_size:
-            yield Chunk(path, start, _renamed(path, _frame(rows, header, fmt), to_model, start),
-                        lines)  # fmt: skip
+            yield Chunk(
+                path, start, _renamed(path, _frame(rows, header, fmt), to_model, start), lines
+            )
             start, rows, lines = start + len(rows), [], []
     if header is None or (start == 0 and not rows and fmt != "tsv"):  # nothing, not even a header
         raise InputError(path, "no rows: the file is empty")
@@ -127,8 +129,11 @@ def _renamed(path: Path, frame, to_model: dict[str, str], start: int):
     absent = [file for file in to_model if file not in frame.columns]
     if start == 0 and absent:
         have = ", ".join(map(str, frame.columns)) or "none"
-        raise InputError(path, f"--column {to_model[absent[0]]}={absent[0]}: no column "
-                         f"{absent[0]!r} in the file (got {have})")  # fmt: skip
+        raise InputError(
+            path,
+            f"--column {to_model[absent[0]]}={absent[0]}: no column "
+            f"{absent[0]!r} in the file (got {have})",
+        )
     return frame.rename(columns=to_model)
 
 

@@ -60,8 +60,15 @@ from bert_core.options import number
 from bert_core.storage import is_uri
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-POSITIVE = ("max_body_bytes", "max_concurrency", "max_connections", "max_batch_rows",
-            "max_chars", "timeout", "body_timeout")  # fmt: skip
+POSITIVE = (
+    "max_body_bytes",
+    "max_concurrency",
+    "max_connections",
+    "max_batch_rows",
+    "max_chars",
+    "timeout",
+    "body_timeout",
+)
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: one stream, one format
 
 
@@ -134,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds for a request's headers to arrive, else the connection is closed "
         "(default 20)",
     )
-    return p  # fmt: skip
+    return p
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -254,9 +261,15 @@ def run(app, sock: socket.socket, args: argparse.Namespace, banner: str) -> None
     from bert_core.serve.limits import with_header_timeout
 
     http = with_header_timeout(AutoHTTPProtocol, args.header_timeout)
-    config = uvicorn.Config(app, host=args.host, port=port, lifespan="on", http=http,
-                            limit_concurrency=args.max_connections,
-                            timeout_graceful_shutdown=args.timeout)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=port,
+        lifespan="on",
+        http=http,
+        limit_concurrency=args.max_connections,
+        timeout_graceful_shutdown=args.timeout,
+    )
     server = uvicorn.Server(config)
 
     async def serve() -> None:
@@ -286,13 +299,18 @@ def main(argv: list[str] | None = None) -> int:
             model = BatchedModel(pyfunc, args.max_batch_rows)
             kind = (meta.metadata or {}).get("bert_kind", "pyfunc")
             if args.host not in LOOPBACK:
-                print(f"bert serve: warning: listening on {args.host}, reachable from other "
-                      "machines; the endpoint has no authentication", file=sys.stderr)  # fmt: skip
+                print(
+                    f"bert serve: warning: listening on {args.host}, reachable from other "
+                    "machines; the endpoint has no authentication",
+                    file=sys.stderr,
+                )
             try:
                 run(build_app(model, args, meta), sock, args, banner(args, kind))
             finally:
-                log.info(f"bert serve: answered {model.answered:,} requests to the model in "
-                         f"{model.calls:,} calls of it")  # fmt: skip
+                log.info(
+                    f"bert serve: answered {model.answered:,} requests to the model in "
+                    f"{model.calls:,} calls of it"
+                )
     except KeyboardInterrupt as e:  # SIGTERM / SIGINT, re-raised by uvicorn once it has stopped
         signum = getattr(e, "signum", signal.SIGINT)  # errors.Interrupted names its signal
         print(f"bert serve: stopped ({signal.Signals(signum).name})", file=sys.stderr)

@@ -42,8 +42,14 @@ from bert_core.serve.mlflow_model import RefusedInput
 log = logging.getLogger("uvicorn.error")  # the server's log (bert_core.serve.server's)
 
 # MLflow signature types -> V2 datatypes; an Array or Object (anything else) is JSON in BYTES
-DATATYPES = {"string": "BYTES", "double": "FP64", "float": "FP32", "long": "INT64",
-             "integer": "INT32", "boolean": "BOOL"}  # fmt: skip
+DATATYPES = {
+    "string": "BYTES",
+    "double": "FP64",
+    "float": "FP32",
+    "long": "INT64",
+    "integer": "INT32",
+    "boolean": "BOOL",
+}
 
 
 def datatype(mlflow_type: Any) -> str:
@@ -85,25 +91,33 @@ class V2Model(Model):
         columns: dict[str, list[str]] = {}
         for tensor in request.inputs:
             if tensor.name not in known:
-                raise InvalidInput(f"input {tensor.name!r}: not an input of this model (its "
-                                   f"inputs: {sorted(known)})")  # fmt: skip
+                raise InvalidInput(
+                    f"input {tensor.name!r}: not an input of this model (its "
+                    f"inputs: {sorted(known)})"
+                )
             if tensor.datatype != "BYTES" or len(tensor.shape) != 1:
-                raise InvalidInput(f"input {tensor.name!r}: expected a BYTES tensor of shape "
-                                   f"[rows], got {tensor.datatype} {tensor.shape}")  # fmt: skip
+                raise InvalidInput(
+                    f"input {tensor.name!r}: expected a BYTES tensor of shape "
+                    f"[rows], got {tensor.datatype} {tensor.shape}"
+                )
             try:  # KServe reshapes the data to the declared shape
                 values = tensor.as_numpy().tolist()
             except ValueError:
-                raise InvalidInput(f"input {tensor.name!r}: its data do not fit its shape "
-                                   f"{tensor.shape}") from None  # fmt: skip
+                raise InvalidInput(
+                    f"input {tensor.name!r}: its data do not fit its shape {tensor.shape}"
+                ) from None
             for row, v in enumerate(values):  # MLflow's schema check would fail with a 500
                 if not isinstance(v, str | bytes):
-                    raise InvalidInput(f"input {tensor.name!r}: row {row} is "
-                                       f"{type(v).__name__}, not text")  # fmt: skip
+                    raise InvalidInput(
+                        f"input {tensor.name!r}: row {row} is {type(v).__name__}, not text"
+                    )
             columns[tensor.name] = [_text(v) for v in values]
         missing = [name for name, optional in self.inputs if not optional and name not in columns]
         if missing:  # MLflow's schema check would fail with a 500
-            raise InvalidInput(f"missing input {', '.join(map(repr, missing))} (this model's "
-                               f"inputs: {sorted(known)})")  # fmt: skip
+            raise InvalidInput(
+                f"missing input {', '.join(map(repr, missing))} (this model's "
+                f"inputs: {sorted(known)})"
+            )
         if len({len(v) for v in columns.values()}) > 1:
             shapes = {k: len(v) for k, v in columns.items()}
             raise InvalidInput(f"inputs of different lengths: {shapes}")
@@ -145,10 +159,19 @@ def v2_app(model: V2Model):
 
     repository = ModelRepository()
     repository.update(model)
-    rest = RESTServer("kserve.model_server:app", DataPlane(repository),
-                      ModelRepositoryExtension(repository), http_port=0)  # fmt: skip
-    app = FastAPI(title="KServe ModelServer", version=version("kserve"), docs_url=None,
-                  redoc_url=None, default_response_class=ORJSONResponse)  # fmt: skip
+    rest = RESTServer(
+        "kserve.model_server:app",
+        DataPlane(repository),
+        ModelRepositoryExtension(repository),
+        http_port=0,
+    )
+    app = FastAPI(
+        title="KServe ModelServer",
+        version=version("kserve"),
+        docs_url=None,
+        redoc_url=None,
+        default_response_class=ORJSONResponse,
+    )
     # what RESTServer.create_application does to kserve.model_server's module-level app (one per
     # process), done to this one: a process may build an app per model (the tests do)
     rest._add_middlewares(app)

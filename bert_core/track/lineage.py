@@ -322,7 +322,6 @@ def record_dvc_lineage(parent_run_id: str, lock_file: str | os.PathLike) -> dict
         )
     }
 
-
     def datasets(deps: Mapping[str, str], context: str) -> list[Dataset]:
         return [
             Dataset(path, str((root / path).resolve()), md5, context)

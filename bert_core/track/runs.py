@@ -97,8 +97,10 @@ def runs_table(experiment: str = PIPELINE_EXPERIMENT, limit: int = 10):
         row.update(_scores(run))
         rows.append(row)
     frame = pd.DataFrame(rows)
-    glue = sorted((c for c in frame.columns if _is_glue(c)),
-                  key=lambda c: (c != GLUE, c.startswith("gain/"), c))  # fmt: skip
+    glue = sorted(
+        (c for c in frame.columns if _is_glue(c)),
+        key=lambda c: (c != GLUE, c.startswith("gain/"), c),
+    )
     scores = sorted(c for c in frame.columns if _is_task(c))
     ordered = [c for c in frame.columns if c not in scores and c not in glue]
     ordered += glue + scores

@@ -89,8 +89,11 @@ def write(schemas: dict, output: Path = OUTPUT) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--base", help="URL or folder holding the CRD files (default: the "
-                        "pinned tag on github.com/kserve/kserve)")  # fmt: skip
+    parser.add_argument(
+        "--base",
+        help="URL or folder holding the CRD files (default: the "
+        "pinned tag on github.com/kserve/kserve)",
+    )
     parser.add_argument("--output", type=Path, default=OUTPUT)
     args = parser.parse_args(argv)
     version = pinned_version()

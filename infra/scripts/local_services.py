@@ -151,11 +151,19 @@ def start_mlflow(
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "mlflow.log"
     cmd = [
-        _bin("mlflow"), "server",
-        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{(workdir / 'mlflow.db').resolve()}",
-        "--artifacts-destination", artifacts,
-    ]  # fmt: skip
+        _bin("mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{(workdir / 'mlflow.db').resolve()}",
+        "--artifacts-destination",
+        artifacts,
+    ]
     env = client_env(s3_url) if s3_url else dict(os.environ)
     proc = _spawn("mlflow", cmd, env, log)
     service = Service("mlflow", url, proc, log, {"MLFLOW_TRACKING_URI": url})

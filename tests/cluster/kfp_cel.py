@@ -108,8 +108,14 @@ def select(expression: str, value: Any) -> Any:
     """`Select`: a parameterExpressionSelector applied to one input value: the Value's field
     that is set (`string_value`, `number_value`, `bool_value`, `struct_value`, `list_value`)
     and `string_value` as its text (a string as it is, anything else as JSON)."""
-    kind = {bool: "bool_value", str: "string_value", dict: "struct_value", list: "list_value",
-            int: "number_value", float: "number_value"}.get(type(value))  # fmt: skip
+    kind = {
+        bool: "bool_value",
+        str: "string_value",
+        dict: "struct_value",
+        list: "list_value",
+        int: "number_value",
+        float: "number_value",
+    }.get(type(value))
     fields = {kind: _value(value)} if kind else {}
     text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
     fields["string_value"] = celtypes.StringType(text)

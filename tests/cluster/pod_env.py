@@ -137,8 +137,13 @@ def pod_env(
             raise PodConfigError(f"{executor}: field path {path} is not a pod label")
         env[entry["name"]] = labels.get(path[len(prefix) : -len(suffix)], "")
     run_as_root(spec.get("securityContext", {}), executor)
-    unknown = set(spec) - {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv", "securityContext",
-                           *PLACEMENT}  # fmt: skip
+    unknown = set(spec) - {
+        "configMapAsEnv",
+        "secretAsEnv",
+        "fieldPathAsEnv",
+        "securityContext",
+        *PLACEMENT,
+    }
     if unknown:  # volumes, affinity, ...: not modelled, so not silently ignored either
         raise PodConfigError(f"{executor}: platform settings the harness does not model: {unknown}")
     return env

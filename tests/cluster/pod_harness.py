@@ -487,9 +487,19 @@ class Harness:
         pod = self._pod_folder(component["executorLabel"])
         (pod / "log.txt").write_text(f"driver: {why}\n")
         self.tasks.append(
-            TaskRun(path, component["executorLabel"], "", None, pod_env.Placement(), {}, {},
-                    FAILED, 0.0, pod / "log.txt")
-        )  # fmt: skip
+            TaskRun(
+                path,
+                component["executorLabel"],
+                "",
+                None,
+                pod_env.Placement(),
+                {},
+                {},
+                FAILED,
+                0.0,
+                pod / "log.txt",
+            )
+        )
 
     def _parameters(
         self, spec: dict, scope: Scope, results: dict, path: str, dag: Execution
@@ -564,8 +574,9 @@ class Harness:
         values = json.loads(items["raw"]) if "raw" in items else params[items["inputParameter"]]
         values = json.loads(values) if isinstance(values, str) else values
         loop = dag.child(name, expected=len(values))
-        collected = Outputs(artifacts={k: [] for k in component["dag"].get("outputs", {}).get(
-            "artifacts", {})})  # fmt: skip
+        collected = Outputs(
+            artifacts={k: [] for k in component["dag"].get("outputs", {}).get("artifacts", {})}
+        )
         ok = True
         for i, item in enumerate(values):
             iteration = loop.child(f"iteration-{i}", expected=len(component["dag"]["tasks"]))
@@ -671,9 +682,13 @@ class Harness:
         afterwards, with anything it left, such as a local Ray's daemons)."""
         with open(pod / "log.txt", "wb") as log:
             proc = subprocess.Popen(
-                argv, env=env, cwd=pod / "work", stdout=log, stderr=subprocess.STDOUT,
+                argv,
+                env=env,
+                cwd=pod / "work",
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
             try:
                 return proc.wait(self.timeout)
             except subprocess.TimeoutExpired:

@@ -55,10 +55,26 @@ def made(tmp_path_factory, shared_data, tiny_dir):
         for key in ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
             mp.delenv(key, raising=False)
         mp.chdir(root)  # the sqlite store keeps artifacts under the cwd
-        argv = ["distill", "--teacher", root / "teacher", "--student", tiny_dir,
-                "--student-layers", "1", "--task", "sst2", "--data", data,
-                "--output", root / "student", "--epochs", "2", "--lr", "1e-3",
-                *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]]  # fmt: skip
+        argv = [
+            "distill",
+            "--teacher",
+            root / "teacher",
+            "--student",
+            tiny_dir,
+            "--student-layers",
+            "1",
+            "--task",
+            "sst2",
+            "--data",
+            data,
+            "--output",
+            root / "student",
+            "--epochs",
+            "2",
+            "--lr",
+            "1e-3",
+            *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()],
+        ]
         assert cli.main([str(a) for a in argv]) == 0
         yield {"root": root, "data": data, "teacher_score": best["score"]}
 
@@ -140,8 +156,10 @@ def test_student_layers_are_the_chosen_layers_of_the_source(six_layers):
     random, _ = make_student(task, six_layers, 2, "random")
     shapes = {k: v.shape for k, v in random.state_dict().items()}
     assert shapes == {k: v.shape for k, v in small.items()}
-    assert not torch.equal(random.state_dict()["bert.encoder.layer.1.output.dense.weight"],
-                           small["bert.encoder.layer.1.output.dense.weight"])  # fmt: skip
+    assert not torch.equal(
+        random.state_dict()["bert.encoder.layer.1.output.dense.weight"],
+        small["bert.encoder.layer.1.output.dense.weight"],
+    )
 
 
 def test_output_reads_as_a_finetuned_model_with_both_scores(made, tmp_path):
@@ -198,8 +216,19 @@ def test_student_of_another_vocabulary_is_refused_before_any_work(
     lines[1000], lines[1001] = lines[1001], lines[1000]
     (student / "vocab.txt").write_text("\n".join(lines) + "\n")
     out = made["root"] / "refused"
-    argv = ["distill", "--teacher", made["root"] / "teacher", "--student", student,
-            "--task", "SST-2", "--data", made["data"], "--output", out]  # fmt: skip
+    argv = [
+        "distill",
+        "--teacher",
+        made["root"] / "teacher",
+        "--student",
+        student,
+        "--task",
+        "SST-2",
+        "--data",
+        made["data"],
+        "--output",
+        out,
+    ]
     assert cli.main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not the teacher's vocabulary" in err, err
@@ -212,12 +241,23 @@ def test_quantize_and_evaluate_read_the_student_unchanged(made, monkeypatch):
     root = made["root"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     monkeypatch.chdir(root)
-    argv = ["quantize", "--model", root / "student", "--output", root / "int8",
-            "--data", made["data"], "--max-eval-examples", "64"]  # fmt: skip
+    argv = [
+        "quantize",
+        "--model",
+        root / "student",
+        "--output",
+        root / "int8",
+        "--data",
+        made["data"],
+        "--max-eval-examples",
+        "64",
+    ]
     assert cli.main([str(a) for a in argv]) == 0
     quantized = json.loads((root / "int8" / "metrics.json").read_text())
     student = json.loads((root / "student" / "metrics.json").read_text())
     assert quantized["fp32"]["score"] == pytest.approx(student["score"])  # same cut, same dev
-    assert cli.main(["evaluate", "--results", str(root / "student"),
-                     "--output", str(root / "table")]) == 0  # fmt: skip
+    assert (
+        cli.main(["evaluate", "--results", str(root / "student"), "--output", str(root / "table")])
+        == 0
+    )
     assert "SST-2" in (root / "table" / "glue_table.md").read_text()

@@ -27,8 +27,12 @@ def made(tmp_path_factory, minilm_dir, shared_data):
     """MiniLM under an SST-2 head (random, wide enough that its answers are not ties), a
     200-row slice of SST-2, and `bert quantize --data` run once on them in a fresh store."""
     root = tmp_path_factory.mktemp("quantize")
-    labels = {"num_labels": 2, "id2label": {0: "negative", 1: "positive"},
-              "label2id": {"negative": 0, "positive": 1}, "finetuning_task": "SST-2"}  # fmt: skip
+    labels = {
+        "num_labels": 2,
+        "id2label": {0: "negative", 1: "positive"},
+        "label2id": {"negative": 0, "positive": 1},
+        "finetuning_task": "SST-2",
+    }
     model = BertForSequenceClassification.from_pretrained(minilm_dir, **labels).eval()
     data = root / "SST-2"
     data.mkdir()
@@ -80,8 +84,15 @@ def test_int8_answers_as_fp32_on_nearly_every_sentence(made, shared_data):
 
 def test_bert_predict_reads_the_output_folder(made):
     (made / "in.txt").write_text("a gripping , funny film .\ndull and far too long .\n")
-    argv = ["predict", "--model", made / "int8", "--input", made / "in.txt",
-            "--output", made / "out.jsonl"]  # fmt: skip
+    argv = [
+        "predict",
+        "--model",
+        made / "int8",
+        "--input",
+        made / "in.txt",
+        "--output",
+        made / "out.jsonl",
+    ]
     assert cli.main([str(a) for a in argv]) == 0
     rows = [json.loads(line) for line in (made / "out.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and {r["label"] for r in rows} <= {"negative", "positive"}

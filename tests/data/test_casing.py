@@ -51,9 +51,21 @@ def test_cased_vocabulary_instances_and_model(corpus, tmp_path):
     vocab = read_vocab(root / "vocab" / "vocab.txt")
     assert "Paris" in vocab and read_lowercase(root / "vocab") is False
     # no --cased here: the casing comes from the vocabulary folder
-    run("instances", "--input", corpus, "--vocab", root / "vocab" / "vocab.txt",
-        "--output", root / "instances", "--max-seq-length", "32", "--dupe-factor", "1",
-        "--num-workers", "1")  # fmt: skip
+    run(
+        "instances",
+        "--input",
+        corpus,
+        "--vocab",
+        root / "vocab" / "vocab.txt",
+        "--output",
+        root / "instances",
+        "--max-seq-length",
+        "32",
+        "--dupe-factor",
+        "1",
+        "--num-workers",
+        "1",
+    )
     assert read_lowercase(root / "instances") is False
     table = pq.read_table(root / "instances" / "shard-00000.parquet").to_pydict()
     original = [

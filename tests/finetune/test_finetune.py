@@ -224,12 +224,36 @@ def test_pairs_packed_and_longer_side_truncated_first(minilm_dir):
         Example("2", "x y", long_a, "entailment"),
     ]
     feats = featurize(rte, examples, tok, max_seq_length=12)
-    assert _tokens(tok, feats, 0) == ["[CLS]", "one", "two", "three", "four", "five", "six",
-                                      "seven", "[SEP]", "short", "pair", "[SEP]"]  # fmt: skip
+    assert _tokens(tok, feats, 0) == [
+        "[CLS]",
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "six",
+        "seven",
+        "[SEP]",
+        "short",
+        "pair",
+        "[SEP]",
+    ]
     assert feats.token_type_ids[0].tolist() == [0] * 9 + [1] * 3
     # Equal lengths: _truncate_seq_pair pops B on ties, so A keeps the odd token.
-    assert _tokens(tok, feats, 1) == ["[CLS]", "one", "two", "three", "four", "five", "[SEP]",
-                                      "one", "two", "three", "four", "[SEP]"]  # fmt: skip
+    assert _tokens(tok, feats, 1) == [
+        "[CLS]",
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "[SEP]",
+        "one",
+        "two",
+        "three",
+        "four",
+        "[SEP]",
+    ]
     assert _tokens(tok, feats, 2)[:5] == ["[CLS]", "x", "y", "[SEP]", "one"]
     assert len(feats.input_ids[2]) == 12 and feats.labels.tolist() == [0, 0, 0]
     sst2 = featurize(get_task("SST-2"), [Example("0", long_a, None, "1")], tok, 6)
@@ -254,8 +278,9 @@ def test_optimizer_schedule_and_decay_groups(tiny_dir):
     decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
     names = {id(p): n for n, p in model.named_parameters()}
-    assert all("LayerNorm" in names[id(p)] or names[id(p)].endswith("bias")
-               for p in no_decay["params"])  # fmt: skip
+    assert all(
+        "LayerNorm" in names[id(p)] or names[id(p)].endswith("bias") for p in no_decay["params"]
+    )
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
     lrs = []
     for _ in range(100):
@@ -341,8 +366,9 @@ def test_options_come_from_the_config_fields(tmp_path) -> None:
     parser = build_parser(squad)
     options = {a.dest for a in parser._actions}
     assert {f.name for f in fields(squad.config_class)} <= options and "download" in options
-    args = parser.parse_args(["--task", "squad", *run, "--lr", "1e-4", "--doc-stride", "32",
-                              "--max-train-examples", "5"])  # fmt: skip
+    args = parser.parse_args(
+        ["--task", "squad", *run, "--lr", "1e-4", "--doc-stride", "32", "--max-train-examples", "5"]
+    )
     cfg = config_from_args(args, squad.config_class)
     assert cfg == squad.config_class(learning_rate=1e-4, doc_stride=32, max_train_examples=5)
     assert cfg.max_seq_length == 384 and cfg.eval_batch_size == 64  # SQuAD's defaults
@@ -361,8 +387,9 @@ def test_options_come_from_the_config_fields(tmp_path) -> None:
     args = build_parser(load_task("MRPC")).parse_args(["--task", "MRPC", *whole])
     assert (args.max_train_examples, args.max_eval_examples) == (None, 300)  # DVC's `-S ...=none`
     with pytest.raises(SystemExit):
-        build_parser(load_task("MRPC")).parse_args(["--task", "MRPC", *run, "--max-eval-examples",
-                                                    "all"])  # fmt: skip
+        build_parser(load_task("MRPC")).parse_args(
+            ["--task", "MRPC", *run, "--max-eval-examples", "all"]
+        )
     ner = build_parser(load_task("conll2003"))
     assert ner.parse_args(["--task", "x", *run, "--document-context"]).document_context is True
     assert ner.parse_args(["--task", "x", *run]).document_context is False
@@ -418,9 +445,10 @@ def test_random_init_is_the_same_architecture_from_fresh_weights(tiny_dir) -> No
 
 def _nested(parent_id: str):
     return mlflow.search_runs(
-        experiment_names=["bert"], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+        experiment_names=["bert"],
+        filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
         output_format="list",
-    )  # fmt: skip
+    )
 
 
 def test_sweep_and_control_end_to_end(tmp_path, shared_data, tiny_dir, mlflow_env) -> None:
@@ -429,28 +457,54 @@ def test_sweep_and_control_end_to_end(tmp_path, shared_data, tiny_dir, mlflow_en
     the random-init control fine-tuned beside it is a different model; `bert evaluate` shows
     both rows and the gain."""
     data = shared_data / "glue" / "STS-B"
-    run = ["finetune", "--task", "STS-B", "--data", str(data), "--model", str(tiny_dir),
-           "--epochs", "1", "--batch-size", "16", "--seed", "3", "--max-seq-length", "32",
-           "--max-train-examples", "64", "--max-eval-examples", "48"]  # fmt: skip
+    run = [
+        "finetune",
+        "--task",
+        "STS-B",
+        "--data",
+        str(data),
+        "--model",
+        str(tiny_dir),
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--seed",
+        "3",
+        "--max-seq-length",
+        "32",
+        "--max-train-examples",
+        "64",
+        "--max-eval-examples",
+        "48",
+    ]
     out = tmp_path / "sweep"
     assert cli.main([*run, "--output", str(out), "--lr-sweep", "1e-3,1e-5", "--restarts", "2"]) == 0
     result = json.loads((out / "metrics.json").read_text())
     sweep = result["sweep"]
     trials = sweep["trials"]
     assert [(t["learning_rate"], t["seed"]) for t in trials] == [
-        (1e-3, 3), (1e-3, 4), (1e-5, 3), (1e-5, 4)
-    ]  # fmt: skip
+        (1e-3, 3),
+        (1e-3, 4),
+        (1e-5, 3),
+        (1e-5, 4),
+    ]
     assert len({t["score"] for t in trials}) == 4 and sweep["data_seed"] == 3
     best = max(trials, key=lambda t: t["score"])
     assert sweep["chosen"] == trials.index(best) and result["score"] == best["score"]
     assert (result["config"]["learning_rate"], result["config"]["seed"]) == (
-        best["learning_rate"], best["seed"]
-    )  # fmt: skip
+        best["learning_rate"],
+        best["seed"],
+    )
     assert result["metrics"] == best["metrics"] and result["init"] == "pretrained"
 
     runs = mlflow.search_runs(experiment_names=["bert"], output_format="list")
-    (step,) = [r for r in runs if r.data.tags.get("bert.step") == "finetune-STS-B"
-               and r.data.params.get("lr_sweep") != "None"]  # fmt: skip
+    (step,) = [
+        r
+        for r in runs
+        if r.data.tags.get("bert.step") == "finetune-STS-B"
+        and r.data.params.get("lr_sweep") != "None"
+    ]
     assert step.data.params["learning_rate"] == str(best["learning_rate"])
     assert step.data.params["seed"] == str(best["seed"])
     assert step.data.params["init"] == "pretrained"
@@ -484,8 +538,10 @@ def test_sweep_and_control_end_to_end(tmp_path, shared_data, tiny_dir, mlflow_en
     assert cli.main(["evaluate", "--results", str(out), str(control), "--output", str(report)]) == 0
     table = (report / "glue_table.md").read_text().splitlines()
     assert [line.split(" | ")[0] for line in table[2:5]] == [
-        "| BERT (ours)", "| random init", "| BERT (ours) gain over random init"
-    ]  # fmt: skip
+        "| BERT (ours)",
+        "| random init",
+        "| BERT (ours) gain over random init",
+    ]
 
 
 def test_a_diverging_finetuning_fails_and_registers_nothing(
@@ -497,9 +553,25 @@ def test_a_diverging_finetuning_fails_and_registers_nothing(
     sweep the diverged trial is a failed trial (null score, its nested run FAILED) and the best
     sound trial is kept."""
     data = shared_data / "glue" / "STS-B"
-    run = ["finetune", "--task", "STS-B", "--data", str(data), "--model", str(tiny_dir),
-           "--epochs", "1", "--batch-size", "16", "--max-seq-length", "32",
-           "--max-train-examples", "64", "--max-eval-examples", "32"]  # fmt: skip
+    run = [
+        "finetune",
+        "--task",
+        "STS-B",
+        "--data",
+        str(data),
+        "--model",
+        str(tiny_dir),
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--max-seq-length",
+        "32",
+        "--max-train-examples",
+        "64",
+        "--max-eval-examples",
+        "32",
+    ]
     client = mlflow.MlflowClient()
     versions = lambda: client.search_model_versions("name = 'bert-stsb'")  # noqa: E731
     before = len(versions())
@@ -514,7 +586,7 @@ def test_a_diverging_finetuning_fails_and_registers_nothing(
         filter_string="tags.`bert.step` = 'finetune-STS-B'",
         order_by=["attributes.start_time DESC"],
         output_format="list",
-    )  # fmt: skip  (the newest: the module's store holds other STS-B runs)
+    )  # the newest: the module's store holds other STS-B runs
     assert failed.info.status == "FAILED"
 
     swept = tmp_path / "sweep"
@@ -541,8 +613,13 @@ def test_pick_best_joins_a_fanned_out_sweep(tmp_path) -> None:
         d = tmp_path / f"lr{i}"
         (d / "model").mkdir(parents=True)
         (d / "model" / "weights").write_text(str(lr))
-        metrics = {"task": "MRPC", "metrics": {"f1": score, "accuracy": score}, "score": score,
-                   "best_epoch": 2, "config": {"learning_rate": lr, "seed": 42}}  # fmt: skip
+        metrics = {
+            "task": "MRPC",
+            "metrics": {"f1": score, "accuracy": score},
+            "score": score,
+            "best_epoch": 2,
+            "config": {"learning_rate": lr, "seed": 42},
+        }
         (d / "metrics.json").write_text(json.dumps(metrics))
         folders.append(str(d))
     best = pick_best(folders, tmp_path / "best")

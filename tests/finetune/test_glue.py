@@ -327,12 +327,16 @@ def test_the_baseline_is_the_majority_label_scored_by_the_tasks_metrics():
     mrpc = GlueFinetune("MRPC")
     mrpc.train, mrpc.dev = _features([1, 1, 0]), {"dev": _features([1, 0, 0, 0])}
     # always 1: accuracy 1/4; F1 with P = 1/4, R = 1: 2/5; the score their mean
-    assert mrpc.baseline() == (pytest.approx(32.5), "always equivalent (the most frequent in "
-                                                    "training)")  # fmt: skip
+    assert mrpc.baseline() == (
+        pytest.approx(32.5),
+        "always equivalent (the most frequent in training)",
+    )
     sst2 = GlueFinetune("SST-2")
     sst2.train, sst2.dev = _features([0, 1, 0]), {"dev": _features([0, 0, 1])}
-    assert sst2.baseline() == (pytest.approx(200 / 3), "always negative (the most frequent in "
-                                                        "training)")  # fmt: skip
+    assert sst2.baseline() == (
+        pytest.approx(200 / 3),
+        "always negative (the most frequent in training)",
+    )
     cola = GlueFinetune("CoLA")
     cola.train, cola.dev = _features([1, 1, 0]), {"dev": _features([1, 0, 1])}
     assert cola.baseline()[0] == 0.0  # a constant answer's MCC
@@ -396,8 +400,9 @@ def test_label_names_say_what_the_data_values_mean(name, tiny_dir):
     examples = [Example(str(i), "a", None, value) for i, value in enumerate(task.labels)]
     assert label_ids(task, examples).tolist() == ids.tolist()
     assert prediction_names(task, ids) == list(task.labels)  # "0"/"1" for SST-2's server
-    assert task.labels == ({"MNLI": task.label_names, "QNLI": NLI2, "RTE": NLI2}.get(name)
-                           or ("0", "1"))  # fmt: skip
+    assert task.labels == (
+        {"MNLI": task.label_names, "QNLI": NLI2, "RTE": NLI2}.get(name) or ("0", "1")
+    )
 
 
 def test_binary_names_match_the_data(shared_data):

@@ -154,8 +154,9 @@ def test_download_from_a_local_server(tmp_path: Path, shared_data: Path, serve) 
 
 
 @pytest.mark.slow
-def test_tiny_model_beats_all_o_baseline(tmp_path: Path, shared_data: Path, minilm_dir: Path,
-                                         monkeypatch) -> None:  # fmt: skip
+def test_tiny_model_beats_all_o_baseline(
+    tmp_path: Path, shared_data: Path, minilm_dir: Path, monkeypatch
+) -> None:
     """A randomly initialised `tiny` BERT, fine-tuned briefly on 1,000 real CoNLL sentences.
 
     Measured with seeds 0, 1, 2, 3, 42 (model init and data sample): dev token accuracy 2.4 to
@@ -171,11 +172,30 @@ def test_tiny_model_beats_all_o_baseline(tmp_path: Path, shared_data: Path, mini
     model.save_pretrained(tmp_path / "tiny", vocab_file=minilm_dir / "vocab.txt")
     out = tmp_path / "ner"
     argv = [
-        "finetune", "--task", "conll2003", "--data", str(shared_data / "conll2003"),
-        "--model", str(tmp_path / "tiny"), "--output", str(out), "--max-seq-length", "64",
-        "--max-train-examples", "1000", "--max-eval-examples", "100", "--epochs", "3",
-        "--batch-size", "16", "--learning-rate", "1e-3", "--seed", "0",
-    ]  # fmt: skip
+        "finetune",
+        "--task",
+        "conll2003",
+        "--data",
+        str(shared_data / "conll2003"),
+        "--model",
+        str(tmp_path / "tiny"),
+        "--output",
+        str(out),
+        "--max-seq-length",
+        "64",
+        "--max-train-examples",
+        "1000",
+        "--max-eval-examples",
+        "100",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "16",
+        "--learning-rate",
+        "1e-3",
+        "--seed",
+        "0",
+    ]
     assert cli.main(argv) == 0
     result = json.loads((out / "metrics.json").read_text())
     assert result["task"] == "conll2003"
@@ -207,8 +227,13 @@ def test_conlleval_reads_chunks_tolerantly_unlike_seqeval_strict() -> None:
     assert c["chunks"] == {"correct": 3, "found": 6, "gold": 4}
     assert (c["precision"], c["recall"]) == (0.5, 0.75) and c["f1"] == pytest.approx(0.6)
     assert c["accuracy"] == pytest.approx(5 / 9)
-    assert c["per_type"]["ORG"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 1,
-                                    "found": 2}  # fmt: skip
+    assert c["per_type"]["ORG"] == {
+        "precision": 0.0,
+        "recall": 0.0,
+        "f1": 0.0,
+        "support": 1,
+        "found": 2,
+    }
     assert c["per_type"]["LOC"]["precision"] == 0.5 and c["per_type"]["LOC"]["recall"] == 1.0
     both = entity_metrics(gold, pred)  # seqeval strict: only ORG[0] is an entity, and wrong
     assert both["strict_f1"] == 0.0 and both["strict_precision"] == 0.0
@@ -264,16 +289,30 @@ def test_document_context_fills_windows_with_neighbours(tmp_path: Path, minilm_d
     # "paris is big": 5 places of context, 2 left (half), 3 right
     assert words(0) == ["lives", "here", "paris", "is", "big", "we", "like", "tea"]
     assert [LABELS[y] if y >= 0 else None for y in w.labels[0][1:-1]] == [
-        None, None, "B-LOC", "O", "O", None, None, None
-    ]  # fmt: skip
+        None,
+        None,
+        "B-LOC",
+        "O",
+        "O",
+        None,
+        None,
+        None,
+    ]
     assert w.first[0].tolist() == [3, 4, 5] and w.words[0].tolist() == [[0, 0], [0, 1], [0, 2]]
     # the last sentence of document 1: left context only, up to the window
     assert words(1) == ["here", "paris", "is", "big", "we", "like", "tea", "now"]
     assert words(2) == ["rome", "is", "old"]  # alone in its document: nothing to add
     first = featurize(every[:1], tok, max_seq_length=10, documents=every)
     assert [tok.id_to_token(int(t)) for t in first.input_ids[0]][1:-1] == [
-        "john", "lives", "here", "paris", "is", "big", "we", "like"
-    ]  # fmt: skip
+        "john",
+        "lives",
+        "here",
+        "paris",
+        "is",
+        "big",
+        "we",
+        "like",
+    ]
     plain = featurize(every[1:2], tok, max_seq_length=10)
     assert [tok.id_to_token(int(t)) for t in plain.input_ids[0]][1:-1] == ["paris", "is", "big"]
 
@@ -295,10 +334,30 @@ def test_document_context_and_test_split_end_to_end(
     model = BertForPreTraining(BertConfig.from_preset("tiny", max_position_embeddings=64))
     model.save_pretrained(tmp_path / "tiny", vocab_file=minilm_dir / "vocab.txt")
     out = tmp_path / "ner"
-    argv = ["finetune", "--task", "conll2003", "--data", str(data),
-            "--model", str(tmp_path / "tiny"), "--output", str(out), "--max-seq-length", "64",
-            "--max-train-examples", "200", "--max-eval-examples", "60", "--epochs", "1",
-            "--batch-size", "16", "--learning-rate", "1e-3", "--document-context"]  # fmt: skip
+    argv = [
+        "finetune",
+        "--task",
+        "conll2003",
+        "--data",
+        str(data),
+        "--model",
+        str(tmp_path / "tiny"),
+        "--output",
+        str(out),
+        "--max-seq-length",
+        "64",
+        "--max-train-examples",
+        "200",
+        "--max-eval-examples",
+        "60",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--learning-rate",
+        "1e-3",
+        "--document-context",
+    ]
     assert cli.main(argv) == 0
     result = json.loads((out / "metrics.json").read_text())
     assert result["config"]["document_context"] is True and result["num_test_sentences"] == 60
@@ -332,8 +391,9 @@ def test_feature_states_are_the_papers_table_7_choices() -> None:
     with pytest.raises(ValueError, match="feature_layers None: one of embeddings"):
         BertFeatureTagger(config)
     # the tagger's width follows the model: concat feeds 4H into a BiLSTM of H per direction
-    tagger = BertFeatureTagger(BertConfig.from_preset("tiny", num_labels=3,
-                                                      feature_layers="concat-last4"))  # fmt: skip
+    tagger = BertFeatureTagger(
+        BertConfig.from_preset("tiny", num_labels=3, feature_layers="concat-last4")
+    )
     h = tagger.config.hidden_size
     assert (tagger.classifier.lstm.input_size, tagger.classifier.lstm.hidden_size) == (4 * h, h)
     assert tagger.classifier.lstm.num_layers == 2 and tagger.classifier.lstm.bidirectional
@@ -368,12 +428,32 @@ def test_feature_based_tagger_learns_on_frozen_bert(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
     out = tmp_path / "fb"
     argv = [
-        "finetune", "--task", "conll2003", "--data", str(shared_data / "conll2003"),
-        "--model", str(minilm_dir), "--output", str(out), "--max-seq-length", "48",
-        "--max-train-examples", "800", "--max-eval-examples", "150", "--epochs", "2",
-        "--batch-size", "16", "--learning-rate", "1e-3", "--seed", "0",
-        "--feature-based", "weighted-sum-last4",
-    ]  # fmt: skip
+        "finetune",
+        "--task",
+        "conll2003",
+        "--data",
+        str(shared_data / "conll2003"),
+        "--model",
+        str(minilm_dir),
+        "--output",
+        str(out),
+        "--max-seq-length",
+        "48",
+        "--max-train-examples",
+        "800",
+        "--max-eval-examples",
+        "150",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "16",
+        "--learning-rate",
+        "1e-3",
+        "--seed",
+        "0",
+        "--feature-based",
+        "weighted-sum-last4",
+    ]
     assert cli.main(argv) == 0
     result = json.loads((out / "metrics.json").read_text())
     config = json.loads((out / "model" / "config.json").read_text())

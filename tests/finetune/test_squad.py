@@ -85,8 +85,9 @@ def test_offsets_round_trip_every_gold_answer(shared_data: Path, tokenizer) -> N
     examples = read_squad(shared_data / "squad" / "train.json")
     assert len(examples) == 11877
     contexts = sorted({e.context for e in examples})
-    encs = dict(zip(contexts, tokenizer.encode_batch(contexts, add_special_tokens=False),
-                    strict=True))  # fmt: skip
+    encs = dict(
+        zip(contexts, tokenizer.encode_batch(contexts, add_special_tokens=False), strict=True)
+    )
     inside_token = []
     for ex in examples:
         ((text, start),) = ex.answers
@@ -127,12 +128,20 @@ def test_windows_cover_long_contexts_and_keep_answers(shared_data: Path, tokeniz
 
 def test_decode_picks_best_valid_span_and_null() -> None:
     ex = Example("q", "who?", "Marie Curie won.", [("Marie Curie", 0)])
-    offsets = np.array([[-1, -1], [-1, -1], [-1, -1], [0, 5], [6, 11], [12, 15], [15, 16],
-                        [-1, -1]])  # fmt: skip
+    offsets = np.array(
+        [[-1, -1], [-1, -1], [-1, -1], [0, 5], [6, 11], [12, 15], [15, 16], [-1, -1]]
+    )
     from bert_core.finetune.tasks.squad import Features
 
-    f = Features([np.zeros(8, np.int64)], [], np.array([0]), [offsets], [offsets[:, 0] >= 0],
-                 np.zeros(1), np.zeros(1))  # fmt: skip
+    f = Features(
+        [np.zeros(8, np.int64)],
+        [],
+        np.array([0]),
+        [offsets],
+        [offsets[:, 0] >= 0],
+        np.zeros(1),
+        np.zeros(1),
+    )
     sl = np.array([1.0, 9, 0, 5, 0, 0, 0, 0])  # the best start (9) is in the question: invalid
     el = np.array([1.0, 0, 0, 0, 4, 9, 0, 0])  # end 5 beats end 4 but 5 -> "won" is after start 3
     cfg = SquadConfig()
@@ -151,8 +160,10 @@ def test_decode_picks_best_valid_span_and_null() -> None:
 
 def _squad_file(path: Path, context: str, question: str, text: str, start: int) -> Path:
     qa = {"answers": [{"answer_start": start, "text": text}], "question": question, "id": "x1"}
-    data = {"data": [{"title": "T", "paragraphs": [{"context": context, "qas": [qa]}]}],
-            "version": "1.1"}  # fmt: skip
+    data = {
+        "data": [{"title": "T", "paragraphs": [{"context": context, "qas": [qa]}]}],
+        "version": "1.1",
+    }
     path.mkdir(parents=True, exist_ok=True)
     (path / "train.json").write_text(json.dumps(data))
     (path / "dev.json").write_text(json.dumps(data))
@@ -209,11 +220,30 @@ def test_finetune_cli_writes_official_predictions(
     model.save_pretrained(tmp_path / "tiny", vocab_file=minilm_dir / "vocab.txt")
     out = tmp_path / "squad"
     argv = [
-        "finetune", "--task", "squad", "--data", str(shared_data / "squad"),
-        "--model", str(tmp_path / "tiny"), "--output", str(out), "--max-seq-length", "128",
-        "--doc-stride", "64", "--max-train-examples", "24", "--max-eval-examples", "12",
-        "--epochs", "2", "--batch-size", "8", "--learning-rate", "1e-3",
-    ]  # fmt: skip
+        "finetune",
+        "--task",
+        "squad",
+        "--data",
+        str(shared_data / "squad"),
+        "--model",
+        str(tmp_path / "tiny"),
+        "--output",
+        str(out),
+        "--max-seq-length",
+        "128",
+        "--doc-stride",
+        "64",
+        "--max-train-examples",
+        "24",
+        "--max-eval-examples",
+        "12",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--learning-rate",
+        "1e-3",
+    ]
     assert cli.main(argv) == 0
     result = json.loads((out / "metrics.json").read_text())
     assert result["task"] == "squad" and "index % 5 == 4" in result["files"]["dev"]
@@ -274,7 +304,7 @@ def squad_v2_from_v1(path: Path, out: Path, articles: int = 15) -> Path:
                             "question": qa["question"],
                             "answers": [],
                             "is_impossible": True,
-                        }  # fmt: skip
+                        }
                     )
                 else:
                     keep.append(qa | {"is_impossible": False})
@@ -300,11 +330,30 @@ def test_squad_v2_reports_the_tuned_threshold_beside_the_untuned_score(
     model.save_pretrained(tmp_path / "tiny", vocab_file=minilm_dir / "vocab.txt")
     out = tmp_path / "squad_v2"
     argv = [
-        "finetune", "--task", "squad_v2", "--data", str(data), "--model", str(tmp_path / "tiny"),
-        "--output", str(out), "--max-seq-length", "128", "--doc-stride", "64",
-        "--max-train-examples", "32", "--max-eval-examples", "40", "--epochs", "1",
-        "--batch-size", "8", "--learning-rate", "1e-3",
-    ]  # fmt: skip
+        "finetune",
+        "--task",
+        "squad_v2",
+        "--data",
+        str(data),
+        "--model",
+        str(tmp_path / "tiny"),
+        "--output",
+        str(out),
+        "--max-seq-length",
+        "128",
+        "--doc-stride",
+        "64",
+        "--max-train-examples",
+        "32",
+        "--max-eval-examples",
+        "40",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--learning-rate",
+        "1e-3",
+    ]
     assert cli.main(argv) == 0
     result = json.loads((out / "metrics.json").read_text())
     m = result["metrics"]

@@ -27,12 +27,31 @@ from bert_core.finetune.tasks.swag import (
 )
 from bert_core.model.heads import BertForMultipleChoice
 
-HEADER = ["", "video-id", "fold-ind", "startphrase", "sent1", "sent2", "gold-source",
-          "ending0", "ending1", "ending2", "ending3", "label"]  # fmt: skip
+HEADER = [
+    "",
+    "video-id",
+    "fold-ind",
+    "startphrase",
+    "sent1",
+    "sent2",
+    "gold-source",
+    "ending0",
+    "ending1",
+    "ending2",
+    "ending3",
+    "label",
+]
 # books of distinct authors and styles (prose of four centuries, verse, drama)
-BOOKS = ("a_christmas_carol.txt", "pride_and_prejudice.txt", "the_hound_of_the_baskervilles.txt",
-         "frankenstein.txt", "tinyshakespeare_input.txt", "gutenberg_nltk/milton-paradise.txt",
-         "gutenberg_nltk/whitman-leaves.txt", "gutenberg_nltk/chesterton-thursday.txt")  # fmt: skip
+BOOKS = (
+    "a_christmas_carol.txt",
+    "pride_and_prejudice.txt",
+    "the_hound_of_the_baskervilles.txt",
+    "frankenstein.txt",
+    "tinyshakespeare_input.txt",
+    "gutenberg_nltk/milton-paradise.txt",
+    "gutenberg_nltk/whitman-leaves.txt",
+    "gutenberg_nltk/chesterton-thursday.txt",
+)
 
 
 def book_sentences(path: Path) -> list[str]:
@@ -60,8 +79,19 @@ def swag_rows(corpus: Path, n: int, seed: int, words: tuple[int, int] = (5, 14))
         others = [pairs[b][rng.integers(len(pairs[b]))][1].split(" ", 1)[1] for b in chosen[1:]]
         label = int(rng.integers(NUM_CHOICES))
         endings = others[:label] + [rest] + others[label:]
-        rows.append([str(i), f"book{chosen[0]}", str(i), f"{gold[0]} {first}", gold[0], first,
-                     "gold", *endings, str(label)])  # fmt: skip
+        rows.append(
+            [
+                str(i),
+                f"book{chosen[0]}",
+                str(i),
+                f"{gold[0]} {first}",
+                gold[0],
+                first,
+                "gold",
+                *endings,
+                str(label),
+            ]
+        )
     return rows
 
 
@@ -82,8 +112,12 @@ def test_head_matches_transformers_both_ways(tmp_path: Path, minilm_dir: Path) -
         ["She walked in.", "The moon sang.", "It rained fish.", "He slept."],
         ["It ran away.", "The cat cooked dinner.", "Nobody came.", "The sun set."],
     ]
-    enc = tok([c for c in contexts for _ in range(4)], [e for es in endings for e in es],
-              padding=True, return_tensors="pt")  # fmt: skip
+    enc = tok(
+        [c for c in contexts for _ in range(4)],
+        [e for es in endings for e in es],
+        padding=True,
+        return_tensors="pt",
+    )
     batch = {k: v.view(2, 4, -1) for k, v in enc.items()}
     assert (batch["attention_mask"] == 0).any() and (batch["input_ids"] > 999).float().mean() > 0.5
     labels = torch.tensor([0, 2])
@@ -111,10 +145,23 @@ def test_head_matches_transformers_both_ways(tmp_path: Path, minilm_dir: Path) -
 
 
 def test_reads_featurises_and_batches_official_csv(tmp_path: Path, minilm_dir: Path) -> None:
-    rows = [HEADER, ["0", "lsmdc-1", "18313", "Students lower their eyes nervously. She",
-                     "Students lower their eyes nervously.", "She", "gold", "pats her shoulder.",
-                     "turns with two students.", "walks slowly towards someone.",
-                     "wheels around as her dog thunders out.", "2"]]  # fmt: skip
+    rows = [
+        HEADER,
+        [
+            "0",
+            "lsmdc-1",
+            "18313",
+            "Students lower their eyes nervously. She",
+            "Students lower their eyes nervously.",
+            "She",
+            "gold",
+            "pats her shoulder.",
+            "turns with two students.",
+            "walks slowly towards someone.",
+            "wheels around as her dog thunders out.",
+            "2",
+        ],
+    ]
     path = tmp_path / "val.csv"
     with open(path, "w", encoding="utf-8", newline="") as f:
         csv.writer(f).writerows(rows)
@@ -124,8 +171,22 @@ def test_reads_featurises_and_batches_official_csv(tmp_path: Path, minilm_dir: P
     feats = featurize([ex], tok, max_seq_length=14)
     words = [tok.id_to_token(int(t)) for t in feats.input_ids[0][2]]
     # A = sent1, B = sent2 + ending2, 6 tokens each for 11 places: B (on ties) loses its tail
-    assert words == ["[CLS]", "students", "lower", "their", "eyes", "nervously", ".", "[SEP]",
-                     "she", "walks", "slowly", "towards", "someone", "[SEP]"]  # fmt: skip
+    assert words == [
+        "[CLS]",
+        "students",
+        "lower",
+        "their",
+        "eyes",
+        "nervously",
+        ".",
+        "[SEP]",
+        "she",
+        "walks",
+        "slowly",
+        "towards",
+        "someone",
+        "[SEP]",
+    ]
     assert feats.token_type_ids[0][2].tolist() == [0] * 8 + [1] * 6
     batch = collate(feats, [0, 0])
     assert batch["input_ids"].shape[:2] == (2, NUM_CHOICES) and batch["labels"].tolist() == [2, 2]
@@ -176,9 +237,25 @@ def test_minilm_learns_swag_format_set_from_real_text(
     torch.set_num_threads(1)
     data = write_swag(tmp_path / "swag", shared_data / "corpus", 240, 100)
     out = tmp_path / "out"
-    argv = ["finetune", "--task", "swag", "--data", str(data), "--model", str(minilm_dir),
-            "--output", str(out), "--epochs", "2", "--max-seq-length", "32", "--batch-size", "8",
-            "--learning-rate", "2e-4"]  # fmt: skip
+    argv = [
+        "finetune",
+        "--task",
+        "swag",
+        "--data",
+        str(data),
+        "--model",
+        str(minilm_dir),
+        "--output",
+        str(out),
+        "--epochs",
+        "2",
+        "--max-seq-length",
+        "32",
+        "--batch-size",
+        "8",
+        "--learning-rate",
+        "2e-4",
+    ]
     assert cli.main(argv) == 0
     result = json.loads((out / "metrics.json").read_text())
     assert result["task"] == "swag" and result["num_dev_examples"] == 100

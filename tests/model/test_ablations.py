@@ -22,8 +22,9 @@ def batch(minilm_dir: Path) -> dict[str, torch.Tensor]:
     enc = tok(
         ["The cat sat on the mat.", "A much longer first sentence, with a few more words."],
         ["It was warm.", "And a second one."],
-        padding=True, return_tensors="pt",
-    )  # fmt: skip
+        padding=True,
+        return_tensors="pt",
+    )
     assert (enc["attention_mask"] == 0).any()
     return dict(enc)
 

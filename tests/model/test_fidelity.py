@@ -63,9 +63,14 @@ def test_init_is_the_originals_truncated_normal() -> None:
 
 @pytest.mark.parametrize(
     "hidden_act, approximate",
-    [("gelu", "none"), ("gelu_python", "none"), ("gelu_new", "tanh"),
-     ("gelu_pytorch_tanh", "tanh"), ("gelu_fast", "tanh")],
-)  # fmt: skip
+    [
+        ("gelu", "none"),
+        ("gelu_python", "none"),
+        ("gelu_new", "tanh"),
+        ("gelu_pytorch_tanh", "tanh"),
+        ("gelu_fast", "tanh"),
+    ],
+)
 def test_gelu_form_follows_hidden_act(hidden_act: str, approximate: str) -> None:
     x = torch.linspace(-6, 6, 1001, dtype=torch.float64)
     expected = F.gelu(x, approximate=approximate)
@@ -174,9 +179,12 @@ def test_bert_optimizer_is_the_originals_update_rule() -> None:
     step = (1 - b1) / math.sqrt(1 - b2)
     assert step == pytest.approx(3.16228, rel=1e-5)
     torch.testing.assert_close(
-        p.detach(), torch.tensor([1 - 0.05 / (0.5 * math.sqrt(0.001) + eps),
-                                  1 + 0.2 / (2 * math.sqrt(0.001) + eps)], dtype=torch.float64),
-    )  # fmt: skip
+        p.detach(),
+        torch.tensor(
+            [1 - 0.05 / (0.5 * math.sqrt(0.001) + eps), 1 + 0.2 / (2 * math.sqrt(0.001) + eps)],
+            dtype=torch.float64,
+        ),
+    )
 
 
 def test_adamw_option_is_torch_adamw_with_transformers_schedule() -> None:
@@ -222,11 +230,19 @@ def test_squad_v2_null_score_is_the_minimum_over_the_windows() -> None:
     from bert_core.finetune.tasks.squad import Example, Features, SquadConfig, decode
 
     ex = Example("q", "who?", "Marie Curie won.", [("Marie Curie", 0)])
-    offsets = np.array([[-1, -1], [-1, -1], [-1, -1], [0, 5], [6, 11], [12, 15], [15, 16],
-                        [-1, -1]])  # fmt: skip
+    offsets = np.array(
+        [[-1, -1], [-1, -1], [-1, -1], [0, 5], [6, 11], [12, 15], [15, 16], [-1, -1]]
+    )
     n = len(offsets)
-    f = Features([np.zeros(n, np.int64)] * 3, [], np.array([0, 0, 0]), [offsets] * 3,
-                 [offsets[:, 0] >= 0] * 3, np.zeros(3), np.zeros(3))  # fmt: skip
+    f = Features(
+        [np.zeros(n, np.int64)] * 3,
+        [],
+        np.array([0, 0, 0]),
+        [offsets] * 3,
+        [offsets[:, 0] >= 0] * 3,
+        np.zeros(3),
+        np.zeros(3),
+    )
     logits = []
     for null, span in ((5.0, 2.0), (1.0, 0.0), (9.0, 0.0)):
         sl, el = np.zeros(n), np.zeros(n)
@@ -264,8 +280,10 @@ def test_conlleval_ends_a_guessed_chunk_where_the_next_guess_starts_one_or_is_o(
     assert c["chunks"] == {"correct": 3, "found": 8, "gold": 6}
     assert (c["precision"], c["recall"]) == (3 / 8, 3 / 6)
     assert c["accuracy"] == pytest.approx(8 / 13)
-    counts = {t: (round(s["precision"] * s["found"]), s["found"], s["support"])
-              for t, s in c["per_type"].items()}  # fmt: skip
+    counts = {
+        t: (round(s["precision"] * s["found"]), s["found"], s["support"])
+        for t, s in c["per_type"].items()
+    }
     # type: (correct, found, gold)
     assert counts == {"LOC": (0, 1, 1), "MISC": (1, 3, 1), "ORG": (1, 1, 1), "PER": (1, 3, 3)}
 

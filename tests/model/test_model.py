@@ -58,12 +58,19 @@ def test_presets_and_config_errors() -> None:
 def test_a_shape_replaces_the_presets_numbers_and_the_feed_forward_follows_4h() -> None:
     """Table 6's grid from one preset: each number given replaces the preset's, the
     feed-forward size is 4H unless given (so H alone moves it), 0 keeps the preset's."""
-    assert shape("base") == {"num_hidden_layers": 12, "hidden_size": 768,
-                             "num_attention_heads": 12, "intermediate_size": 3072}  # fmt: skip
+    assert shape("base") == {
+        "num_hidden_layers": 12,
+        "hidden_size": 768,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+    }
     assert shape("base", layers=6) == shape("base") | {"num_hidden_layers": 6}
-    assert shape("base", hidden=1024, heads=16) == {"num_hidden_layers": 12, "hidden_size": 1024,
-                                                    "num_attention_heads": 16,
-                                                    "intermediate_size": 4096}  # fmt: skip
+    assert shape("base", hidden=1024, heads=16) == {
+        "num_hidden_layers": 12,
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "intermediate_size": 4096,
+    }
     assert shape("tiny", intermediate=300)["intermediate_size"] == 300
     assert BertConfig.from_preset("mini") == BertConfig(**shape("mini"))
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
@@ -251,9 +258,12 @@ def test_label_names_round_trip_through_config_json_and_transformers(tmp_path: P
     transformers writes them (string ids), read back by transformers and by us (int ids)."""
     labels = ("O", "B-PER", "I-PER")
     config = BertConfig.from_preset(
-        "tiny", vocab_size=100, num_labels=3, id2label=dict(enumerate(labels)),
+        "tiny",
+        vocab_size=100,
+        num_labels=3,
+        id2label=dict(enumerate(labels)),
         finetuning_task="conll2003",
-    )  # fmt: skip
+    )
     assert config.label2id == {"O": 0, "B-PER": 1, "I-PER": 2}
     BertForSequenceClassification(config).save_pretrained(tmp_path / "ours")
     raw = json.loads((tmp_path / "ours" / "config.json").read_text())

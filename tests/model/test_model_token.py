@@ -20,10 +20,13 @@ def batch(minilm_dir: Path) -> dict[str, torch.Tensor]:
     tok = transformers.BertTokenizerFast.from_pretrained(str(minilm_dir))
     enc = tok(
         ["Who wrote Pride and Prejudice?", "Where is Notre Dame?"],
-        ["Pride and Prejudice is a novel by Jane Austen, published in 1813.",
-         "The University of Notre Dame is in Indiana."],
-        padding=True, return_tensors="pt",
-    )  # fmt: skip
+        [
+            "Pride and Prejudice is a novel by Jane Austen, published in 1813.",
+            "The University of Notre Dame is in Indiana.",
+        ],
+        padding=True,
+        return_tensors="pt",
+    )
     assert (enc["attention_mask"] == 0).any(), "the batch must contain padding"
     assert (enc["input_ids"] > 999).float().mean() > 0.5, "real WordPiece ids, not [UNK]s"
     return dict(enc)
@@ -81,9 +84,13 @@ def test_checkpoint_round_trips_through_transformers(
 
 def test_transformers_checkpoint_loads_in_ours(tmp_path: Path) -> None:
     config = transformers.BertConfig(
-        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=128, num_labels=5,
-    )  # fmt: skip
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        num_labels=5,
+    )
     torch.manual_seed(0)
     ref = transformers.BertForTokenClassification(config).eval()
     ref.save_pretrained(tmp_path / "hf")

@@ -293,7 +293,7 @@ def runs(servers, ray_head, planted, cache, root, shared_data) -> Runs:
             root / f"pods-{name}",
             image_env=image_env,
             cache=cache if name == "a" else None,
-        )  # fmt: skip
+        )
         for name in RUNS
     }
     tasks = sorted({t for args in RUNS.values() for t in args["finetune_tasks"]})
@@ -369,9 +369,10 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head, plant
     (loop,) = [e for e in body.children if e.name == "for-loop-2"]
     assert [i.state for i in loop.children] == ["RUNNING", "RUNNING", "RUNNING"]
     assert [[c.state for c in i.children] for i in loop.children] == [
-        ["COMPLETE", "COMPLETE", "CANCELED"], ["COMPLETE", "CANCELED", "CANCELED"],
+        ["COMPLETE", "COMPLETE", "CANCELED"],
         ["COMPLETE", "CANCELED", "CANCELED"],
-    ]  # fmt: skip
+        ["COMPLETE", "CANCELED", "CANCELED"],
+    ]
     assert _end_state(harness) == "RUNNING"
     by_path = {t.path: t for t in harness.tasks}
     for task in harness.tasks:
@@ -426,19 +427,28 @@ def test_a_rerun_is_cached_and_the_exit_handler_still_closes_the_run(
     first, state, logs = pipeline_run
     assert state == pod_harness.SUCCEEDED, logs
     harness = pod_harness.Harness(
-        SPEC, _objects(servers, ray_head.url, planted), tmp_path, image_env=IMAGE_ENV,
+        SPEC,
+        _objects(servers, ray_head.url, planted),
+        tmp_path,
+        image_env=IMAGE_ENV,
         cache=cache,
-    )  # fmt: skip
+    )
     state = harness.run(RUNS["a"])
     assert state == pod_harness.SUCCEEDED, _logs(harness)
     states = {t.path: t.state for t in harness.tasks}
     uncached = {f"{BODY}/pipeline-run", f"{BODY}/finetune-jobs", f"{BODY}/evaluate"}
     assert {p for p, s in states.items() if s == "COMPLETE"} == {*uncached, "/pipeline-end"}
     assert {p for p, s in states.items() if s == "CACHED"} == {
-        f"{BODY}/clean", f"{BODY}/vocab", f"{BODY}/instances", f"{BODY}/pretrain",
-        f"{LOOP}[0]/finetune", f"{LOOP}[1]/finetune", f"{LOOP}[2]/finetune",
-        f"{LOOP}[0]/condition-3/distill", f"{LOOP}[0]/condition-3/quantize",
-    }  # fmt: skip
+        f"{BODY}/clean",
+        f"{BODY}/vocab",
+        f"{BODY}/instances",
+        f"{BODY}/pretrain",
+        f"{LOOP}[0]/finetune",
+        f"{LOOP}[1]/finetune",
+        f"{LOOP}[2]/finetune",
+        f"{LOOP}[0]/condition-3/distill",
+        f"{LOOP}[0]/condition-3/quantize",
+    }
     keys = {t.path: t.cache_key for t in first.tasks}
     assert all(t.cache_key == keys[t.path] for t in harness.tasks if t.state == "CACHED")
     assert len(ray_head.jobs()) == 1  # no second Ray job
@@ -490,9 +500,17 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     assert {t.key: t.value for t in inputs["glue"].tags} == {"mlflow.data.context": "glue"}
     steps = {r.data.tags["bert.step"]: r for r in lineage.child_runs(parent.info.run_id)}
     assert set(steps) == {
-        "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B",
-        "finetune-SST-2-random", "evaluate", "distill-SST-2", "quantize",
-    }  # fmt: skip
+        "clean",
+        "vocab",
+        "instances",
+        "pretrain",
+        "finetune-SST-2",
+        "finetune-STS-B",
+        "finetune-SST-2-random",
+        "evaluate",
+        "distill-SST-2",
+        "quantize",
+    }
     assert steps["finetune-SST-2-random"].data.params["init"] == "random"
     for run in steps.values():
         assert run.info.status == "FINISHED" and run.data.tags["kfp.run_id"] == harness.run_id
@@ -558,8 +576,10 @@ def _steps(name: str) -> set[str]:
 def _task_rows(markdown: str) -> dict[str, str]:
     """The GLUE table's per-task lines of our model (`| SST-2 | accuracy 48.3 | 48.3 |`, with
     `| BERT (ours) ` before it when a control's rows are there too), by task."""
-    rows = (re.match(r"\| (?:BERT \(ours\) \| )?([A-Z][\w-]*) \| [a-z]", line) for line in
-            markdown.splitlines())  # fmt: skip
+    rows = (
+        re.match(r"\| (?:BERT \(ours\) \| )?([A-Z][\w-]*) \| [a-z]", line)
+        for line in markdown.splitlines()
+    )
     return {row.group(1): row.string.rstrip() for row in rows if row}
 
 
@@ -584,9 +604,16 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
     assert runs.seconds < sum(t.seconds for h in runs.harnesses.values() for t in h.tasks)
     loop = [f"{LOOP}[0]/finetune"]  # run b's one task (run a's pods: the test above)
     assert [t.path for t in runs.harnesses["b"].tasks] == [
-        f"{BODY}/pipeline-run", f"{BODY}/finetune-jobs", f"{BODY}/clean", f"{BODY}/vocab",
-        f"{BODY}/instances", f"{BODY}/pretrain", *loop, f"{BODY}/evaluate", "/pipeline-end",
-    ]  # fmt: skip
+        f"{BODY}/pipeline-run",
+        f"{BODY}/finetune-jobs",
+        f"{BODY}/clean",
+        f"{BODY}/vocab",
+        f"{BODY}/instances",
+        f"{BODY}/pretrain",
+        *loop,
+        f"{BODY}/evaluate",
+        "/pipeline-end",
+    ]
     for h in runs.harnesses.values():
         assert {t.state for t in h.tasks} == {pod_harness.COMPLETE}
         assert {t.env["KFP_RUN_ID"] for t in h.tasks} == {h.run_id}
@@ -627,8 +654,10 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
             assert params["model"].endswith(f"/{prefix}/pretrain/pretrained/model"), params
             assert params["data"] == f"{cluster.BUCKET}/data/glue/{task}"
             # its task's registered model: versions from this run's steps only
-            tuned = {v.run_id for v in client.search_model_versions(
-                f"name='{registry.model_name(task)}'")}  # fmt: skip
+            tuned = {
+                v.run_id
+                for v in client.search_model_versions(f"name='{registry.model_name(task)}'")
+            }
             assert own[f"finetune-{task}"].info.run_id in tuned and tuned <= own_ids, task
         # its GLUE table: a row for each of its own tasks, with its own score, and no other
         table = client.download_artifacts(
@@ -640,8 +669,12 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
         s3 = runs.harnesses[name].s3
         keys = set(_keys(s3, f"{prefix}/"))
         pretrained = f"{prefix}/pretrain/pretrained"
-        for key in ("model/model.safetensors", "model/config.json", "model/vocab.txt",
-                    "pretrain_metrics.csv"):  # fmt: skip
+        for key in (
+            "model/model.safetensors",
+            "model/config.json",
+            "model/vocab.txt",
+            "pretrain_metrics.csv",
+        ):
             assert f"{pretrained}/{key}" in keys, sorted(keys)
         assert f"{prefix}/evaluate/table" in keys
         with pods_s3_env(runs.harnesses[name].objects):
@@ -712,13 +745,30 @@ def test_no_planted_credential_reaches_any_output_of_the_runs(
     # the pipeline compiled afresh in an environment holding them, its image named on purpose
     control = f"planted-CONTROL-{uuid.uuid4().hex}"
     fresh = tmp_path / "bert_pipeline.yaml"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **planted.s3(), **planted.mlflow_auth(),
-           "MLFLOW_TRACKING_TOKEN": planted.mlflow_token}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        **planted.s3(),
+        **planted.mlflow_auth(),
+        "MLFLOW_TRACKING_TOKEN": planted.mlflow_token,
+    }
     compiled = subprocess.run(
-        [sys.executable, "-m", "pipelines.bert_pipeline", "compile", "--output", str(fresh),
-         "--image", f"registry.example/{control}:1"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipelines.bert_pipeline",
+            "compile",
+            "--output",
+            str(fresh),
+            "--image",
+            f"registry.example/{control}:1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert compiled.returncode == 0, compiled.stderr
     # the positive control: the marker, written on purpose into one output of each kind
     a = runs.harnesses["a"]
@@ -737,10 +787,14 @@ def test_no_planted_credential_reaches_any_output_of_the_runs(
     places = _outputs(runs, root, servers, fresh)
     hits, counts = secrets.search(places, [*hidden, user, key_id, control])
     hits += secrets.git_grep([*hidden, user, key_id, secrets.GIT_CONTROL])
-    print(f"\nsearched {counts} and git for {len(hidden)} secrets, 2 identities, 2 controls; "
-          f"{len(runs.ray_sessions)} Ray session folders")  # fmt: skip
-    found = {n: [(place, where) for place, where, needle in hits if needle == n]
-             for n in [*hidden, user, key_id, control, secrets.GIT_CONTROL]}  # fmt: skip
+    print(
+        f"\nsearched {counts} and git for {len(hidden)} secrets, 2 identities, 2 controls; "
+        f"{len(runs.ray_sessions)} Ray session folders"
+    )
+    found = {
+        n: [(place, where) for place, where, needle in hits if needle == n]
+        for n in [*hidden, user, key_id, control, secrets.GIT_CONTROL]
+    }
     assert {place for place, _ in found[control]} == set(places), found[control]
     assert found[secrets.GIT_CONTROL] == [("git", "tests/cluster/secrets.py")]
     assert counts["step logs"] == sum(len(h.tasks) for h in runs.harnesses.values())
@@ -825,8 +879,10 @@ def test_a_collected_loop_of_no_iteration_fails_its_consumer_as_the_backend_does
     spec = tmp_path / "empty_loop.yaml"
     compiler.Compiler().compile(empty_loop, str(spec))
     objects = cluster_objects(pod_env.manifest_objects(), s3_server.url, "http://127.0.0.1:1")
-    for items, state, handed in (([], pod_harness.FAILED, "RUNNING"),
-                                 (["a"], pod_harness.SUCCEEDED, "COMPLETE")):  # fmt: skip
+    for items, state, handed in (
+        ([], pod_harness.FAILED, "RUNNING"),
+        (["a"], pod_harness.SUCCEEDED, "COMPLETE"),
+    ):
         harness = pod_harness.Harness(spec, objects, tmp_path / str(len(items)))
         assert harness.run({"items": items}) == state, _logs(harness)
         (consumer,) = [t for t in harness.tasks if t.path.endswith("/total")]

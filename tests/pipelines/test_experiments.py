@@ -29,14 +29,35 @@ def test_table7_runs_every_row_into_one_experiment_and_resumes(
     model.save_pretrained(tmp_path / "tiny", vocab_file=minilm_dir / "vocab.txt")
     out = tmp_path / "t7"
     argv = [
-        "table7", "--model", str(tmp_path / "tiny"), "--data", str(shared_data / "conll2003"),
-        "--output", str(out), "--max-train-examples", "24", "--max-eval-examples", "24",
-        "--max-seq-length", "32", "--epochs", "1", "--lr", "1e-3",
-    ]  # fmt: skip
+        "table7",
+        "--model",
+        str(tmp_path / "tiny"),
+        "--data",
+        str(shared_data / "conll2003"),
+        "--output",
+        str(out),
+        "--max-train-examples",
+        "24",
+        "--max-eval-examples",
+        "24",
+        "--max-seq-length",
+        "32",
+        "--epochs",
+        "1",
+        "--lr",
+        "1e-3",
+    ]
     assert experiments.main(argv) == 0
     assert "MLFLOW_EXPERIMENT_NAME" not in os.environ  # the caller's environment as it was
-    rows = ["embeddings", "second-to-last", "last", "weighted-sum-last4", "concat-last4",
-            "weighted-sum-all", "fine-tuning"]  # fmt: skip
+    rows = [
+        "embeddings",
+        "second-to-last",
+        "last",
+        "weighted-sum-last4",
+        "concat-last4",
+        "weighted-sum-all",
+        "fine-tuning",
+    ]
     for row in rows:
         config = json.loads((out / row / "metrics.json").read_text())["config"]
         assert config["feature_based"] == ("none" if row == "fine-tuning" else row)
@@ -73,18 +94,34 @@ def test_figure2_fine_tunes_from_each_export_and_plots_score_against_steps(
     for step in (100, 10):
         torch.manual_seed(step)
         model = BertForPreTraining(BertConfig.from_preset("tiny", max_position_embeddings=64))
-        model.save_pretrained(pretrain / "exports" / f"step-{step}",
-                              vocab_file=minilm_dir / "vocab.txt")  # fmt: skip
+        model.save_pretrained(
+            pretrain / "exports" / f"step-{step}", vocab_file=minilm_dir / "vocab.txt"
+        )
     drawn = []
     real = tables.plot_steps
-    monkeypatch.setattr(tables, "plot_steps",
-                        lambda r, p: (drawn.append(list(r["systems"])), real(r, p)))  # fmt: skip
+    monkeypatch.setattr(
+        tables, "plot_steps", lambda r, p: (drawn.append(list(r["systems"])), real(r, p))
+    )
     out = tmp_path / "f2"
     argv = [
-        "figure2", "--pretrain", str(pretrain), "--glue", str(shared_data / "glue"),
-        "--task", "SST-2", "--output", str(out), "--max-train-examples", "24",
-        "--max-eval-examples", "24", "--max-seq-length", "32", "--epochs", "1",
-    ]  # fmt: skip
+        "figure2",
+        "--pretrain",
+        str(pretrain),
+        "--glue",
+        str(shared_data / "glue"),
+        "--task",
+        "SST-2",
+        "--output",
+        str(out),
+        "--max-train-examples",
+        "24",
+        "--max-eval-examples",
+        "24",
+        "--max-seq-length",
+        "32",
+        "--epochs",
+        "1",
+    ]
     assert experiments.main(argv) == 0
     results = json.loads((out / "report" / "glue_results.json").read_text())
     assert list(results["systems"]) == ["step 10", "step 100"]
@@ -114,19 +151,43 @@ def instances(tmp_path_factory, shared_data: Path, ray_after) -> Path:
     from tests.pipeline_helpers import pretraining_instances
 
     return pretraining_instances(
-        tmp_path_factory.mktemp("data"), shared_data, chars=20_000, num_shards=1,
-        vocab_size=500, max_seq_length=32,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("data"),
+        shared_data,
+        chars=20_000,
+        num_shards=1,
+        vocab_size=500,
+        max_seq_length=32,
+    )
 
 
 def pretraining_set(name: str, instances: Path, out: Path, shared_data: Path, *extra) -> list:
     """A pre-training table's command line at the smallest settings: MRPC, a few steps."""
     return [
-        name, "--instances", str(instances), "--output", str(out), "--tasks", "MRPC",
-        "--glue", str(shared_data / "glue"), "--steps", "3", "--pretrain-batch-size", "8",
-        "--cpus-per-worker", "1", "--max-train-examples", "24", "--max-eval-examples", "24",
-        "--max-seq-length", "32", "--epochs", "1", *extra,
-    ]  # fmt: skip
+        name,
+        "--instances",
+        str(instances),
+        "--output",
+        str(out),
+        "--tasks",
+        "MRPC",
+        "--glue",
+        str(shared_data / "glue"),
+        "--steps",
+        "3",
+        "--pretrain-batch-size",
+        "8",
+        "--cpus-per-worker",
+        "1",
+        "--max-train-examples",
+        "24",
+        "--max-eval-examples",
+        "24",
+        "--max-seq-length",
+        "32",
+        "--epochs",
+        "1",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -145,17 +206,26 @@ def test_table5_pretrains_each_objective_and_fine_tunes_every_row(
     for objective in ("mlm+nsp", "mlm", "ltr"):
         config = json.loads((out / "pretrain" / objective / "model" / "config.json").read_text())
         assert config.get("is_decoder", False) == (objective == "ltr")
-    for folder, bilstm in [("mlm-nsp", False), ("no-nsp", False), ("ltr", False),
-                           ("ltr-bilstm", True)]:  # fmt: skip
+    for folder, bilstm in [
+        ("mlm-nsp", False),
+        ("no-nsp", False),
+        ("ltr", False),
+        ("ltr-bilstm", True),
+    ]:
         config = json.loads((out / folder / "MRPC" / "model" / "config.json").read_text())
         assert config.get("top_bilstm", False) == bilstm
         assert config.get("is_decoder", False) == folder.startswith("ltr")
     table = (out / "report" / "glue_table.md").read_text()
     assert "Table 5 layout" in table
-    for row, paper in [("BERT (MLM & NSP)", "86.7"), ("No NSP", "86.5"),
-                       ("LTR & No NSP", "77.5"), ("+ BiLSTM", "75.7")]:  # fmt: skip
-        assert any(line.startswith(f"| {row} |") and f" / {paper} |" in line
-                   for line in table.splitlines()), row  # fmt: skip
+    for row, paper in [
+        ("BERT (MLM & NSP)", "86.7"),
+        ("No NSP", "86.5"),
+        ("LTR & No NSP", "77.5"),
+        ("+ BiLSTM", "75.7"),
+    ]:
+        assert any(
+            line.startswith(f"| {row} |") and f" / {paper} |" in line for line in table.splitlines()
+        ), row
     runs = mlflow.search_runs(experiment_names=["table5"], output_format="list")
     steps = sorted(r.data.tags.get("bert.step") for r in runs)
     assert steps.count("pretrain") == 3 and steps.count("finetune-MRPC") == 4, steps
@@ -175,16 +245,29 @@ def test_table6_and_table8_pretrain_a_model_per_shape_and_recipe(
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     monkeypatch.chdir(tmp_path)
     t6, t8 = tmp_path / "t6", tmp_path / "t8"
-    assert experiments.main(pretraining_set("table6", instances, t6, shared_data,
-                                            "--grid", "1/32/2")) == 0  # fmt: skip
+    assert (
+        experiments.main(pretraining_set("table6", instances, t6, shared_data, "--grid", "1/32/2"))
+        == 0
+    )
     config = json.loads((t6 / "pretrain" / "L1-H32-A2" / "model" / "config.json").read_text())
-    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["intermediate_size"]) == (1, 32, 2, 128)  # fmt: skip
+    assert (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["intermediate_size"],
+    ) == (1, 32, 2, 128)
     assert "| L=1 H=32 A=2 |" in (t6 / "report" / "glue_table.md").read_text()
-    assert experiments.main(pretraining_set("table8", instances, t8, shared_data,
-                                            "--recipes", "100/0/0")) == 0  # fmt: skip
-    (run,) = mlflow.search_runs(experiment_names=["table8"], output_format="list",
-                                filter_string="tags.`bert.step` = 'pretrain'")  # fmt: skip
+    assert (
+        experiments.main(
+            pretraining_set("table8", instances, t8, shared_data, "--recipes", "100/0/0")
+        )
+        == 0
+    )
+    (run,) = mlflow.search_runs(
+        experiment_names=["table8"],
+        output_format="list",
+        filter_string="tags.`bert.step` = 'pretrain'",
+    )
     assert run.data.params["masking_recipe"] == "100/0/0"
     assert run.data.params["dynamic_masking"] == "True"
     # the row's recipe given as an option, the rest the instances' own (the run records which)

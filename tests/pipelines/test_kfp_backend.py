@@ -326,8 +326,11 @@ def test_check_passes_the_committed_spec_in_one_line():
     """`python -m pipelines.bert_pipeline check` with no FILE reads the committed spec."""
     result = subprocess.run(
         [sys.executable, "-m", "pipelines.bert_pipeline", "check"],
-        cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines() == [
         "pipelines/bert_pipeline.yaml: clean: parses strictly and uses only what KFP 2.17.0 "

@@ -26,8 +26,11 @@ def spec(tmp_path_factory):
 def _conditions(path) -> dict[str, str]:
     """Branch name -> its compiled trigger condition, over every DAG of the spec."""
     (pipeline, *_) = yaml.safe_load_all(path.read_text())
-    dags = [c["dag"]["tasks"] for c in [pipeline["root"], *pipeline["components"].values()]
-            if "dag" in c]  # fmt: skip
+    dags = [
+        c["dag"]["tasks"]
+        for c in [pipeline["root"], *pipeline["components"].values()]
+        if "dag" in c
+    ]
     branches = [t for d in dags for t in d.values() if "condition" in t.get("triggerPolicy", {})]
     return {t["taskInfo"]["name"]: t["triggerPolicy"]["condition"] for t in branches}
 
@@ -40,16 +43,27 @@ def test_each_condition_the_sdk_compiles_evaluates_as_python_would(spec):
     channel = "pipelinechannel--"
     cases = [(3, 0.5, False, "a"), (2, 0.25, True, "b"), (10, 0.1, True, "")]
     for steps, rate, flag, want in cases:
-        params = {f"{channel}steps": steps, f"{channel}rate": rate, f"{channel}flag": flag,
-                  f"{channel}want": want, f"{channel}named-Output": "a"}  # fmt: skip
-        expected = {"chosen": want == "a", "int-gt": steps > 2, "float-le": rate <= 0.25,
-                    "bool-eq": flag is True, "str-ne": want != "b"}  # fmt: skip
+        params = {
+            f"{channel}steps": steps,
+            f"{channel}rate": rate,
+            f"{channel}flag": flag,
+            f"{channel}want": want,
+            f"{channel}named-Output": "a",
+        }
+        expected = {
+            "chosen": want == "a",
+            "int-gt": steps > 2,
+            "float-le": rate <= 0.25,
+            "bool-eq": flag is True,
+            "str-ne": want != "b",
+        }
         got = {name: kfp_cel.condition(text, params) for name, text in found.items()}
         assert got == expected, (params, found)
 
 
-@pytest.mark.parametrize("branch, parameter", [("compress", "compress_task"),
-                                               ("deploy", "deploy_task")])  # fmt: skip
+@pytest.mark.parametrize(
+    "branch, parameter", [("compress", "compress_task"), ("deploy", "deploy_task")]
+)
 def test_the_pipelines_branches_run_for_the_named_job_only(branch, parameter):
     condition = _conditions(SPEC)[branch]
     task = {f"pipelinechannel--{parameter}": "SST-2"}
@@ -64,11 +78,17 @@ def test_the_pipelines_selectors_read_a_fine_tuning_jobs_field():
     """The committed spec's selectors (a loop item's field) on a job as finetune-jobs makes it:
     a STRUCT value, whose `string_value` is its JSON."""
     (pipeline, *_) = yaml.safe_load_all(SPEC.read_text())
-    tasks = [t for c in [pipeline["root"], *pipeline["components"].values()]
-             for t in c.get("dag", {}).get("tasks", {}).values()]  # fmt: skip
-    selectors = {p["parameterExpressionSelector"] for t in tasks
-                 for p in t.get("inputs", {}).get("parameters", {}).values()
-                 if "parameterExpressionSelector" in p}  # fmt: skip
+    tasks = [
+        t
+        for c in [pipeline["root"], *pipeline["components"].values()]
+        for t in c.get("dag", {}).get("tasks", {}).values()
+    ]
+    selectors = {
+        p["parameterExpressionSelector"]
+        for t in tasks
+        for p in t.get("inputs", {}).get("parameters", {}).values()
+        if "parameterExpressionSelector" in p
+    }
     assert selectors == {'parseJson(string_value)["data_digest"]'}
     job = {"name": "SST-2", "task": "SST-2", "data_digest": "sha256:ab", "options": ["--x", "1"]}
     assert kfp_cel.select(selectors.pop(), job) == "sha256:ab"
@@ -118,7 +138,9 @@ def test_the_harness_skips_untriggered_branches_as_the_backend_does(spec, tmp_pa
     1's is created CANCELED and skipped; the run succeeds. Iteration 1 published nothing after
     its branch was created, so it, the loop and the body stay RUNNING (only launchers settle a
     DAG: metadata/client.go UpdateDAGExecutionsState), and the exit handler is handed RUNNING."""
-    objects = cluster_objects(pod_env.manifest_objects(), "http://127.0.0.1:1", "http://127.0.0.1:1")
+    objects = cluster_objects(
+        pod_env.manifest_objects(), "http://127.0.0.1:1", "http://127.0.0.1:1"
+    )
     harness = pod_harness.Harness(spec, objects, tmp_path)
     assert harness.run({"want": "a", "steps": 1, "flag": True}) == pod_harness.SUCCEEDED
     ran = {t.path: t for t in harness.tasks}

@@ -54,9 +54,14 @@ def test_settings_are_resolved_by_dvcs_own_override_rules(capsys):
     from pipelines import run_dvc
 
     params = run_dvc.resolved_params(
-        ["finetune.epochs=2", "finetune.token_tasks=[conll2003]", "params.yaml:model.preset=mini",
-         "+pretrain.eval_every=10", "predict.yaml:inputs={}"]
-    )  # fmt: skip
+        [
+            "finetune.epochs=2",
+            "finetune.token_tasks=[conll2003]",
+            "params.yaml:model.preset=mini",
+            "+pretrain.eval_every=10",
+            "predict.yaml:inputs={}",
+        ]
+    )
     assert params["finetune"]["epochs"] == 2 and params["finetune"]["token_tasks"] == ["conll2003"]
     assert params["model"]["preset"] == "mini" and params["pretrain"]["eval_every"] == 10
     assert "inputs" not in params
@@ -100,8 +105,9 @@ def test_make_run_prints_glue_table_and_mlflow_command(dvc_run):
     (metrics,) = [d["data"] for d in shown.values()]
     files = {Path(k).as_posix(): v["data"] for k, v in metrics.items()}
     systems = ("bert_ours", "public_checkpoint_continued_pre_training", "random_init")
-    rows = {f"runs/dvc/evaluate/scores/{s}/{t}.json" for s in systems
-            for t in (*GLUE_TASKS, "GLUE")}  # fmt: skip
+    rows = {
+        f"runs/dvc/evaluate/scores/{s}/{t}.json" for s in systems for t in (*GLUE_TASKS, "GLUE")
+    }
     assert set(files) == rows
     for name, row in files.items():
         assert row and all(type(v) in (int, float) for v in row.values()), (name, row)
@@ -175,15 +181,19 @@ def test_the_public_branch_continues_the_packaged_checkpoint(dvc_run):
         ids = [e.experiment_id for e in client.search_experiments()]
         runs = client.search_runs(ids, f"tags.`bert.step` = 'finetune-{task}'")
         assert sorted(r.info.run_name for r in runs) == [
-            f"finetune-{task}", f"finetune-{task} ({identity}, continued)"
-        ], task  # fmt: skip
+            f"finetune-{task}",
+            f"finetune-{task} ({identity}, continued)",
+        ], task
         assert {r.data.tags.get("bert.start_from") for r in runs} == {"random init", identity}
         # the gate the run ended with (its promote stages): the best of the task's versions by
         # dev score is champion when it beats the baseline; none is when none does (#43)
         versions = client.search_model_versions(f"name='{registry.model_name(task)}'")
         assert len(versions) == 2, versions  # ours and the public start's; never the control
-        sound = [v for v in versions if float(v.tags[registry.SCORE_TAG]) >
-                 float(v.tags[registry.BASELINE_TAG])]  # fmt: skip
+        sound = [
+            v
+            for v in versions
+            if float(v.tags[registry.SCORE_TAG]) > float(v.tags[registry.BASELINE_TAG])
+        ]
         champion = registry.by_alias(client, registry.model_name(task), registry.CHAMPION)
         if sound:
             best = max(sound, key=lambda v: float(v.tags[registry.SCORE_TAG]))
@@ -420,8 +430,11 @@ def test_token_tasks_are_a_foreach_stage_feeding_evaluate(tmp_path, shared_data)
 
     # the flags a stage adds by its settings, as the shell runs the command: conll2003 alone
     # takes --document-context; --top-bilstm goes to every fine-tuning
-    params["finetune"] |= {"token_tasks": ["conll2003", "squad"], "top_bilstm": True,
-                           "token_document_context": True}  # fmt: skip
+    params["finetune"] |= {
+        "token_tasks": ["conll2003", "squad"],
+        "top_bilstm": True,
+        "token_document_context": True,
+    }
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     assert shell_command(repo, "finetune-token@conll2003").endswith(
         "--top-bilstm --document-context"
@@ -517,8 +530,10 @@ def declared_plots() -> dict[str, dict]:
     for entry in yaml.safe_load((ROOT / "dvc.yaml").read_text())["plots"]:
         if isinstance(entry, dict):
             ((name, props),) = entry.items()
-            y = {f.replace("${data.output}", output): [c] if isinstance(c, str) else c
-                 for f, c in props["y"].items()}  # fmt: skip
+            y = {
+                f.replace("${data.output}", output): [c] if isinstance(c, str) else c
+                for f, c in props["y"].items()
+            }
             charts[name] = props | {"y": y}
     return charts
 
@@ -578,10 +593,11 @@ def test_dvc_push_and_pull_through_the_default_remote(dvc_run, s3_bucket):
     assert not [ln for ln in config if re.search(r"endpointurl|secret|access_key", ln)], config
     _dvc(repo, env, "push")
     s3 = boto3.client(
-        "s3", endpoint_url=s3_bucket["AWS_ENDPOINT_URL"],
+        "s3",
+        endpoint_url=s3_bucket["AWS_ENDPOINT_URL"],
         aws_access_key_id=s3_bucket["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=s3_bucket["AWS_SECRET_ACCESS_KEY"],
-    )  # fmt: skip
+    )
     pages = s3.get_paginator("list_objects_v2").paginate(Bucket="bert", Prefix="dvc/")
     pushed = [o["Key"] for page in pages for o in page.get("Contents", [])]
     cached = [p for p in (repo / ".dvc" / "cache" / "files").rglob("*") if p.is_file()]

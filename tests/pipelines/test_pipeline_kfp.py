@@ -82,10 +82,16 @@ def test_the_run_form_has_the_clusters_defaults_and_a_description_for_every_para
     assert set(inputs) == set(PARAMETERS) == set(cluster.SETTINGS)
     assert set(P) < set(PARAMETERS)  # every params.yaml setting is a run parameter
     groups = {
-        "cluster": "[cluster]", "data": "[data]", "vocab": "[pre-training data]",
-        "instances": "[pre-training data]", "model": "[model]", "pretrain": "[pre-training]",
-        "finetune": "[fine-tuning]", "compress": "[compression]", "deploy": "[serving]",
-    }  # fmt: skip
+        "cluster": "[cluster]",
+        "data": "[data]",
+        "vocab": "[pre-training data]",
+        "instances": "[pre-training data]",
+        "model": "[model]",
+        "pretrain": "[pre-training]",
+        "finetune": "[fine-tuning]",
+        "compress": "[compression]",
+        "deploy": "[serving]",
+    }
     for name, param in inputs.items():
         assert param["description"] == PARAMETERS[name] and len(param["description"]) > 30, name
         assert param["description"].startswith(groups[name.split("_")[0]]), name
@@ -111,11 +117,13 @@ def test_the_run_form_has_the_clusters_defaults_and_a_description_for_every_para
 
 def test_set_parses_yaml_but_a_text_parameter_stays_text():
     assert parse_overrides(["pretrain_steps=50", 'finetune_tasks=["SST-2"]']) == {
-        "pretrain_steps": 50, "finetune_tasks": ["SST-2"]
-    }  # fmt: skip
+        "pretrain_steps": 50,
+        "finetune_tasks": ["SST-2"],
+    }
     assert parse_overrides(["cluster_finetune_gpus=1", 'data_corpus="s3://b/c"']) == {
-        "cluster_finetune_gpus": "1", "data_corpus": "s3://b/c"
-    }  # fmt: skip
+        "cluster_finetune_gpus": "1",
+        "data_corpus": "s3://b/c",
+    }
     with pytest.raises(SystemExit, match="expected KEY=VALUE"):
         parse_overrides(["pretrain_stepz=5"])
 
@@ -128,10 +136,18 @@ def test_presets_are_a_run_per_row_of_the_papers_tables_with_valid_arguments():
     from bert_core.report.tables import PAPER_TABLES
 
     spec = next(yaml.safe_load_all(SPEC.read_text()))  # the pipeline spec, then the platform's
-    types = {name: p["parameterType"]
-             for name, p in spec["root"]["inputDefinitions"]["parameters"].items()}  # fmt: skip
-    accepts = {"NUMBER_INTEGER": int, "NUMBER_DOUBLE": (int, float), "BOOLEAN": bool,
-               "STRING": str, "LIST": list, "STRUCT": dict}  # fmt: skip
+    types = {
+        name: p["parameterType"]
+        for name, p in spec["root"]["inputDefinitions"]["parameters"].items()
+    }
+    accepts = {
+        "NUMBER_INTEGER": int,
+        "NUMBER_DOUBLE": (int, float),
+        "BOOLEAN": bool,
+        "STRING": str,
+        "LIST": list,
+        "STRUCT": dict,
+    }
     for name in presets.PRESETS:
         rows = presets.runs(name, {"pretrain_steps": 5})
         assert len(rows) == len(presets.PRESETS[name]) and all(row for row, _ in rows)
@@ -170,20 +186,29 @@ def _settings(**changes) -> dict:
 def test_finetune_jobs_end_with_the_flags_their_settings_ask_for():
     """finetune_top_bilstm (Table 5's "+ BiLSTM") reaches every job, the NER document context
     only conll2003's (SQuAD's `bert finetune` has no such option); off, neither appears."""
-    lists = {"finetune.tasks": ["SST-2"], "finetune.control_tasks": ["SST-2"],
-             "finetune.token_tasks": ["conll2003", "squad"]}  # fmt: skip
-    on = _settings(**lists, **{"finetune.top_bilstm": True,
-                               "finetune.token_document_context": True})  # fmt: skip
+    lists = {
+        "finetune.tasks": ["SST-2"],
+        "finetune.control_tasks": ["SST-2"],
+        "finetune.token_tasks": ["conll2003", "squad"],
+    }
+    on = _settings(
+        **lists, **{"finetune.top_bilstm": True, "finetune.token_document_context": True}
+    )
     jobs = {j["name"]: j["options"] for j in finetune_jobs(on, str)}
-    flags = {name: [x for x in o if x in ("--top-bilstm", "--document-context")]
-             for name, o in jobs.items()}  # fmt: skip
+    flags = {
+        name: [x for x in o if x in ("--top-bilstm", "--document-context")]
+        for name, o in jobs.items()
+    }
     assert flags == {
-        "SST-2": ["--top-bilstm"], "SST-2 (random init)": ["--top-bilstm"],
-        "conll2003": ["--top-bilstm", "--document-context"], "squad": ["--top-bilstm"],
-    }  # fmt: skip
+        "SST-2": ["--top-bilstm"],
+        "SST-2 (random init)": ["--top-bilstm"],
+        "conll2003": ["--top-bilstm", "--document-context"],
+        "squad": ["--top-bilstm"],
+    }
     assert all(o[-len(flags[name]) :] == flags[name] for name, o in jobs.items())  # at the end
-    off = _settings(**lists, **{"finetune.top_bilstm": False,
-                                "finetune.token_document_context": False})  # fmt: skip
+    off = _settings(
+        **lists, **{"finetune.top_bilstm": False, "finetune.token_document_context": False}
+    )
     for options in (j["options"] for j in finetune_jobs(off, str)):
         assert not {"--top-bilstm", "--document-context"} & set(options)
     from bert_core.finetune import command as finetune
@@ -200,25 +225,39 @@ def test_finetune_jobs_are_one_list_with_each_jobs_options_and_data_digest():
     """The GLUE tasks from the pre-trained model, the control from random weights and the
     token-level tasks with their own sizes, in one list: the pipeline's one fan-out. Each job's
     options are a `bert finetune` command line; its digest is its own task folder's."""
-    settings = _settings(**{
-        "data.glue": "s3://b/glue", "data.token": "s3://b/data", "finetune.max_train_examples": 0,
-        "finetune.tasks": ["SST-2", "MRPC"], "finetune.control_tasks": ["SST-2"],
-        "finetune.token_tasks": ["squad"], "finetune.token_max_eval_examples": 50,
-    })  # fmt: skip
+    settings = _settings(
+        **{
+            "data.glue": "s3://b/glue",
+            "data.token": "s3://b/data",
+            "finetune.max_train_examples": 0,
+            "finetune.tasks": ["SST-2", "MRPC"],
+            "finetune.control_tasks": ["SST-2"],
+            "finetune.token_tasks": ["squad"],
+            "finetune.token_max_eval_examples": 50,
+        }
+    )
     jobs = finetune_jobs(settings, lambda uri: f"md5:{uri}")
     assert [j["name"] for j in jobs] == ["SST-2", "MRPC", "SST-2 (random init)", "squad"]
     assert [j["data_digest"] for j in jobs] == [
-        "md5:s3://b/glue/SST-2", "md5:s3://b/glue/MRPC", "md5:s3://b/glue/SST-2",
+        "md5:s3://b/glue/SST-2",
+        "md5:s3://b/glue/MRPC",
+        "md5:s3://b/glue/SST-2",
         "md5:s3://b/data/squad",
-    ]  # fmt: skip
+    ]
     options = [dict(zip(j["options"][::2], j["options"][1::2], strict=True)) for j in jobs]
     assert options[0] == {
-        "--task": "SST-2", "--data": "s3://b/glue/SST-2", "--init": "pretrained",
-        "--device": "auto", "--batch-size": str(P["finetune_batch_size"]),
-        "--learning-rate": str(P["finetune_learning_rate"]), "--lr-sweep": P["finetune_lr_sweep"],
-        "--restarts": str(P["finetune_restarts"]), "--epochs": str(P["finetune_epochs"]),
-        "--max-seq-length": str(P["finetune_max_seq_length"]), "--max-train-examples": "none",
-    }  # fmt: skip
+        "--task": "SST-2",
+        "--data": "s3://b/glue/SST-2",
+        "--init": "pretrained",
+        "--device": "auto",
+        "--batch-size": str(P["finetune_batch_size"]),
+        "--learning-rate": str(P["finetune_learning_rate"]),
+        "--lr-sweep": P["finetune_lr_sweep"],
+        "--restarts": str(P["finetune_restarts"]),
+        "--epochs": str(P["finetune_epochs"]),
+        "--max-seq-length": str(P["finetune_max_seq_length"]),
+        "--max-train-examples": "none",
+    }
     assert options[2]["--init"] == "random" and options[2]["--task"] == "SST-2"
     assert options[3]["--epochs"] == str(P["finetune_token_epochs"])
     assert options[3]["--max-seq-length"] == str(P["finetune_token_max_seq_length"])
@@ -248,20 +287,39 @@ def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
     env = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     tasks = _container_tasks(spec)
     assert set(tasks) == {
-        "pipeline-run", "finetune-jobs", "clean", "vocab", "instances", "pretrain", "finetune",
-        "evaluate", "distill", "quantize", "promote", "deploy", "pipeline-end",
-    }  # fmt: skip
+        "pipeline-run",
+        "finetune-jobs",
+        "clean",
+        "vocab",
+        "instances",
+        "pretrain",
+        "finetune",
+        "evaluate",
+        "distill",
+        "quantize",
+        "promote",
+        "deploy",
+        "pipeline-end",
+    }
     assert set(env) == {t["executor"] for t in tasks.values()}
     for name, task in tasks.items():
         pod = env[task["executor"]]
         on_gpus = name in ("finetune", "distill")
         placement = {"nodeSelector", "tolerations"} if on_gpus else set()
-        assert set(pod) == {"configMapAsEnv", "secretAsEnv", "fieldPathAsEnv", "securityContext",
-                            *placement}, name  # fmt: skip
+        assert set(pod) == {
+            "configMapAsEnv",
+            "secretAsEnv",
+            "fieldPathAsEnv",
+            "securityContext",
+            *placement,
+        }, name
         # the images' user, never root (the compiler adds the rest of "restricted")
         user = str(cluster.RUN_AS_USER)
-        assert pod["securityContext"] == {"runAsUser": user, "runAsGroup": user,
-                                          "runAsNonRoot": True}, name  # fmt: skip
+        assert pod["securityContext"] == {
+            "runAsUser": user,
+            "runAsGroup": user,
+            "runAsNonRoot": True,
+        }, name
         assert user != "0"
         (config,) = pod["configMapAsEnv"]
         assert config["configMapName"] == cluster.CONFIG_MAP and config["optional"] is False
@@ -302,8 +360,15 @@ def test_one_branch_the_training_image_gpus_and_gpu_nodes_are_run_time_parameter
     `cluster_gpu_node_selector` picks, tolerating `cluster_gpu_tolerations` (all filled by the
     backend per run); every other task, pretrain included (its training runs on the
     RayCluster) and quantize (int8 is for CPUs), runs the CPU image and asks for no GPU."""
-    spec, platform = _load(_compile(tmp_path, "--image", "reg.example/bert:1.2", "--train-image",
-                                    "reg.example/bert-cuda:1.2"))  # fmt: skip
+    spec, platform = _load(
+        _compile(
+            tmp_path,
+            "--image",
+            "reg.example/bert:1.2",
+            "--train-image",
+            "reg.example/bert-cuda:1.2",
+        )
+    )
     executors = spec["deploymentSpec"]["executors"]
     pods = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     channel = "{{$.inputs.parameters['pipelinechannel--%s']}}"
@@ -350,8 +415,10 @@ def test_every_input_a_task_reads_is_declared_by_its_dag():
     for name, component in [*spec["components"].items(), ("root", spec["root"])]:
         declared = component.get("inputDefinitions", {})
         for task_name, task in component.get("dag", {}).get("tasks", {}).items():
-            for kind, ref in (("parameters", "componentInputParameter"),
-                              ("artifacts", "componentInputArtifact")):  # fmt: skip
+            for kind, ref in (
+                ("parameters", "componentInputParameter"),
+                ("artifacts", "componentInputArtifact"),
+            ):
                 for key, src in task.get("inputs", {}).get(kind, {}).items():
                     if ref in src:
                         assert src[ref] in declared.get(kind, {}), (name, task_name, key)
@@ -389,8 +456,9 @@ def test_one_fan_out_over_the_finetune_jobs_collected_into_evaluate():
     channel = "pipelinechannel--finetune-jobs-Output"
     assert loop["parameterIterator"]["items"] == {"inputParameter": channel}
     assert loop["inputs"]["parameters"][channel]["taskOutputParameter"] == {
-        "outputParameterKey": "Output", "producerTask": "finetune-jobs"
-    }  # fmt: skip
+        "outputParameterKey": "Output",
+        "producerTask": "finetune-jobs",
+    }
     assert tasks["finetune"]["inputs"]["parameters"]["job"] == {
         "componentInputParameter": loop["parameterIterator"]["itemInput"]
     }
@@ -488,9 +556,11 @@ def test_compression_is_a_condition_in_each_fine_tuning_off_by_default():
 def test_pretrain_alone_is_retried_with_backoff():
     tasks = _container_tasks(_load(SPEC)[0])
     assert tasks["pretrain"]["retryPolicy"] == {
-        "maxRetryCount": 3, "backoffDuration": "60s", "backoffFactor": 2.0,
+        "maxRetryCount": 3,
+        "backoffDuration": "60s",
+        "backoffFactor": 2.0,
         "backoffMaxDuration": "2592000s",  # Argo counts it from the first attempt: 30 days
-    }  # fmt: skip
+    }
     assert [n for n, t in tasks.items() if "retryPolicy" in t] == ["pretrain"]
 
 
@@ -505,8 +575,14 @@ def test_caching_is_on_and_the_run_id_reaches_steps_outside_the_cache_key():
     spec, _ = _load(SPEC)
     named = _container_tasks(spec)
     uncached = {name for name, t in named.items() if t["cachingOptions"] != {"enableCache": True}}
-    assert uncached == {"pipeline-run", "finetune-jobs", "evaluate", "pipeline-end", "promote",
-                        "deploy"}  # fmt: skip
+    assert uncached == {
+        "pipeline-run",
+        "finetune-jobs",
+        "evaluate",
+        "pipeline-end",
+        "promote",
+        "deploy",
+    }
     assert all(named[name]["cachingOptions"] == {} for name in uncached)
     root = spec["root"]["dag"]["tasks"]
     assert root["pipeline-end"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
@@ -602,9 +678,17 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     assert inputs["glue"].digest == storage.digest(*glue_dirs) and "token" not in inputs
     steps = {r.data.tags["bert.step"]: r for r in lineage.child_runs(parent.info.run_id)}
     assert set(steps) == {
-        "clean", "vocab", "instances", "pretrain", "finetune-SST-2", "finetune-STS-B",
-        "finetune-SST-2-random", "evaluate", "distill-STS-B", "quantize",
-    }  # fmt: skip
+        "clean",
+        "vocab",
+        "instances",
+        "pretrain",
+        "finetune-SST-2",
+        "finetune-STS-B",
+        "finetune-SST-2-random",
+        "evaluate",
+        "distill-STS-B",
+        "quantize",
+    }
     assert steps["distill-STS-B"].data.params["student_layers"] == "1"
     distilled = "bert-pipeline-*/for-loop-*/distill/distilled/metrics.json"
     (student,) = (tmp_path / "root").glob(distilled)  # in STS-B's iteration only

@@ -75,8 +75,19 @@ def test_submit_sends_the_token_from_a_file_and_runs_in_the_profile_namespace(
     monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(tmp_path / "no-such-token"))
     (tmp_path / "token").write_text(TOKEN + "\n")
     token = str(tmp_path / "token")
-    argv = ["submit", "--host", host, "--namespace", "team-a", "--token-file", token,
-            "--run-name", "first", "--set", "pretrain_steps=10"]  # fmt: skip
+    argv = [
+        "submit",
+        "--host",
+        host,
+        "--namespace",
+        "team-a",
+        "--token-file",
+        token,
+        "--run-name",
+        "first",
+        "--set",
+        "pretrain_steps=10",
+    ]
     assert main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]  # after the SDK's links
     assert json.loads(last) == {"run_id": "run-1", "run_name": "first"}

@@ -47,9 +47,13 @@ def instances(tmp_path_factory, shared_data) -> Path:
     of a shared-corpus book: about 230 sequences of <= 48 tokens over 4 shards, with a
     1000-piece vocabulary, small enough that a tiny BERT learns it within 200 steps on 2 CPUs."""
     return pretraining_instances(
-        tmp_path_factory.mktemp("pt"), shared_data, chars=40_000, num_shards=4,
-        vocab_size=1000, max_seq_length=48,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("pt"),
+        shared_data,
+        chars=40_000,
+        num_shards=4,
+        vocab_size=1000,
+        max_seq_length=48,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +164,9 @@ def test_optimizer_excludes_layernorm_and_bias_from_weight_decay(instances, tmp_
     hf = setup(replace(cfg, optimizer="adamw"))
     assert isinstance(hf.optimizer, torch.optim.AdamW)
     assert [len(g["params"]) for g in hf.optimizer.param_groups] == [
-        len(decay["params"]), len(no_decay["params"])
-    ]  # fmt: skip
+        len(decay["params"]),
+        len(no_decay["params"]),
+    ]
     lrs = [hf.scheduler.lr_lambdas[0](step) * 1e-4 for step in range(1000)]
     assert lrs[0] == 0 and lrs[5] == pytest.approx(0.5e-4) and lrs[10] == pytest.approx(1e-4)
     assert lrs[505] == pytest.approx(0.5e-4) and lrs[999] == pytest.approx(1e-4 / 990)
@@ -176,36 +181,62 @@ def test_the_shape_options_build_that_model_and_refuse_what_cannot_be_built():
     """`--num-layers/--hidden-size/--num-heads/--intermediate-size` in place of the preset's
     numbers (4H unless the feed-forward size is given); refused before any compute when the
     heads do not divide the width, a number is negative, or a checkpoint brings its own shape."""
-    cfg = PretrainConfig(instances="i", output="o", preset="tiny", num_layers=3, hidden_size=96,
-                         num_heads=4)  # fmt: skip
+    cfg = PretrainConfig(
+        instances="i", output="o", preset="tiny", num_layers=3, hidden_size=96, num_heads=4
+    )
     cfg.validate()
     config = build_model(cfg, vocab_size=100).config
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (3, 96, 4)
     assert (config.intermediate_size, config.vocab_size) == (384, 100)
     assert build_model(replace(cfg, intermediate_size=200), 100).config.intermediate_size == 200
-    with pytest.raises(BertError, match="--hidden-size / --num-heads: hidden_size 96 is not "
-                       "divisible by num_attention_heads 5"):  # fmt: skip
+    with pytest.raises(
+        BertError,
+        match="--hidden-size / --num-heads: hidden_size 96 is not "
+        "divisible by num_attention_heads 5",
+    ):
         replace(cfg, num_heads=5).validate()
     with pytest.raises(BertError, match="must be >= 1, or 0 for the preset's"):
         replace(cfg, num_layers=-1).validate()
-    with pytest.raises(BertError, match="--num-layers, --hidden-size, --num-heads: --init-model m "
-                       "has its own shape"):  # fmt: skip
+    with pytest.raises(
+        BertError,
+        match="--num-layers, --hidden-size, --num-heads: --init-model m has its own shape",
+    ):
         replace(cfg, init_model="m").validate()
 
 
 # the options of `bert pretrain` before the CLI was generated from PretrainConfig (DVC and KFP
 # call these): each keeps its name and its default (the dynamic-masking settings: the instances')
 OPTIONS = {
-    "--instances": None, "--output": None, "--preset": "tiny", "--steps": 1000,
-    "--batch-size": 256, "--num-workers": 1, "--use-gpu": False, "--cpus-per-worker": 1,
-    "--grad-accum": 1, "--learning-rate": 1e-4, "--warmup-steps": None, "--weight-decay": 0.01,
-    "--max-grad-norm": 1.0, "--dropout": None, "--dynamic-masking": False,
-    "--masked-lm-prob": None, "--max-predictions-per-seq": None, "--init-model": None,
-    "--compile": False, "--seed": 12345, "--log-every": 50, "--checkpoint-every": 500,
-    "--keep-checkpoints": 3, "--max-failures": 3, "--storage-path": None,
-    "--run-name": "pretrain", "--stop-after": None, "--peak-tflops": None,
+    "--instances": None,
+    "--output": None,
+    "--preset": "tiny",
+    "--steps": 1000,
+    "--batch-size": 256,
+    "--num-workers": 1,
+    "--use-gpu": False,
+    "--cpus-per-worker": 1,
+    "--grad-accum": 1,
+    "--learning-rate": 1e-4,
+    "--warmup-steps": None,
+    "--weight-decay": 0.01,
+    "--max-grad-norm": 1.0,
+    "--dropout": None,
+    "--dynamic-masking": False,
+    "--masked-lm-prob": None,
+    "--max-predictions-per-seq": None,
+    "--init-model": None,
+    "--compile": False,
+    "--seed": 12345,
+    "--log-every": 50,
+    "--checkpoint-every": 500,
+    "--keep-checkpoints": 3,
+    "--max-failures": 3,
+    "--storage-path": None,
+    "--run-name": "pretrain",
+    "--stop-after": None,
+    "--peak-tflops": None,
     "--inject-failure-at": None,
-}  # fmt: skip
+}
 
 
 def test_exports_are_at_the_steps_asked_and_refused_outside_the_run():
@@ -217,8 +248,9 @@ def test_exports_are_at_the_steps_asked_and_refused_outside_the_run():
         replace(cfg, export_steps=(11,)).validate()
     with pytest.raises(BertError, match="--export-every must be >= 1, or 0 for none"):
         replace(cfg, export_every=-1).validate()
-    assert parse_args(["--instances", "i", "--output", "o", "--export-steps", "3,5"]
-                      ).export_steps == (3, 5)  # fmt: skip
+    assert parse_args(
+        ["--instances", "i", "--output", "o", "--export-steps", "3,5"]
+    ).export_steps == (3, 5)
 
 
 def test_phase_two_from_our_own_phase_one_stays_ours_from_scratch(tmp_path):
@@ -269,10 +301,29 @@ def test_cli_is_generated_from_the_config():
     cfg = parse_args(["--instances", "i", "--output", "o"])
     assert cfg == defaults
     cfg = parse_args(
-        ["--instances", "i", "--output", "o", "--use-gpu", "--adam-betas", "0.9", "0.98",
-         "--steps", "7", "--learning-rate", "5e-3", "--warmup-steps", "3", "--dropout", "0",
-         "--masking-recipe", "100/0/0", "--inject-failure-at", "4"]
-    )  # fmt: skip
+        [
+            "--instances",
+            "i",
+            "--output",
+            "o",
+            "--use-gpu",
+            "--adam-betas",
+            "0.9",
+            "0.98",
+            "--steps",
+            "7",
+            "--learning-rate",
+            "5e-3",
+            "--warmup-steps",
+            "3",
+            "--dropout",
+            "0",
+            "--masking-recipe",
+            "100/0/0",
+            "--inject-failure-at",
+            "4",
+        ]
+    )
     assert cfg.use_gpu and cfg.adam_betas == (0.9, 0.98) and cfg.steps == 7
     assert cfg.learning_rate == 5e-3 and cfg.warmup == 3 and cfg.dropout == 0.0
     assert cfg.masking_recipe == "100/0/0" and cfg.inject_failure_at == 4
@@ -293,8 +344,17 @@ def test_masking_recipe_reaches_dynamic_masking(instances, tmp_path):
     as [MASK]; 0/0/100 leaves every token as it was."""
     vocab = read_vocab(instances / "vocab.txt")
     for recipe in ("100/0/0", "0/0/100"):
-        args = ["--instances", str(instances), "--output", str(tmp_path), "--batch-size", "64",
-                "--dynamic-masking", "--masking-recipe", recipe]  # fmt: skip
+        args = [
+            "--instances",
+            str(instances),
+            "--output",
+            str(tmp_path),
+            "--batch-size",
+            "64",
+            "--dynamic-masking",
+            "--masking-recipe",
+            recipe,
+        ]
         batch = next(iter(setup(parse_args(args)).stream))
         shown = batch["input_ids"].gather(1, batch["masked_lm_positions"])
         labels = batch["masked_lm_labels"]
@@ -315,14 +375,36 @@ def test_dynamic_masking_takes_the_instances_settings_unless_given(instances, tm
     from bert_core import cli
 
     i512 = tmp_path / "i512"
-    argv = ["instances", "--input", instances.parent / "clean", "--vocab",
-            instances / "vocab.txt", "--output", i512, "--max-seq-length", 512,
-            "--max-predictions-per-seq", 76, "--dupe-factor", 1, "--num-workers", 1]  # fmt: skip
+    argv = [
+        "instances",
+        "--input",
+        instances.parent / "clean",
+        "--vocab",
+        instances / "vocab.txt",
+        "--output",
+        i512,
+        "--max-seq-length",
+        512,
+        "--max-predictions-per-seq",
+        76,
+        "--dupe-factor",
+        1,
+        "--num-workers",
+        1,
+    ]
     assert cli.main([str(a) for a in argv]) == 0
 
     def share(*options: str) -> tuple[float, int, dict]:
-        args = ["--instances", str(i512), "--output", str(tmp_path / "o"), "--batch-size", "16",
-                "--dynamic-masking", *options]  # fmt: skip
+        args = [
+            "--instances",
+            str(i512),
+            "--output",
+            str(tmp_path / "o"),
+            "--batch-size",
+            "16",
+            "--dynamic-masking",
+            *options,
+        ]
         t = setup(parse_args(args))
         batch = next(iter(t.stream))
         tokens = (batch["input_ids"] != 0).sum() - 3 * len(batch["input_ids"])  # less CLS/SEPs
@@ -331,9 +413,11 @@ def test_dynamic_masking_takes_the_instances_settings_unless_given(instances, tm
 
     masked, _, used = share()
     assert 0.13 < masked < 0.16, masked
-    assert used == {"masked_lm_prob": (0.15, "instances"),
-                    "max_predictions_per_seq": (76, "instances"),
-                    "masking_recipe": ("80/10/10", "instances")}  # fmt: skip
+    assert used == {
+        "masked_lm_prob": (0.15, "instances"),
+        "max_predictions_per_seq": (76, "instances"),
+        "masking_recipe": ("80/10/10", "instances"),
+    }
     masked, most, used = share("--max-predictions-per-seq", "20")
     assert most == 20 and masked < 0.08, (masked, most)  # 20 a row; the rows are not all 512
     assert used["max_predictions_per_seq"] == (20, "option")
@@ -514,12 +598,30 @@ def test_two_workers_learn_and_survive_a_worker_failure(
     out = tmp_path / "run"
     rc = pt.main(
         [
-            "--instances", str(instances), "--output", str(out), "--steps", "200",
-            "--batch-size", "32", "--num-workers", "2", "--learning-rate", "1.25e-3",
-            "--warmup-steps", "20", "--log-every", "10", "--checkpoint-every", "100",
-            "--seed", "7", "--inject-failure-at", "130",
+            "--instances",
+            str(instances),
+            "--output",
+            str(out),
+            "--steps",
+            "200",
+            "--batch-size",
+            "32",
+            "--num-workers",
+            "2",
+            "--learning-rate",
+            "1.25e-3",
+            "--warmup-steps",
+            "20",
+            "--log-every",
+            "10",
+            "--checkpoint-every",
+            "100",
+            "--seed",
+            "7",
+            "--inject-failure-at",
+            "130",
         ]
-    )  # fmt: skip
+    )
     assert rc == 0
     assert (out / ".injected_failure").read_text() == "130"
     rows = list(csv.DictReader((out / "pretrain_metrics.csv").open()))
@@ -590,9 +692,13 @@ def test_heldout_accuracy_beats_the_most_frequent_token(tmp_path_factory, shared
     frequent token, and the held-out loss falls far below the untrained model's. The bare loop
     of the Ray worker (`setup`, `train_step`, `HeldOutEval`), without Ray's start-up."""
     inst = pretraining_instances(
-        tmp_path_factory.mktemp("wide"), shared_data, chars=400_000, num_shards=4,
-        vocab_size=1000, max_seq_length=48,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("wide"),
+        shared_data,
+        chars=400_000,
+        num_shards=4,
+        vocab_size=1000,
+        max_seq_length=48,
+    )
     cfg = small_config(inst, tmp_path_factory.mktemp("o"), learning_rate=5e-4, steps=300)
     t, cpu = setup(cfg), torch.device("cpu")
     heldout = HeldOutEval.load(cfg)
@@ -623,10 +729,21 @@ def test_a_diverging_pretraining_fails_and_writes_no_model(
     from bert_core.errors import Diverged
 
     out = tmp_path / "out"
-    cfg = small_config(instances, out, steps=8, learning_rate=1e30, warmup_steps=1,
-                       log_every=2, checkpoint_every=4, export_steps=(2,))  # fmt: skip
-    with pytest.raises(Diverged, match=r"pre-training diverged: .*nan.* by step \d at "
-                       r"learning rate \S+ \(--learning-rate 1e\+30\); lower"):  # fmt: skip
+    cfg = small_config(
+        instances,
+        out,
+        steps=8,
+        learning_rate=1e30,
+        warmup_steps=1,
+        log_every=2,
+        checkpoint_every=4,
+        export_steps=(2,),
+    )
+    with pytest.raises(
+        Diverged,
+        match=r"pre-training diverged: .*nan.* by step \d at "
+        r"learning rate \S+ \(--learning-rate 1e\+30\); lower",
+    ):
         pt.pretrain(cfg)
     assert sorted(p.name for p in out.iterdir()) == ["ray"]  # Ray's storage; no model
     assert not list((out / "ray").glob("*/checkpoint_*"))  # none after the step it diverged
@@ -640,8 +757,9 @@ def test_stop_and_resume_equals_one_go(ray_cluster, instances, tmp_path, mlflow_
     """K steps in one go == K/2, stop, restart the same command (resumes by itself), K/2 more.
     With the models exported on the way (--export-every 4, --export-steps 2: Figure 2's), each
     a loadable folder that names its step, the last one the final model, the same in both."""
-    kw = dict(steps=8, num_workers=2, checkpoint_every=4, log_every=2, export_every=4,
-              export_steps=(2,))  # fmt: skip
+    kw = dict(
+        steps=8, num_workers=2, checkpoint_every=4, log_every=2, export_every=4, export_steps=(2,)
+    )
     pt.pretrain(small_config(instances, tmp_path / "one", **kw))
     half = pt.pretrain(small_config(instances, tmp_path / "two", stop_after=4, **kw))
     assert half["step"] == 4 and not half["finished"] and not (tmp_path / "two" / "model").exists()
@@ -661,9 +779,7 @@ def test_stop_and_resume_equals_one_go(ray_cluster, instances, tmp_path, mlflow_
     assert len(moved) > len(a) // 2  # the weights trained, so equality is not trivial
     for run in ("one", "two"):
         exports = tmp_path / run / "exports"
-        assert sorted(p.name for p in exports.iterdir()) == [
-            "step-2", "step-4", "step-8"
-        ], run  # fmt: skip
+        assert sorted(p.name for p in exports.iterdir()) == ["step-2", "step-4", "step-8"], run
         for folder in exports.iterdir():
             step = json.loads((folder / "pretrain_step.json").read_text())["step"]
             assert folder.name == f"step-{step}"
@@ -674,8 +790,9 @@ def test_stop_and_resume_equals_one_go(ray_cluster, instances, tmp_path, mlflow_
     early = load_file(tmp_path / "one" / "exports" / "step-2" / "model.safetensors")
     assert all(torch.equal(last[n], b[n]) for n in b)  # the last export is the final model
     assert not all(torch.equal(early[n], b[n]) for n in b)  # an earlier one is earlier
-    mid = [load_file(tmp_path / r / "exports" / "step-4" / "model.safetensors")
-           for r in ("one", "two")]  # fmt: skip
+    mid = [
+        load_file(tmp_path / r / "exports" / "step-4" / "model.safetensors") for r in ("one", "two")
+    ]
     for name in mid[0]:  # exported before the stop in run two, as in the run in one go
         torch.testing.assert_close(mid[0][name], mid[1][name], atol=1e-6, rtol=0, msg=name)
     rows_one = list(csv.DictReader((tmp_path / "one" / "pretrain_metrics.csv").open()))

@@ -38,10 +38,18 @@ services = local_services()
 
 def test_config_argv_gives_back_the_config():
     cfg = PretrainConfig(
-        instances="s3://b/i", output="/o", steps=7, use_gpu=True, adam_betas=(0.9, 0.98),
-        learning_rate=5e-3, dropout=0.0, storage_path="s3://b/ray/x", stop_after=3,
-        export_steps=(2, 5), num_layers=3,
-    )  # fmt: skip
+        instances="s3://b/i",
+        output="/o",
+        steps=7,
+        use_gpu=True,
+        adam_betas=(0.9, 0.98),
+        learning_rate=5e-3,
+        dropout=0.0,
+        storage_path="s3://b/ray/x",
+        stop_after=3,
+        export_steps=(2, 5),
+        num_layers=3,
+    )
     argv = ray_jobs.config_argv(cfg)
     assert parse_args(argv) == cfg
     assert argv[argv.index("--export-steps") + 1] == "2,5"  # a comma list: one value
@@ -79,8 +87,13 @@ def test_a_job_trains_only_the_code_of_the_step_that_submitted_it(monkeypatch):
     assert head and ray_jobs.code_commit() == head  # this checkout's, wherever the cwd is
     sent = []
     monkeypatch.setenv("BERT_GIT_COMMIT", "a" * 40)  # the step's image
-    ray_jobs._submit(type("Client", (), {"submit_job": lambda self, **kw: sent.append(kw)})(),
-                     "sid", "bert pretrain", "run", "s3://b/ray")  # fmt: skip
+    ray_jobs._submit(
+        type("Client", (), {"submit_job": lambda self, **kw: sent.append(kw)})(),
+        "sid",
+        "bert pretrain",
+        "run",
+        "s3://b/ray",
+    )
     (env,) = [kw["runtime_env"]["env_vars"] for kw in sent]
     assert env[ray_jobs.EXPECTED_COMMIT] == "a" * 40 and "BERT_GIT_COMMIT" not in env
     monkeypatch.setenv(ray_jobs.EXPECTED_COMMIT, "a" * 40)
@@ -162,9 +175,13 @@ def ray_head(s3):
 @pytest.fixture(scope="module")
 def tiny_instances(tmp_path_factory, shared_data) -> Path:
     return pretraining_instances(
-        tmp_path_factory.mktemp("pt-jobs"), shared_data, chars=12_000, num_shards=2,
-        vocab_size=500, max_seq_length=32,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("pt-jobs"),
+        shared_data,
+        chars=12_000,
+        num_shards=2,
+        vocab_size=500,
+        max_seq_length=32,
+    )
 
 
 class Caller:
@@ -245,9 +262,22 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
     env.pop("BERT_PARENT_RUN_ID", None)
     # 150 steps of ~0.1 s, a checkpoint every 25: the job is stopped after its first
     # checkpoint, and 125 steps leave time enough for the stop to land before the end
-    common = ["--instances", str(tiny_instances), "--preset", "tiny", "--steps", "150",
-              "--batch-size", "8", "--checkpoint-every", "25", "--log-every", "25",
-              "--seed", "7"]  # fmt: skip
+    common = [
+        "--instances",
+        str(tiny_instances),
+        "--preset",
+        "tiny",
+        "--steps",
+        "150",
+        "--batch-size",
+        "8",
+        "--checkpoint-every",
+        "25",
+        "--log-every",
+        "25",
+        "--seed",
+        "7",
+    ]
     args = [*common, "--output", "run", "--run-name", "kfp-retry"]
 
     first = Caller(args, env, tmp_path)

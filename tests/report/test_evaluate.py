@@ -53,8 +53,16 @@ def test_full_glue_table_plot_and_mlflow(tmp_path, mlflow_env):
     results = json.loads((out / "glue_results.json").read_text())
     assert round(results["glue_score"], 1) == 80.5 and results["complete"] is True
     assert list(results["tasks"]) == [
-        "MNLI", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE", "WNLI"
-    ]  # fmt: skip
+        "MNLI",
+        "QQP",
+        "QNLI",
+        "SST-2",
+        "CoLA",
+        "STS-B",
+        "MRPC",
+        "RTE",
+        "WNLI",
+    ]
     assert results["tasks"]["MRPC"]["score"] == pytest.approx(87.35)
     table = (out / "glue_table.md").read_text()
     header, _, row = table.splitlines()[:3]
@@ -73,8 +81,14 @@ def test_full_glue_table_plot_and_mlflow(tmp_path, mlflow_env):
     assert run.data.metrics["eval/CoLA/mcc"] == pytest.approx(60.5)
     assert run.data.metrics["eval/MRPC/score"] == pytest.approx(87.35)
     arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "glue")}
-    assert arts == {"glue/glue_results.json", "glue/glue_table.md", "glue/glue_scores.png",
-                    "glue/scores", "glue/task_scores.csv", "glue/dev_curves.csv"}  # fmt: skip
+    assert arts == {
+        "glue/glue_results.json",
+        "glue/glue_table.md",
+        "glue/glue_scores.png",
+        "glue/scores",
+        "glue/task_scores.csv",
+        "glue/dev_curves.csv",
+    }
 
 
 def test_partial_results_are_marked(tmp_path):
@@ -210,10 +224,17 @@ def test_control_and_systems_are_rows_of_one_table_with_the_gain(tmp_path, mlflo
     or named with --system), the gain row, MLflow names per system, and `bert runs`."""
     from bert_core.track import lineage
 
-    ours = {"SST-2": {"accuracy": 0.9}, "MRPC": {"f1": 0.8, "accuracy": 0.7},
-            "conll2003": {"f1": 0.9, "strict_f1": 0.91}}  # fmt: skip
-    control = {"SST-2": {"accuracy": 0.6}, "MRPC": {"f1": 0.81, "accuracy": 0.69},
-               "CoLA": {"mcc": 0.0}, "conll2003": {"f1": 0.5, "strict_f1": 0.52}}  # fmt: skip
+    ours = {
+        "SST-2": {"accuracy": 0.9},
+        "MRPC": {"f1": 0.8, "accuracy": 0.7},
+        "conll2003": {"f1": 0.9, "strict_f1": 0.91},
+    }
+    control = {
+        "SST-2": {"accuracy": 0.6},
+        "MRPC": {"f1": 0.81, "accuracy": 0.69},
+        "CoLA": {"mcc": 0.0},
+        "conll2003": {"f1": 0.5, "strict_f1": 0.52},
+    }
     a = _system(tmp_path / "ours", ours, "pretrained")
     b = _system(tmp_path / "control", control, "random")
     out = tmp_path / "eval"
@@ -254,8 +275,13 @@ def test_control_and_systems_are_rows_of_one_table_with_the_gain(tmp_path, mlflo
     assert cli.main(["runs"]) == 0  # the pipeline run's row: main score, control's, the gain
     header, row = capsys.readouterr().out.splitlines()
     columns = header.split()
-    assert columns[-5:] == ["eval/score", "random_init/eval/score", "gain/eval/score",
-                            "eval/MRPC/score", "eval/SST-2/score"]  # fmt: skip
+    assert columns[-5:] == [
+        "eval/score",
+        "random_init/eval/score",
+        "gain/eval/score",
+        "eval/MRPC/score",
+        "eval/SST-2/score",
+    ]
     assert row.split()[-5:] == ["82.5", "45.0", "15.0", "75.0", "90.0"]
 
     # named systems: one --system per --results; a named group may not mix inits
@@ -264,8 +290,19 @@ def test_control_and_systems_are_rows_of_one_table_with_the_gain(tmp_path, mlflo
     with pytest.raises(ValueError, match="--system 'X' mixes --init"):
         evaluate(a + b, tmp_path / "mixed", system="X")
     with pytest.raises(SystemExit):  # argparse: "give one --system per --results, or none"
-        cli.main(["evaluate", "--results", *a, "--results", *b, "--system", "only one",
-                  "--output", str(tmp_path / "x")])  # fmt: skip
+        cli.main(
+            [
+                "evaluate",
+                "--results",
+                *a,
+                "--results",
+                *b,
+                "--system",
+                "only one",
+                "--output",
+                str(tmp_path / "x"),
+            ]
+        )
 
 
 def test_rows_are_named_by_what_the_pretraining_started_from(tmp_path):
@@ -288,7 +325,9 @@ def test_rows_are_named_by_what_the_pretraining_started_from(tmp_path):
     (control,) = _system(tmp_path / "control", {"SST-2": {"accuracy": 0.25}}, "random")
     results = evaluate([folders["continued"], folders["public"], control], tmp_path / "a")
     assert list(results["systems"]) == [
-        "public checkpoint + continued pre-training", "public checkpoint", "random init"
+        "public checkpoint + continued pre-training",
+        "public checkpoint",
+        "random init",
     ]
     gains = {n: r["gain"]["tasks"]["SST-2"] for n, r in results["systems"].items() if "gain" in r}
     assert gains == {"public checkpoint + continued pre-training": 25, "public checkpoint": 25}
@@ -313,7 +352,10 @@ def test_feature_based_rows_are_table_7_with_the_papers_numbers(tmp_path):
     folders += _system(tmp_path / "control", {"conll2003": {"f1": 0.3}}, "random")
     results = evaluate(folders, tmp_path / "out")
     assert list(results["systems"]) == [
-        "public checkpoint", "random init", "feature-based (embeddings)", "feature-based (last)"
+        "public checkpoint",
+        "random init",
+        "feature-based (embeddings)",
+        "feature-based (last)",
     ]
     table = markdown_table(results)
     assert "| System | Dev F1 | Paper Dev F1 (BERT-Base, Table 7) |" in table
@@ -331,10 +373,14 @@ def test_table_5_rows_are_shown_beside_the_papers_numbers(tmp_path):
 
     groups = []
     for name, (sst2, mrpc_acc, squad_f1) in {
-        "BERT (MLM & NSP)": (0.81, 0.70, 0.20), "LTR & No NSP": (0.78, 0.68, 0.10),
-    }.items():  # fmt: skip
-        tasks = {"SST-2": {"accuracy": sst2}, "MRPC": {"f1": 0.8, "accuracy": mrpc_acc},
-                 "squad": {"exact_match": squad_f1 / 2, "f1": squad_f1}}  # fmt: skip
+        "BERT (MLM & NSP)": (0.81, 0.70, 0.20),
+        "LTR & No NSP": (0.78, 0.68, 0.10),
+    }.items():
+        tasks = {
+            "SST-2": {"accuracy": sst2},
+            "MRPC": {"f1": 0.8, "accuracy": mrpc_acc},
+            "squad": {"exact_match": squad_f1 / 2, "f1": squad_f1},
+        }
         groups.append((name, _system(tmp_path / name, tasks, "pretrained")))
     table = markdown_table(evaluate(groups, tmp_path / "out"))
     assert "| System | MNLI-m (Acc) | QNLI (Acc) | MRPC (Acc) | SST-2 (Acc) | SQuAD (F1) |" in table

@@ -11,10 +11,16 @@ import pytest
 from bert_core.report.evaluate import evaluate
 
 NER = {"f1": 0.9, "strict_f1": 0.91, "precision": 0.9, "recall": 0.9}  # P/R: not in its table
-PRETRAINED = {"SST-2": {"accuracy": 0.9}, "STS-B": {"pearson": 0.8, "spearman": 0.7},
-              "conll2003": NER}  # fmt: skip
-RANDOM = {"SST-2": {"accuracy": 0.6}, "STS-B": {"pearson": 0.1, "spearman": 0.2},
-          "conll2003": {"f1": 0.5, "strict_f1": 0.52}}  # fmt: skip
+PRETRAINED = {
+    "SST-2": {"accuracy": 0.9},
+    "STS-B": {"pearson": 0.8, "spearman": 0.7},
+    "conll2003": NER,
+}
+RANDOM = {
+    "SST-2": {"accuracy": 0.6},
+    "STS-B": {"pearson": 0.1, "spearman": 0.2},
+    "conll2003": {"f1": 0.5, "strict_f1": 0.52},
+}
 
 
 def _finetuned(root, init: str, tasks: dict[str, dict]) -> list[str]:
@@ -25,10 +31,19 @@ def _finetuned(root, init: str, tasks: dict[str, dict]) -> list[str]:
         d = root / f"{init}-{name}"
         d.mkdir(parents=True)
         first = {k: v / 2 for k, v in metrics.items()}
-        epochs = [{"epoch": 1, "metrics": first, "train_loss": 1.0},
-                  {"epoch": 2, "metrics": metrics, "train_loss": 0.5}]  # fmt: skip
-        content = {"task": name, "init": init, "metrics": metrics, "best_epoch": 2,
-                   "epochs": epochs, "config": {"lr": 1e-4}, "device": "cpu"}  # fmt: skip
+        epochs = [
+            {"epoch": 1, "metrics": first, "train_loss": 1.0},
+            {"epoch": 2, "metrics": metrics, "train_loss": 0.5},
+        ]
+        content = {
+            "task": name,
+            "init": init,
+            "metrics": metrics,
+            "best_epoch": 2,
+            "epochs": epochs,
+            "config": {"lr": 1e-4},
+            "device": "cpu",
+        }
         (d / "metrics.json").write_text(json.dumps(content))
         dirs.append(str(d))
     return dirs
@@ -42,8 +57,11 @@ def written(tmp_path):
 
 
 def _rows(out) -> dict[str, dict]:
-    return {p.relative_to(out).as_posix(): json.loads(p.read_text()) for p in out.rglob("*.json")
-            if p.parent.parent.name == "scores"}  # fmt: skip
+    return {
+        p.relative_to(out).as_posix(): json.loads(p.read_text())
+        for p in out.rglob("*.json")
+        if p.parent.parent.name == "scores"
+    }
 
 
 def test_a_row_per_system_and_task_numbers_only_on_the_table_scale(written):
@@ -54,8 +72,9 @@ def test_a_row_per_system_and_task_numbers_only_on_the_table_scale(written):
     for row in rows.values():  # flat, numbers only, a handful of columns
         assert all(type(v) in (int, float) for v in row.values()) and len(row) <= 8, row
     sts = rows["scores/bert_ours/STS-B.json"]
-    assert sts == pytest.approx({"score": 75.0, "pearson": 80.0, "spearman": 70.0,
-                                 "best_epoch": 2, "gain": 75.0 - 15.0})  # fmt: skip
+    assert sts == pytest.approx(
+        {"score": 75.0, "pearson": 80.0, "spearman": 70.0, "best_epoch": 2, "gain": 75.0 - 15.0}
+    )
     assert sts["score"] == pytest.approx(results["tasks"]["STS-B"]["score"])  # the table's number
     # another task: its table's columns, its first one as the score; the control has no gain
     assert rows["scores/bert_ours/conll2003.json"] == pytest.approx(
@@ -63,8 +82,9 @@ def test_a_row_per_system_and_task_numbers_only_on_the_table_scale(written):
     )
     assert "gain" not in rows["scores/random_init/SST-2.json"]
     glue = rows["scores/bert_ours/GLUE.json"]
-    assert glue == pytest.approx({"score": results["glue_score"], "tasks": 2,
-                                  "gain": results["gain"]["glue_score"]})  # fmt: skip
+    assert glue == pytest.approx(
+        {"score": results["glue_score"], "tasks": 2, "gain": results["gain"]["glue_score"]}
+    )
 
 
 def test_long_tables_for_the_plots(written):
@@ -81,8 +101,11 @@ def test_long_tables_for_the_plots(written):
     with (out / "dev_curves.csv").open() as f:
         curves = list(csv.DictReader(f))
     assert list(curves[0]) == ["task", "system", "epoch", "score"]
-    sst2 = [(r["epoch"], float(r["score"])) for r in curves
-            if r["task"] == "SST-2" and r["system"] == "BERT (ours)"]  # fmt: skip
+    sst2 = [
+        (r["epoch"], float(r["score"]))
+        for r in curves
+        if r["task"] == "SST-2" and r["system"] == "BERT (ours)"
+    ]
     assert sst2 == [("1", pytest.approx(45.0)), ("2", pytest.approx(90.0))]
     assert len(curves) == 2 * 2 * 3  # epochs x systems x tasks
 

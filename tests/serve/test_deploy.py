@@ -53,8 +53,11 @@ def test_dry_run_prints_the_champions_service_field_by_field(registry, capsys, m
     assert (isvc["apiVersion"], isvc["kind"]) == ("serving.kserve.io/v1beta1", "InferenceService")
     meta = isvc["metadata"]
     assert (meta["name"], meta["namespace"]) == ("bert-sst2", "bert")
-    assert meta["labels"] == {"bert.registered-model": "bert-sst2", "bert.model-version": "1",
-                              "bert.model-alias": "champion"}  # fmt: skip
+    assert meta["labels"] == {
+        "bert.registered-model": "bert-sst2",
+        "bert.model-version": "1",
+        "bert.model-alias": "champion",
+    }
     assert meta["annotations"] == {"serving.kserve.io/deploymentMode": "Knative"}
     predictor = isvc["spec"]["predictor"]
     assert predictor["serviceAccountName"] == "bert-serve"
@@ -72,8 +75,9 @@ def test_dry_run_prints_the_champions_service_field_by_field(registry, capsys, m
     assert crd_problems(isvc, kserve_schemas()) == []
 
 
-def test_a_proxied_artifact_uri_is_served_from_the_bucket_behind_the_server(tmp_path, capsys,
-                                                                          monkeypatch):  # fmt: skip
+def test_a_proxied_artifact_uri_is_served_from_the_bucket_behind_the_server(
+    tmp_path, capsys, monkeypatch
+):
     """The cluster's MLflow server proxies artifacts, so the registry answers mlflow-artifacts:/
     URIs (what a real `mlflow server --artifacts-destination` returns for a logged model's
     version); the InferenceService gets the same path under the destination, in the bucket."""
@@ -134,8 +138,13 @@ def cluster(tmp_path, monkeypatch):
     api.close()
 
 
-def finetuned_folder(client: MlflowClient, folder, score: str, baseline: str = "0.5",
-                     registered: str | None = "bert-sst2") -> str:  # fmt: skip
+def finetuned_folder(
+    client: MlflowClient,
+    folder,
+    score: str,
+    baseline: str = "0.5",
+    registered: str | None = "bert-sst2",
+) -> str:
     """A fine-tuning output's record (`mlflow_model.json`), its metrics.json and the version its
     run registered (`registered` None: none, as the random-init control): what `bert finetune`
     leaves, minus the model."""
@@ -145,11 +154,19 @@ def finetuned_folder(client: MlflowClient, folder, score: str, baseline: str = "
         tags = {SCORE_TAG: score, BASELINE_TAG: baseline}
         client.create_model_version(registered, source, run_id=run.info.run_id, tags=tags)
     folder.mkdir(parents=True)
-    record = {"model_uri": f"models:/m-{run.info.run_id[:8]}", "run_id": run.info.run_id,
-              "registered_model": registered, "alias": None}  # fmt: skip
+    record = {
+        "model_uri": f"models:/m-{run.info.run_id[:8]}",
+        "run_id": run.info.run_id,
+        "registered_model": registered,
+        "alias": None,
+    }
     (folder / "mlflow_model.json").write_text(json.dumps(record))
-    metrics = {"task": "SST-2", "score": float(score), "data": "glue/SST-2",
-               "num_dev_examples": {"dev": 872}}  # fmt: skip
+    metrics = {
+        "task": "SST-2",
+        "score": float(score),
+        "data": "glue/SST-2",
+        "num_dev_examples": {"dev": 872},
+    }
     (folder / "metrics.json").write_text(json.dumps(metrics))
     return source
 
@@ -161,8 +178,12 @@ def test_deploy_promote_and_full_traffic_through_the_kubernetes_client(cluster, 
     api, client = cluster
     assert cli.main(["deploy", "--task", "SST-2"]) == 0
     first = json.loads(capsys.readouterr().out)
-    assert first == {"inference_service": "bert-sst2", "version": "1", "storage_uri": SOURCE,
-                     "canary_percent": None}  # fmt: skip
+    assert first == {
+        "inference_service": "bert-sst2",
+        "version": "1",
+        "storage_uri": SOURCE,
+        "canary_percent": None,
+    }
     get, apply = api.requests[:2]
     assert (get["method"], apply["method"]) == ("GET", "PATCH")
     isvcs = "/apis/serving.kserve.io/v1beta1/namespaces/bert/inferenceservices"
@@ -189,13 +210,20 @@ def test_deploy_promote_and_full_traffic_through_the_kubernetes_client(cluster, 
 
     assert cli.main(["promote", "SST-2", "--full-traffic"]) == 0
     ended = json.loads(capsys.readouterr().out)
-    assert ended == {"inference_service": "bert-sst2", "version": "2", "full_traffic": True,
-                     "changed": True, "canary_percent_before": 25}  # fmt: skip
+    assert ended == {
+        "inference_service": "bert-sst2",
+        "version": "2",
+        "full_traffic": True,
+        "changed": True,
+        "canary_percent_before": 25,
+    }
     patch = api.requests[-1]
     assert (patch["method"], patch["content_type"]) == ("PATCH", "application/json-patch+json")
     path = "/spec/predictor/canaryTrafficPercent"
-    assert json.loads(patch["body"]) == [{"op": "test", "value": 25, "path": path},
-                                         {"op": "remove", "path": path}]  # fmt: skip
+    assert json.loads(patch["body"]) == [
+        {"op": "test", "value": 25, "path": path},
+        {"op": "remove", "path": path},
+    ]
     live = api.objects[("bert", "bert-sst2")]
     assert "canaryTrafficPercent" not in live["spec"]["predictor"]
     assert live["spec"]["predictor"]["model"]["storageUri"] == newer
@@ -206,8 +234,9 @@ def test_deploy_promote_and_full_traffic_through_the_kubernetes_client(cluster, 
     assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "2"
 
 
-def test_a_worse_fine_tuning_is_not_promoted_and_the_service_is_unchanged(cluster, tmp_path,
-                                                                          capsys):  # fmt: skip
+def test_a_worse_fine_tuning_is_not_promoted_and_the_service_is_unchanged(
+    cluster, tmp_path, capsys
+):
     api, client = cluster
     assert cli.main(["deploy", "--task", "SST-2"]) == 0
     finetuned_folder(client, tmp_path / "SST-2", "0.7")
@@ -222,13 +251,15 @@ def test_a_worse_fine_tuning_is_not_promoted_and_the_service_is_unchanged(cluste
     finetuned_folder(client, tmp_path / "nan", "nan")
     assert cli.main(["promote", "SST-2", str(tmp_path / "nan"), "--force"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith("dev score 'nan' is not a finite number (a diverged fine-tuning?): "
-                        "not promoted"), err  # fmt: skip
+    assert err.endswith(
+        "dev score 'nan' is not a finite number (a diverged fine-tuning?): not promoted"
+    ), err
     assert client.get_model_version_by_alias("bert-sst2", "champion").version == champion
 
 
-def test_the_gate_promotes_the_best_of_a_runs_models_that_beats_its_baseline(cluster, tmp_path,
-                                                                            capsys):  # fmt: skip
+def test_the_gate_promotes_the_best_of_a_runs_models_that_beats_its_baseline(
+    cluster, tmp_path, capsys
+):
     """`bert promote TASK --best-of DIR`, the gate `make run` ends with: of the outputs under DIR
     registered as the task's model (not the control's, not another task's), the best by dev
     score, moved by the registry's rule; a model at or below its task's baseline is never
@@ -246,8 +277,9 @@ def test_the_gate_promotes_the_best_of_a_runs_models_that_beats_its_baseline(clu
     assert cli.main(["promote", "SST-2", str(tmp_path / "flat"), "--force"]) == 0
     refused = json.loads(capsys.readouterr().out)
     assert (refused["promoted"], refused["champion"]) == (False, 3)
-    assert refused["reason"].startswith("not promoted: dev score 0.95 does not beat the task's "
-                                        "baseline 0.95")  # fmt: skip
+    assert refused["reason"].startswith(
+        "not promoted: dev score 0.95 does not beat the task's baseline 0.95"
+    )
     assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "3"
     # different dev sets; nothing registered as the task's model there; both forms at once
     other = json.loads((glue / "SST-2" / "metrics.json").read_text())

@@ -71,8 +71,9 @@ def test_embed_equals_transformers_hidden_states(
         np.testing.assert_allclose(np.array(row["vectors"]), want, atol=2e-4)
     assert [r["id"] for r in per_token] == ["0", "1", "2"]
 
-    pooled = run_embed(tmp_path, minilm_dir, capsys, "--layers=-2,0", "--combine", "sum",
-                       "--pooling", "mean")  # fmt: skip
+    pooled = run_embed(
+        tmp_path, minilm_dir, capsys, "--layers=-2,0", "--combine", "sum", "--pooling", "mean"
+    )
     for row, hs in zip(pooled, states, strict=True):
         want = (hs[-2] + hs[0])[0].mean(0).numpy()
         np.testing.assert_allclose(np.array(row["vector"]), want, atol=2e-4)

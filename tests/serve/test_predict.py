@@ -67,8 +67,12 @@ def test_every_format_any_chunking_same_answers(env, capsys):
     model = str(folders["classification"])
     want = load_predictor(model).predict(pd.DataFrame({"text": SENTENCES}))
     files = write_inputs(root)
-    runs = [("txt", 2, ".jsonl"), ("tsv", 3, ".parquet"), ("jsonl", 100, ".jsonl"),
-            ("parquet", 2, ".parquet")]  # fmt: skip
+    runs = [
+        ("txt", 2, ".jsonl"),
+        ("tsv", 3, ".parquet"),
+        ("jsonl", 100, ".jsonl"),
+        ("parquet", 2, ".parquet"),
+    ]
     for fmt, chunk, suffix in runs:
         out = root / f"out-{fmt}{suffix}"
         argv = ["predict", "--model", model, "--input", str(files[fmt]), "--output", str(out)]
@@ -132,7 +136,7 @@ def test_bad_rows_name_file_and_line_and_leave_no_output(env, capsys):
             [],
             f"{bad}: missing column 'text': this classification model (fine-tuned on SST-2) "
             "reads the columns text (got sentence, label); `--column MODEL=FILE`",
-        ),  # fmt: skip
+        ),
         (bad, ["--column", "text=sentence", "--max-chars", "3"], f"{bad}:2: 'text' has 4"),
     ]
     broken = root / "broken.jsonl"

@@ -27,8 +27,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, minilm_dir):
     root = tmp_path_factory.mktemp("models")
-    kinds = ("classification", "pair", "regression", "ner", "question-answering", "fill-mask",
-             "multiple-choice")  # fmt: skip
+    kinds = (
+        "classification",
+        "pair",
+        "regression",
+        "ner",
+        "question-answering",
+        "fill-mask",
+        "multiple-choice",
+    )
     return {kind: build(kind, minilm_dir, root / kind) for kind in kinds}
 
 
@@ -124,8 +131,9 @@ def test_answers_equal_squad_finetuning_decoder_with_offsets(folders, shared_dat
     # short windows: most contexts span several, so the max-context rule matters
     settings = Settings(max_seq_length=96, doc_stride=32, batch_size=16)
     predictor = load_predictor(folders["question-answering"], settings)
-    frame = pd.DataFrame({"question": [e.question for e in examples],
-                          "context": [e.context for e in examples]})  # fmt: skip
+    frame = pd.DataFrame(
+        {"question": [e.question for e in examples], "context": [e.context for e in examples]}
+    )
     answers = predictor.predict(frame)
 
     cfg = squad.SquadConfig(max_seq_length=96, doc_stride=32)
@@ -186,11 +194,21 @@ def test_choices_equal_swag_finetuning_predictions(folders):
     from bert_core.finetune.tasks import swag
 
     examples = [
-        swag.SwagExample("0", "A man fills a kettle with water.", "He",
-                         ("pours it into a cup.", "eats the kettle.", "flies.", "sings."), None),
-        swag.SwagExample("1", "The crowd cheers as the runner", "",
-                         ("crosses the line.", "a", "bakes bread in the rain today", "x y"), None),
-    ]  # fmt: skip
+        swag.SwagExample(
+            "0",
+            "A man fills a kettle with water.",
+            "He",
+            ("pours it into a cup.", "eats the kettle.", "flies.", "sings."),
+            None,
+        ),
+        swag.SwagExample(
+            "1",
+            "The crowd cheers as the runner",
+            "",
+            ("crosses the line.", "a", "bakes bread in the rain today", "x y"),
+            None,
+        ),
+    ]
     rows = [{"context": e.context, "start": e.start or None} for e in examples]
     for row, e in zip(rows, examples, strict=True):
         row |= dict(zip(swag.ENDINGS, e.endings, strict=True))

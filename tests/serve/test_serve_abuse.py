@@ -34,8 +34,18 @@ from tests.serving_helpers import build, free_port, stop_server, wait_until_up
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # a real server: about 30 s on 2 cores
-LIMITS = ["--max-body-bytes", "65536", "--max-concurrency", "2", "--max-chars", "1000",
-          "--body-timeout", "5", "--header-timeout", "2"]  # fmt: skip
+LIMITS = [
+    "--max-body-bytes",
+    "65536",
+    "--max-concurrency",
+    "2",
+    "--max-chars",
+    "1000",
+    "--body-timeout",
+    "5",
+    "--header-timeout",
+    "2",
+]
 GOOD = {"dataframe_records": [{"text": "still up"}]}
 
 
@@ -45,8 +55,13 @@ def call(port: int, body=b"", method="POST", path="/invocations", conn=None):
     c = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     data = json.dumps(body).encode() if isinstance(body, dict) else body
     chunked = not isinstance(data, bytes)
-    c.request(method, path, body=data if method == "POST" else None, encode_chunked=chunked,
-              headers={"Content-Type": "application/json"})  # fmt: skip
+    c.request(
+        method,
+        path,
+        body=data if method == "POST" else None,
+        encode_chunked=chunked,
+        headers={"Content-Type": "application/json"},
+    )
     r = c.getresponse()
     raw, headers = r.read(), {k.lower(): v for k, v in r.getheaders()}
     if "json" in headers.get("content-type", "") and raw.strip():  # /ping: "\n"
@@ -86,15 +101,26 @@ def server(tmp_path_factory, minilm_dir):
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment("serve-abuse")
         with mlflow.start_run():
-            info = serving.log_model(build("classification", minilm_dir, root / "model"),
-                                     {"max_chars": 2000})  # fmt: skip
+            info = serving.log_model(
+                build("classification", minilm_dir, root / "model"), {"max_chars": 2000}
+            )
     port, log = free_port(), root / "server.log"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(ROOT),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": uri,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
     cmd = [sys.executable, "-m", "bert_core", "serve", info.model_uri, "--port", str(port)]
     with open(log, "w") as out:  # no --host: the default is under test
-        proc = subprocess.Popen([*cmd, *LIMITS], env=env, cwd=root, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [*cmd, *LIMITS],
+            env=env,
+            cwd=root,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     s = Server(proc, port, log)
     try:
         s.wait_until_up()
@@ -110,8 +136,9 @@ def test_listens_on_loopback_unless_told(server):
     process = psutil.Process(server.proc.pid)
     # psutil 5.9 (kserve's pin) names it connections(); 6.0 renamed it net_connections()
     sockets = getattr(process, "net_connections", None) or process.connections
-    listening = {(c.laddr.ip, c.laddr.port) for c in sockets("inet")
-                 if c.status == psutil.CONN_LISTEN}  # fmt: skip
+    listening = {
+        (c.laddr.ip, c.laddr.port) for c in sockets("inet") if c.status == psutil.CONN_LISTEN
+    }
     assert listening == {("127.0.0.1", server.port)}
     # the banner follows uvicorn's start by up to a poll (server.run), which may come after the
     # first /ping was answered on a busy machine (seen once in a fresh clone's suite)
@@ -134,19 +161,49 @@ LONG = "word " * 300  # 1,500 characters: over the server's --max-chars 1000
 CASES = [
     # (what, body, status, error_code, message fragment)
     ("malformed JSON", b"{not json", 400, "BAD_REQUEST", "Invalid input"),
-    ("no input field", {"rows": [{"text": "x"}]}, 400, "BAD_REQUEST",
-     "exactly one of the input fields"),
-    ("wrong column", {"dataframe_split": {"columns": ["sentence"], "data": [["x"]]}}, 400,
-     "INVALID_PARAMETER_VALUE", "Model is missing inputs ['text']"),
-    ("over-long text", {"dataframe_records": [{"text": "fine"}, {"text": LONG}]}, 422,
-     "INVALID_PARAMETER_VALUE", "row 1: 'text' has 1,500 characters, more than max_chars 1,000"),
-    ("empty text", {"dataframe_records": [{"text": "  "}]}, 422, "INVALID_PARAMETER_VALUE",
-     "row 0: 'text' is empty"),
-    ("oversized body", {"dataframe_records": [{"text": "word " * 100}] * 200}, 413,
-     "REQUEST_LIMIT_EXCEEDED", "bytes, more than the server's limit of 65,536 bytes"),
-    ("oversized streamed body", (b"x" * 16384 for _ in range(8)), 413, "REQUEST_LIMIT_EXCEEDED",
-     "the request body is more than the server's limit of 65,536 bytes"),
-]  # fmt: skip
+    (
+        "no input field",
+        {"rows": [{"text": "x"}]},
+        400,
+        "BAD_REQUEST",
+        "exactly one of the input fields",
+    ),
+    (
+        "wrong column",
+        {"dataframe_split": {"columns": ["sentence"], "data": [["x"]]}},
+        400,
+        "INVALID_PARAMETER_VALUE",
+        "Model is missing inputs ['text']",
+    ),
+    (
+        "over-long text",
+        {"dataframe_records": [{"text": "fine"}, {"text": LONG}]},
+        422,
+        "INVALID_PARAMETER_VALUE",
+        "row 1: 'text' has 1,500 characters, more than max_chars 1,000",
+    ),
+    (
+        "empty text",
+        {"dataframe_records": [{"text": "  "}]},
+        422,
+        "INVALID_PARAMETER_VALUE",
+        "row 0: 'text' is empty",
+    ),
+    (
+        "oversized body",
+        {"dataframe_records": [{"text": "word " * 100}] * 200},
+        413,
+        "REQUEST_LIMIT_EXCEEDED",
+        "bytes, more than the server's limit of 65,536 bytes",
+    ),
+    (
+        "oversized streamed body",
+        (b"x" * 16384 for _ in range(8)),
+        413,
+        "REQUEST_LIMIT_EXCEEDED",
+        "the request body is more than the server's limit of 65,536 bytes",
+    ),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -201,8 +258,10 @@ def test_slow_bodies_hold_their_slots_until_the_body_timeout(server):
     """Two requests that send headers and no body fill --max-concurrency 2: a third gets 503
     while the health routes (MLflow's and V2's) still answer; after --body-timeout (5 s) both
     get 408 and the slots free."""
-    head = (b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 100\r\n\r\n")  # fmt: skip
+    head = (
+        b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n"
+    )
     held = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(2)]
     try:
         for s in held:
@@ -286,8 +345,14 @@ def test_batched_model_joins_waiting_requests_and_keeps_errors_apart():
         t.join(30)
     # ["a","b"] + ["bad"] + ["c"] joined (4 rows), failed on "bad", redone one by one; ["d","e"]
     # would make 6 rows, so it starts the next batch, which ["f"] joins
-    assert stub.calls == [["first"], ["a", "b", "bad", "c"], ["a", "b"], ["bad"], ["c"],
-                          ["d", "e", "f"]]  # fmt: skip
+    assert stub.calls == [
+        ["first"],
+        ["a", "b", "bad", "c"],
+        ["a", "b"],
+        ["bad"],
+        ["c"],
+        ["d", "e", "f"],
+    ]
     assert results[1] == [{"echo": "a"}, {"echo": "b"}]
     assert results[2] == "row 0: bad"  # its own row number, not the joined batch's
     assert results[3] == [{"echo": "c"}] and results[4] == [{"echo": "d"}, {"echo": "e"}]

@@ -149,8 +149,12 @@ def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_cham
     out = tracking / "sst2"
     argv = ["finetune", "--task", "SST-2", "--data", str(shared_data / "glue" / "SST-2")]
     argv += ["--model", str(pretrained), "--output", str(out), "--epochs", "1"]
-    assert cli.main([*argv, "--batch-size", "8", "--max-train-examples", "8",
-                     "--max-eval-examples", "16"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [*argv, "--batch-size", "8", "--max-train-examples", "8", "--max-eval-examples", "16"]
+        )
+        == 0
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last)["registered_model"] == "bert-sst2/1"
     record = json.loads((out / registry.RECORD).read_text())
@@ -184,8 +188,9 @@ def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_cham
     assert run.data.tags[registry.SOURCE_TAG] == link
     # the model's inference settings beside, not over, the run's training parameters
     assert (run.data.params["batch_size"], run.data.params["inference/max_seq_length"]) == (
-        "8", "128",
-    )  # fmt: skip
+        "8",
+        "128",
+    )
 
     # the task's baseline on the same dev set travels with the version: SST-2's majority label.
     # The first version that beats it is champion at once, and says why; one that does not (a
@@ -285,8 +290,11 @@ def test_a_step_that_fails_after_logging_its_model_registers_nothing(
     assert client.search_model_versions("name='failing-sst2'") == []
     assert client.search_registered_models("name='failing-sst2'") == []
     assert not out.exists()
-    runs = mlflow.search_runs(search_all_experiments=True, output_format="list",
-                              filter_string="tags.`bert.step` = 'finetune-SST-2'")  # fmt: skip
+    runs = mlflow.search_runs(
+        search_all_experiments=True,
+        output_format="list",
+        filter_string="tags.`bert.step` = 'finetune-SST-2'",
+    )
     failed = [r for r in runs if r.data.params.get("model") == str(tiny)]
     assert [r.info.status for r in failed] == ["FAILED"]
     assert "bert.model_version" not in failed[0].data.tags
@@ -310,11 +318,15 @@ SINGLE, PAIR = ("CoLA", "SST-2"), ("MRPC", "QQP", "STS-B", "MNLI", "QNLI", "RTE"
         ("BertForSequenceClassification", None, ("text",), ("text_pair",)),  # no known task
         ("BertForTokenClassification", "conll2003", ("text",), ()),
         ("BertForQuestionAnswering", "squad_v2", ("question", "context"), ()),
-        ("BertForMultipleChoice", "swag", ("context", *(f"ending{i}" for i in range(4))),
-         ("start",)),
+        (
+            "BertForMultipleChoice",
+            "swag",
+            ("context", *(f"ending{i}" for i in range(4))),
+            ("start",),
+        ),
         ("BertForPreTraining", None, ("text",), ()),
     ],
-)  # fmt: skip
+)
 def test_each_model_signature_and_example_are_its_tasks(head, task, required, optional):
     """A single-sentence task's model takes `text` only, a pair task's `text` and `text_pair`
     both required; the input example has exactly the required columns (and SWAG's `start`)."""
@@ -346,7 +358,7 @@ def squad_v2_output(root, minilm_dir, threshold):
         "metrics": {"f1": 0.5, "best_f1": 0.6, "best_f1_thresh": threshold},
         "score": 0.5,
     }
-    (root / "metrics.json").write_text(json.dumps(result))  # fmt: skip
+    (root / "metrics.json").write_text(json.dumps(result))
     return root, result
 
 
@@ -355,8 +367,10 @@ def test_squad_v2_tuned_threshold_travels_with_the_model(tracking, minilm_dir, c
     """best_f1_thresh of metrics.json is the threshold `bert predict` and the MLflow model
     answer with: "" where the model folder alone (threshold 0) answers a span."""
     out, result = squad_v2_output(tracking / "squad_v2", minilm_dir, -1.0)
-    row = {"question": "Where was the treaty signed?",
-           "context": "After months of talks, the treaty was signed in Lisbon."}  # fmt: skip
+    row = {
+        "question": "Where was the treaty signed?",
+        "context": "After months of talks, the treaty was signed in Lisbon.",
+    }
     (span,) = load_predictor(out / "model").predict(pd.DataFrame([row]))
     assert span["answer"] != "" and row["context"][span["start"] : span["end"]] == span["answer"]
     assert serving.inference_settings(result)["null_score_diff_threshold"] == -1.0
@@ -409,10 +423,15 @@ def test_predict_logs_where_its_model_was_logged(tracking, minilm_dir, monkeypat
             order_by=["attributes.start_time DESC"],
             max_results=1,
         )
-        return client.get_experiment(run.info.experiment_id).name, run.data.tags  # fmt: skip
+        return client.get_experiment(run.info.experiment_id).name, run.data.tags
 
-    models = [info.model_uri, f"runs:/{run.info.run_id}/model", str(output),
-              "models:/exp-sst2@champion", f"models:/exp-sst2/{version.version}"]  # fmt: skip
+    models = [
+        info.model_uri,
+        f"runs:/{run.info.run_id}/model",
+        str(output),
+        "models:/exp-sst2@champion",
+        f"models:/exp-sst2/{version.version}",
+    ]
     try:
         for model in models:
             name, tags = predict_run(model)

@@ -29,21 +29,33 @@ pytestmark = pytest.mark.slow
 
 REQUESTS = {
     # registered model: (kind, rows in the model's columns)
-    "bert-sst2": ("classification", [
-        {"text": "a gripping , funny and moving film"},
-        {"text": "the plot is thin and the jokes fall flat ."},
-        {"text": "ok"},
-    ]),
-    "bert-conll2003": ("ner", [
-        {"text": "EU rejects German call to boycott British lamb ."},
-        {"text": "Peter Blackburn met officials in Brussels on Tuesday."},
-    ]),
-    "bert-squad": ("question-answering", [
-        {"question": "Where was the treaty signed?",
-         "context": "After months of talks, the treaty was signed in Lisbon in December 2007."},
-        {"question": "Who wrote it?", "context": "The report was written by Ada Lovelace."},
-    ]),
-}  # fmt: skip
+    "bert-sst2": (
+        "classification",
+        [
+            {"text": "a gripping , funny and moving film"},
+            {"text": "the plot is thin and the jokes fall flat ."},
+            {"text": "ok"},
+        ],
+    ),
+    "bert-conll2003": (
+        "ner",
+        [
+            {"text": "EU rejects German call to boycott British lamb ."},
+            {"text": "Peter Blackburn met officials in Brussels on Tuesday."},
+        ],
+    ),
+    "bert-squad": (
+        "question-answering",
+        [
+            {
+                "question": "Where was the treaty signed?",
+                "context": "After months of talks, the treaty was signed in Lisbon in "
+                "December 2007.",
+            },
+            {"question": "Who wrote it?", "context": "The report was written by Ada Lovelace."},
+        ],
+    ),
+}
 
 
 def post(port: int, payload) -> tuple[int, dict]:
@@ -79,17 +91,33 @@ def servers(tmp_path_factory, minilm_dir):
                 )
                 registry.promote(name, version.version)
         bin_dir = str(Path(sys.executable).parent)  # the server execs `uvicorn` from PATH
-        env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(ROOT),
-               "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        env = {
+            **os.environ,
+            "MLFLOW_TRACKING_URI": uri,
+            "PYTHONPATH": str(ROOT),
+            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+            "OMP_NUM_THREADS": "1",
+        }
         procs, ports = [], {}
         try:
             for name in REQUESTS:
                 ports[name] = free_port()
                 log = root / f"{name}.log"
-                cmd = [f"{bin_dir}/mlflow", "models", "serve", "-m", f"models:/{name}@champion",
-                       "--env-manager", "local", "--host", "127.0.0.1",
-                       "--port", str(ports[name]), "--workers", "1"]  # fmt: skip
+                cmd = [
+                    f"{bin_dir}/mlflow",
+                    "models",
+                    "serve",
+                    "-m",
+                    f"models:/{name}@champion",
+                    "--env-manager",
+                    "local",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(ports[name]),
+                    "--workers",
+                    "1",
+                ]
                 with open(log, "w") as out:  # its own session: stopped with its workers
                     proc = subprocess.Popen(
                         cmd,
@@ -140,12 +168,16 @@ def test_bad_input_is_a_400_with_a_clear_message_and_the_server_stays_up(servers
     port = ports["bert-sst2"]
     bad = [
         ({"dataframe_records": [{"text": "fine"}, {"text": "   "}]}, "row 1: 'text' is empty"),
-        ({"dataframe_split": {"columns": ["sentence"], "data": [["x"]]}},
-         "Model is missing inputs ['text']"),
-        ({"dataframe_records": [{"text": "word " * 500}]},
-         "row 0: 'text' has 2,500 characters, more than max_chars 2,000"),
+        (
+            {"dataframe_split": {"columns": ["sentence"], "data": [["x"]]}},
+            "Model is missing inputs ['text']",
+        ),
+        (
+            {"dataframe_records": [{"text": "word " * 500}]},
+            "row 0: 'text' has 2,500 characters, more than max_chars 2,000",
+        ),
         (b"{not json", "Invalid input"),
-    ]  # fmt: skip
+    ]
     for payload, message in bad:
         status, body = post(port, payload)
         assert 400 <= status < 500, (status, body)

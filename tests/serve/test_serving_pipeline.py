@@ -43,9 +43,12 @@ def test_dvc_predict_stage_is_off_by_default_and_runs_per_input(tmp_path, shared
     finetuned(repo / "runs/dvc/glue/SST-2", minilm_dir)
     settings = yaml.safe_load((repo / "predict.yaml").read_text())
     settings["predict"]["inputs"] = {
-        "sst2-dev": {"task": "SST-2", "input": str(write_tsv(tmp_path / "dev.tsv")),
-                     "args": "--column text=sentence --batch-size 2"},
-    }  # fmt: skip
+        "sst2-dev": {
+            "task": "SST-2",
+            "input": str(write_tsv(tmp_path / "dev.tsv")),
+            "args": "--column text=sentence --batch-size 2",
+        },
+    }
     (repo / "predict.yaml").write_text(yaml.safe_dump(settings))
     assert "predict@sst2-dev" in run("stage", "list")
     run("repro", "--single-item", "predict@sst2-dev")
@@ -66,8 +69,9 @@ def test_kfp_predict_component_runs_on_a_finetuned_model(tmp_path, minilm_dir, m
     monkeypatch.chdir(tmp_path)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
     model = finetuned(tmp_path / "sst2", minilm_dir)
-    task = predict(inputs=str(write_tsv(tmp_path / "in.tsv")), model_uri=str(model),
-                   columns="text=sentence")  # fmt: skip
+    task = predict(
+        inputs=str(write_tsv(tmp_path / "in.tsv")), model_uri=str(model), columns="text=sentence"
+    )
     out = task.outputs["predictions"].path
     answers = [json.loads(line) for line in open(f"{out}/predictions.jsonl")]
     assert [a["row"] for a in answers] == [0, 1, 2]

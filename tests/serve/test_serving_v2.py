@@ -35,8 +35,15 @@ ROWS = {
     "ner": [{"text": "EU rejects German call ."}, {"text": "Ada met Peter in Paris ."}],
     "question-answering": [{"question": "Who wrote it?", "context": "Ada Lovelace wrote it."}],
     "fill-mask": [{"text": "the film was [MASK] ."}],
-    "multiple-choice": [{"context": "She opened the door", "ending0": "and left .",
-                         "ending1": "a cat .", "ending2": "to the sea .", "ending3": "quietly ."}],
+    "multiple-choice": [
+        {
+            "context": "She opened the door",
+            "ending0": "and left .",
+            "ending1": "a cat .",
+            "ending2": "to the sea .",
+            "ending3": "quietly .",
+        }
+    ],
 }
 
 
@@ -71,10 +78,13 @@ def _client(model_uri: str, name: str = "m"):
 
 def v2_request(rows: list[dict]) -> dict:
     columns = list(rows[0])
-    return {"id": "req-1", "inputs": [
-        {"name": c, "shape": [len(rows)], "datatype": "BYTES", "data": [r[c] for r in rows]}
-        for c in columns
-    ]}  # fmt: skip
+    return {
+        "id": "req-1",
+        "inputs": [
+            {"name": c, "shape": [len(rows)], "datatype": "BYTES", "data": [r[c] for r in rows]}
+            for c in columns
+        ],
+    }
 
 
 def decoded(outputs: list[dict]) -> list[dict]:
@@ -144,20 +154,30 @@ def test_bad_requests_get_a_v2_error_body(logged):
         ({"inputs": [{**tensor, "data": ["   "]}]}, 400, "row 0: 'text' is empty"),
         ({"inputs": [{**tensor, "datatype": "FP32", "data": [1.0]}]}, 400, "expected a BYTES"),
         ({"inputs": [{**tensor, "data": ["word " * 500]}]}, 400, "more than max_chars 2,000"),
-        ({"inputs": [{**tensor, "shape": [2], "data": ["a", "b" * 30000]}]}, 413,
-         "more than the server's limit of 20,000 bytes"),
+        (
+            {"inputs": [{**tensor, "shape": [2], "data": ["a", "b" * 30000]}]},
+            413,
+            "more than the server's limit of 20,000 bytes",
+        ),
         # the probe of issue #43: each was a 500 with internal text, or a crash
         ({"inputs": [{**tensor, "shape": [3]}]}, 400, "its data do not fit its shape [3]"),
-        ({"inputs": [{**tensor, "shape": [2], "data": [1, 2]}]}, 400,
-         "'text': row 0 is int, not text"),
+        (
+            {"inputs": [{**tensor, "shape": [2], "data": [1, 2]}]},
+            400,
+            "'text': row 0 is int, not text",
+        ),
         ({"inputs": []}, 400, "missing input 'text'"),
-        ('{"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["a\\ud800"]}]}',
-         400, "row 0: 'text' is not Unicode text: a lone surrogate (U+D800) at character 1"),
+        (
+            '{"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", '
+            '"data": ["a\\ud800"]}]}',
+            400,
+            "row 0: 'text' is not Unicode text: a lone surrogate (U+D800) at character 1",
+        ),
         ("[" * 5_000 + "]" * 5_000, 400, "error parsing the body"),  # past any parser's depth
         ({"instances": "not rows"}, 400, 'expected {"instances"'),
         ({"inputs": "not a list"}, 422, "inputs: Input should be a valid list"),
         ("{not json", 400, "the body is not JSON (error at character 1)"),
-    ]  # fmt: skip
+    ]
     for payload, status, message in bad:
         path = "/v1/models/m:predict" if "instances" in payload else "/v2/models/m/infer"
         if isinstance(payload, str):  # raw JSON text
@@ -176,8 +196,9 @@ def test_bad_requests_get_a_v2_error_body(logged):
     mlflow_error = client.post("/invocations", json={"dataframe_records": [{"text": " "}]})
     assert mlflow_error.status_code == 422 and "error_code" in mlflow_error.json()
     surrogate = b'{"dataframe_records": [{"text": "\\udfff"}]}'
-    mlflow_error = client.post("/invocations", content=surrogate,
-                               headers={"content-type": "application/json"})  # fmt: skip
+    mlflow_error = client.post(
+        "/invocations", content=surrogate, headers={"content-type": "application/json"}
+    )
     assert mlflow_error.status_code == 422 and "lone surrogate" in mlflow_error.json()["message"]
 
 
@@ -210,14 +231,28 @@ def test_bert_serve_answers_the_kserve_client_as_bert_predict(logged, tmp_path, 
     root, uri, uris = logged
     rows = ROWS["classification"]
     port = free_port()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(ROOT),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "bert_core", "serve", uris["classification"], "--name",
-           "bert-sst2", "--port", str(port)]  # fmt: skip
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": uri,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "bert_core",
+        "serve",
+        uris["classification"],
+        "--name",
+        "bert-sst2",
+        "--port",
+        str(port),
+    ]
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         wait_until_up(proc, port, log, timeout=120)
 

@@ -31,8 +31,15 @@ def split_tag(tag: str) -> tuple[str, str]:
 
 def end_of_chunk(prev_tag: str, tag: str, prev_type: str, type_: str) -> bool:
     """Did a chunk end between the previous word and this one (`endOfChunk`)?"""
-    if (prev_tag, tag) in {("B", "B"), ("B", "O"), ("I", "B"), ("I", "O"),
-                           ("E", "E"), ("E", "I"), ("E", "O")}:  # fmt: skip
+    if (prev_tag, tag) in {
+        ("B", "B"),
+        ("B", "O"),
+        ("I", "B"),
+        ("I", "O"),
+        ("E", "E"),
+        ("E", "I"),
+        ("E", "O"),
+    }:
         return True
     if prev_tag not in ("O", ".") and prev_type != type_:
         return True
@@ -41,8 +48,15 @@ def end_of_chunk(prev_tag: str, tag: str, prev_type: str, type_: str) -> bool:
 
 def start_of_chunk(prev_tag: str, tag: str, prev_type: str, type_: str) -> bool:
     """Did a chunk start at this word (`startOfChunk`)?"""
-    if (prev_tag, tag) in {("B", "B"), ("I", "B"), ("O", "B"), ("O", "I"),
-                           ("E", "E"), ("E", "I"), ("O", "E")}:  # fmt: skip
+    if (prev_tag, tag) in {
+        ("B", "B"),
+        ("I", "B"),
+        ("O", "B"),
+        ("O", "I"),
+        ("E", "E"),
+        ("E", "I"),
+        ("O", "E"),
+    }:
         return True
     if tag not in ("O", ".") and prev_type != type_:
         return True

@@ -77,14 +77,16 @@ TASK = "conll2003"
 @dataclass
 class NerConfig(FinetuneConfig):
     document_context: bool = option(
-        False, "fill each window with the document's neighbouring tokens (the paper's maximal "
+        False,
+        "fill each window with the document's neighbouring tokens (the paper's maximal "
         "document context); labels stay on the target sentence only",
-    )  # fmt: skip
+    )
     feature_based: str = option(
-        "none", "the feature-based approach (paper section 5.3, Table 7): BERT frozen, a "
+        "none",
+        "the feature-based approach (paper section 5.3, Table 7): BERT frozen, a "
         "2-layer BiLSTM trained on these hidden states: embeddings, second-to-last, last, "
         "weighted-sum-last4, concat-last4, weighted-sum-all; none: fine-tuning",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,8 +96,10 @@ class NerConfig(FinetuneConfig):
                 + ", ".join(FEATURE_LAYERS)
             )
         if self.feature_based != "none" and self.top_bilstm:
-            raise BadValue("--top-bilstm: the feature-based tagger has its own BiLSTM; "
-                             "use one of --top-bilstm and --feature-based")  # fmt: skip
+            raise BadValue(
+                "--top-bilstm: the feature-based tagger has its own BiLSTM; "
+                "use one of --top-bilstm and --feature-based"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,9 +162,11 @@ class DocumentContext:
 
 
 def featurize(
-    sentences: Sequence[Sentence], tokenizer, max_seq_length: int,
+    sentences: Sequence[Sentence],
+    tokenizer,
+    max_seq_length: int,
     documents: Sequence[Sentence] | None = None,
-) -> Windows:  # fmt: skip
+) -> Windows:
     """Split words into WordPieces and sentences into windows of at most max_seq_length.
 
     With `documents` (every sentence of the file `sentences` were drawn from), each window is

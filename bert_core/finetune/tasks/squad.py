@@ -143,9 +143,12 @@ def max_context_window(n: int, spans: list[tuple[int, int]]) -> np.ndarray:
 
 
 def featurize(
-    examples: Sequence[Example], tokenizer, cfg: SquadConfig, source: str | Path = "<input>",
+    examples: Sequence[Example],
+    tokenizer,
+    cfg: SquadConfig,
+    source: str | Path = "<input>",
     train: bool = False,
-) -> Features:  # fmt: skip
+) -> Features:
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     questions = tokenizer.encode_batch([e.question for e in examples], add_special_tokens=False)
     contexts = sorted({e.context for e in examples})
@@ -159,9 +162,10 @@ def featurize(
     for i, (ex, q) in enumerate(zip(examples, questions, strict=True)):
         if len(q.ids) > cfg.max_query_length:
             raise InputError(
-                source, f"question {ex.qid}: {len(q.ids)} tokens, more than max_query_length "
+                source,
+                f"question {ex.qid}: {len(q.ids)} tokens, more than max_query_length "
                 f"{cfg.max_query_length}",
-            )  # fmt: skip
+            )
         doc_ids, doc_offsets = by_context[ex.context]
         if len(doc_ids) == 0:
             raise InputError(source, f"question {ex.qid}: context has no tokens")
@@ -233,9 +237,12 @@ def best_span(
     S, E = np.meshgrid(np.argsort(-sl)[:k], np.argsort(-el)[:k], indexing="ij")
     in_context = offsets[:, 0] >= 0
     valid = (
-        in_context[S] & in_context[E] & max_context[S]
-        & (E >= S) & (E - S + 1 <= cfg.max_answer_length)
-    )  # fmt: skip
+        in_context[S]
+        & in_context[E]
+        & max_context[S]
+        & (E >= S)
+        & (E - S + 1 <= cfg.max_answer_length)
+    )
     if not valid.any():
         return None
     score = np.where(valid, sl[S] + el[E], -np.inf)
@@ -244,9 +251,12 @@ def best_span(
 
 
 def decode(
-    examples: Sequence[Example], f: Features, logits: Sequence[tuple[np.ndarray, np.ndarray]],
-    cfg: SquadConfig, version_2: bool,
-) -> tuple[dict[str, str], dict[str, float]]:  # fmt: skip
+    examples: Sequence[Example],
+    f: Features,
+    logits: Sequence[tuple[np.ndarray, np.ndarray]],
+    cfg: SquadConfig,
+    version_2: bool,
+) -> tuple[dict[str, str], dict[str, float]]:
     """Best answer text per question id, and (SQuAD 2.0) null score minus best span score."""
     best: dict[int, tuple[float, str]] = {}
     null: dict[int, float] = {}

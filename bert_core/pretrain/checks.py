@@ -21,11 +21,11 @@ import pyarrow.parquet as pq
 from bert_core.data.tokenizer import read_vocab
 from bert_core.errors import BertError, InputError
 from bert_core.pretrain.config import PretrainConfig
-from bert_core.pretrain.data import (
+from bert_core.pretrain.data import dynamic_masking
+from bert_core.pretrain.shards import (
     COLUMNS,
     LABEL_COLUMN,
     check_seq_length,
-    dynamic_masking,
     list_row_groups,
     read_instances_config,
     shards,

@@ -44,8 +44,8 @@ from bert_core.errors import BertError, Diverged, Interrupted, atomic_dir, handl
 from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.checks import check_inputs, check_output
 from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig, build_parser, parse_args
-from bert_core.pretrain.data import seq_length, shards
 from bert_core.pretrain.local_ray import init_local_ray
+from bert_core.pretrain.shards import seq_length, shards
 from bert_core.pretrain.state import DIVERGED, HELDOUT_COLUMNS, load_state, write_metrics_csv
 from bert_core.storage import check_apart, copy, exists, filesystem, is_s3, preflight
 from bert_core.tracking import RUN_RECORD

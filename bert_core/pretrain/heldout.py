@@ -30,13 +30,8 @@ import torch.nn.functional as F
 
 from bert_core.model import optim
 from bert_core.pretrain.config import PretrainConfig
-from bert_core.pretrain.data import (
-    RowGroup,
-    collate,
-    list_row_groups,
-    open_parquet,
-    read_rows,
-)
+from bert_core.pretrain.data import collate
+from bert_core.pretrain.shards import RowGroup, list_row_groups, open_parquet, read_rows
 from bert_core.pretrain.state import all_reduce_sum
 from bert_core.storage import exists
 

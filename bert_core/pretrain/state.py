@@ -204,6 +204,19 @@ def restore(
     return state["step"], state["history"], state.get("heldout_history", [])
 
 
+def optimizer_state_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """A restored optimizer state sits beside the CPU model it was loaded into; follow the model
+    to `device`. AdamW's `step` counters stay on the CPU unless the optimizer is fused, whose
+    kernel wants them beside the parameters (as `Optimizer.load_state_dict` places them)."""
+    if device.type == "cpu":
+        return
+    fused = any(group.get("fused") for group in optimizer.param_groups)
+    for s in optimizer.state.values():
+        for k, v in s.items():
+            if torch.is_tensor(v) and (k != "step" or fused):
+                s[k] = v.to(device)
+
+
 def write_metrics_csv(
     path: Path, history: list[dict], columns: tuple[str, ...] = CSV_COLUMNS
 ) -> None:

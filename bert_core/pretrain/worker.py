@@ -3,7 +3,7 @@
 `setup` builds what a rank trains with (model, the paper's optimiser from `bert_core.model.optim`:
 by default the original's Adam without bias correction (`--optimizer adamw`: torch's AdamW), lr
 1e-4, betas 0.9/0.999, weight decay 0.01 except LayerNorm and biases, linear warm-up and linear
-decay; and its share of the instance shards, `bert_core.pretrain.data`), restored
+decay; and the batches of its share of the instance shards, `bert_core.pretrain.data`), restored
 from a checkpoint when there is one. `train_step` is one optimizer step (gradient accumulation,
 clipping at 1.0). Both serve the Ray worker (`train_loop_per_worker`) and the bare loop of
 bench/pretrain.py, so the bench measures exactly what Ray Train adds.
@@ -30,14 +30,9 @@ from bert_core.errors import BertError
 from bert_core.model import optim
 from bert_core.model.weights import nonfinite
 from bert_core.pretrain.config import PretrainConfig
-from bert_core.pretrain.data import (
-    InstanceStream,
-    dynamic_masking,
-    list_row_groups,
-    prefetch,
-    read_instances_config,
-)
+from bert_core.pretrain.data import InstanceStream, dynamic_masking, prefetch
 from bert_core.pretrain.heldout import HeldOutEval
+from bert_core.pretrain.shards import list_row_groups, read_instances_config
 from bert_core.pretrain.state import (
     CSV_COLUMNS,
     DIVERGED,
@@ -47,6 +42,7 @@ from bert_core.pretrain.state import (
     flops_per_token,
     gather_objects,
     load_state,
+    optimizer_state_to,
     peak_flops,
     restore,
     rng_state,
@@ -102,7 +98,7 @@ def setup(
     start_step: int = 0,
 ) -> Training:
     """Model, optimizer, schedule and data stream of one rank; restored from a checkpoint's
-    `state` (`pretrain_state.load_state`) when given.
+    `state` (`state.load_state`) when given.
 
     `prepare` puts the model on `device` (the Ray worker passes `ray.train.torch.prepare_model`,
     which also wraps it in DDP; default `.to(device)`). `start_step` is the data position of a
@@ -116,9 +112,15 @@ def setup(
     if not cfg.with_nsp:
         freeze_nsp_head(core)
     optimizer, scheduler = optim.optimizer_and_schedule(
-        cfg.optimizer, core, cfg.learning_rate, cfg.weight_decay, cfg.warmup, cfg.steps,
-        eps=cfg.adam_eps, betas=cfg.adam_betas,
-    )  # fmt: skip
+        cfg.optimizer,
+        core,
+        cfg.learning_rate,
+        cfg.weight_decay,
+        cfg.warmup,
+        cfg.steps,
+        eps=cfg.adam_eps,
+        betas=cfg.adam_betas,
+    )
     seed_all(cfg.seed + 1000 * (rank + 1))  # distinct dropout per rank
     step, history, heldout = start_step, [], []
     if state is not None:
@@ -131,7 +133,7 @@ def setup(
             )
         step, history, heldout = restore(state, core, optimizer, scheduler, rank, world)
     model = prepare(core) if prepare else core.to(device)
-    _optimizer_state_to(optimizer, device)
+    optimizer_state_to(optimizer, device)
     masking, masking_used = None, {}
     if cfg.dynamic_masking:
         masking, masking_used = dynamic_masking(vocab, cfg.instances, cfg.masking_options())
@@ -147,22 +149,8 @@ def setup(
         next_token=cfg.left_to_right,
     )
     forward = torch.compile(model) if cfg.compile else model
-    return Training(
-        forward, core, optimizer, scheduler, stream, step, history, heldout, masking_used
-    )
-
-
-def _optimizer_state_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """A restored optimizer state sits beside the CPU model it was loaded into; follow the model
-    to `device`. AdamW's `step` counters stay on the CPU unless the optimizer is fused, whose
-    kernel wants them beside the parameters (as `Optimizer.load_state_dict` places them)."""
-    if device.type == "cpu":
-        return
-    fused = any(group.get("fused") for group in optimizer.param_groups)
-    for s in optimizer.state.values():
-        for k, v in s.items():
-            if torch.is_tensor(v) and (k != "step" or fused):
-                s[k] = v.to(device)
+    found = (step, history, heldout, masking_used)
+    return Training(forward, core, optimizer, scheduler, stream, *found)
 
 
 def train_step(
@@ -243,13 +231,26 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         config = read_instances_config(cfg.instances)
         sink.log_params({f"instances.{k}": v for k, v in config.items()})
         # what dynamic masking used, and from where: "0.15 (instances)", "100/0/0 (option)"
-        sink.log_params({f"dynamic_masking.{k}": f"{v} ({source})"
-                         for k, (v, source) in training.masking.items()})  # fmt: skip
+        sink.log_params(
+            {
+                f"dynamic_masking.{k}": f"{v} ({source})"
+                for k, (v, source) in training.masking.items()
+            }
+        )
     heldout = HeldOutEval.load(cfg, rank, world, pad_id=training.stream.pad_id)
     if heldout is None and rank == 0:
         print(f"[pretrain] no held-out instances in {cfg.heldout}: no held-out evaluation")
-    _train(cfg, training, device, rank, world, sink, heldout, loop_config.get("control"),
-           exports=loop_config.get("exports"))  # fmt: skip
+    _train(
+        cfg,
+        training,
+        device,
+        rank,
+        world,
+        sink,
+        heldout,
+        loop_config.get("control"),
+        exports=loop_config.get("exports"),
+    )
     if sink is not None:
         sink.close()
 
@@ -321,8 +322,10 @@ def _diverged(what: str, lr: float, cfg: PretrainConfig, sink: MetricSink | None
     rank 0 tells the driver, which raises `errors.Diverged` and writes no model. Stopping, not
     raising: Ray Train would restart the workers from the last checkpoint, to diverge again.
     That checkpoint, saved while every number was finite, stays for a run with other settings."""
-    message = (f"pre-training diverged: {what} at learning rate {lr:g} (--learning-rate "
-               f"{cfg.learning_rate:g}); lower --learning-rate or raise --warmup-steps")
+    message = (
+        f"pre-training diverged: {what} at learning rate {lr:g} (--learning-rate "
+        f"{cfg.learning_rate:g}); lower --learning-rate or raise --warmup-steps"
+    )
     if sink is not None:
         sink.tell_driver({DIVERGED: message})
 

@@ -18,7 +18,7 @@ from bert_core.data.instance_sampling import truncate_pair_randomly
 from bert_core.data.instance_shards import read_documents
 from bert_core.data.instances import SCHEMA, InstanceConfig, create_instances
 from bert_core.data.tokenizer import load_tokenizer, read_vocab
-from bert_core.pretrain.data import list_row_groups
+from bert_core.pretrain.shards import list_row_groups
 
 BOOKS = [
     "a_study_in_scarlet.txt",

@@ -27,14 +27,9 @@ from bert_core.model import optim
 from bert_core.model.modeling import BertConfig, BertForPreTraining
 from bert_core.pretrain import command as pt
 from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
-from bert_core.pretrain.data import (
-    InstanceStream,
-    collate,
-    list_row_groups,
-    masking_config_from_vocab,
-    read_rows,
-)
+from bert_core.pretrain.data import InstanceStream, collate, masking_config_from_vocab
 from bert_core.pretrain.heldout import HeldOutEval, training_baseline
+from bert_core.pretrain.shards import list_row_groups, read_rows
 from bert_core.pretrain.state import Meter, seed_all
 from bert_core.pretrain.worker import build_model, setup, train_step
 from bert_core.tracking import RUN_RECORD

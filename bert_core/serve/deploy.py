@@ -41,7 +41,8 @@ import yaml
 
 from bert_core.errors import BadValue, BertError, redacted
 from bert_core.options import add_options, config_from_args, option
-from bert_core.serve.registry import CHAMPION, NAME_ENV, by_alias, model_name
+from bert_core.serve.champion import CHAMPION, by_alias
+from bert_core.serve.registry import NAME_ENV, model_name
 from bert_core.tracking import tracking_uri
 
 API_VERSION = "serving.kserve.io/v1beta1"

@@ -2,7 +2,7 @@
 
 Two moves of one decision, in the order a release makes them. First the registry: the version
 named (a number, the fine-tuning output folder that made it, or by default the `candidate`)
-becomes the task's `champion` when its dev score beats the champion's (`registry.promote`: the
+becomes the task's `champion` when its dev score beats the champion's (`champion.promote`: the
 rule and its record). `bert deploy --task TASK` then serves the new champion as a canary beside
 the running version; `bert promote TASK --full-traffic`, once the canary looks right, sends all
 traffic to it (`deploy.full_traffic`) and leaves the registry alone.
@@ -24,15 +24,9 @@ import json
 from pathlib import Path
 
 from bert_core.errors import BadValue, NotFound
+from bert_core.serve.champion import CANDIDATE, promote
 from bert_core.serve.deploy import cluster, full_traffic
-from bert_core.serve.registry import (
-    CANDIDATE,
-    NAME_ENV,
-    RECORD,
-    model_name,
-    promote,
-    version_of,
-)
+from bert_core.serve.registry import NAME_ENV, RECORD, model_name, version_of
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,40 +26,35 @@ found by that run, or logged on it and registered, by the KFP pretrain step or b
 `bert.pretrained_model` = `models:/bert-pretrained/N` (`pretrained_source`). A folder that names
 no such run (a public checkpoint, one made by hand) is linked by the path or URI given.
 
-`champion`: the first version of a task's model that beats the task's baseline becomes champion
-when registered (its `bert.promotion` tag says "first champion"), so a model is servable from
-its first sound run. After that only `bert promote TASK [VERSION]` moves it, to the version
-(default: the `candidate`) whose dev score beats the current champion's (ties keep the champion;
-`--force` moves it anyway), and records the decision as the version's `bert.promotion` tag, so
-the registry shows why each champion is one. A version whose dev score does not beat its task's
-baseline (`bert.baseline_score`: the best answer that ignores the input, on the same dev set,
-e.g. SST-2's majority label) is registered but never champion, `--force` or not: a model that
-learned nothing (a diverged or too short fine-tuning) must not be served. Serving and batch
-inference then name the alias, never a number: `models:/bert-sst2@champion`.
+`champion` (which version is served, and why) is `bert_core.serve.champion`'s rule: the first
+version that beats its task's baseline becomes champion when registered; after that only
+`bert promote` moves it.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-from bert_core.errors import BadValue, BertError, NotFound, redacted
+from bert_core.errors import BadValue, BertError, NotFound
+from bert_core.serve.champion import (
+    BASELINE_TAG,
+    CANDIDATE,
+    CHAMPION,
+    SCORE_TAG,
+    on_register,
+)
 from bert_core.tracking import RUN_RECORD, tracking_uri
 
 NAME_ENV = "BERT_REGISTERED_MODEL"  # registered model name template; "none": do not register
 ALIAS_ENV = "BERT_MODEL_ALIAS"  # alias given to the new version (the pipeline: candidate)
 DEFAULT_NAME = "bert-{task}"
-CANDIDATE, CHAMPION = "candidate", "champion"
-SCORE_TAG, TASK_TAG, PROMOTION_TAG = "bert.dev_score", "bert.task", "bert.promotion"
-METRIC_TAG, SOURCE_TAG = "bert.dev_metric", "bert.pretrained_model"
-BASELINE_TAG = "bert.baseline_score"  # the task's input-blind answer's score on the same dev set
+TASK_TAG, METRIC_TAG, SOURCE_TAG = "bert.task", "bert.dev_metric", "bert.pretrained_model"
 RECORD = "mlflow_model.json"  # in a fine-tuning output: the model's MLflow URI and version
 PRETRAINED = "bert-pretrained"  # the registered model of `bert pretrain`'s models
-FIRST = "first champion (dev score {:.4g})"
 
 
 def model_name(task: str, template: str | None = None) -> str | None:
@@ -137,9 +132,13 @@ def register(model_uri: str, name: str, result: dict, alias: str | None = None):
     client = MlflowClient(tracking_uri())
     metric = result.get("score_metric") or "score"
     describe(client, name, task_description(name, result["task"], metric))
-    tags = {TASK_TAG: result["task"], SCORE_TAG: repr(float(result["score"])),
-            BASELINE_TAG: repr(float(result["baseline_score"])), METRIC_TAG: metric,
-            SOURCE_TAG: result.get("pretrained_model")}  # fmt: skip
+    tags = {
+        TASK_TAG: result["task"],
+        SCORE_TAG: repr(float(result["score"])),
+        BASELINE_TAG: repr(float(result["baseline_score"])),
+        METRIC_TAG: metric,
+        SOURCE_TAG: result.get("pretrained_model"),
+    }
     tags = {k: v for k, v in tags.items() if v}
     mlflow.set_tracking_uri(tracking_uri())
     version = mlflow.register_model(model_uri, name, tags=tags)
@@ -147,31 +146,10 @@ def register(model_uri: str, name: str, result: dict, alias: str | None = None):
     client.update_model_version(name, version.version, description=text)
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
-    score, baseline = float(result["score"]), float(result["baseline_score"])
-    if score <= baseline:
-        reason = f"not champion: {_below(score, baseline)}"
-        client.set_model_version_tag(name, version.version, PROMOTION_TAG, reason)
-    else:
-        _first_champion(client, name, version.version, score)
+    on_register(
+        client, name, version.version, float(result["score"]), float(result["baseline_score"])
+    )
     return version
-
-
-def _below(score: float, baseline: float) -> str:
-    return (f"dev score {score:.4g} does not beat the task's baseline {baseline:.4g} (the best "
-            "answer that ignores the input, on the same dev set)")  # fmt: skip
-
-
-def _first_champion(client, name: str, version: str, score: float) -> None:
-    """`champion` on `version` when the model has none yet (its first version that beats the
-    task's baseline), so a task's model is servable from its first sound run; afterwards only
-    `promote` moves it. Two first versions registered at once: the alias ends on one, and only
-    that one says it is champion."""
-    if by_alias(client, name, CHAMPION) is not None:
-        return
-    client.set_registered_model_alias(name, CHAMPION, version)
-    if str(by_alias(client, name, CHAMPION).version) == str(version):
-        reason = "champion: " + FIRST.format(score)
-        client.set_model_version_tag(name, version, PROMOTION_TAG, reason)
 
 
 def describe(client, name: str, description: str) -> None:
@@ -275,44 +253,25 @@ def _register_run(client, name: str, model_dir: Path, run):
     config = json.loads((model_dir / "config.json").read_text())
     tags = {f"bert.{k}": str(config.get(k)) for k in ("hidden_size", "num_hidden_layers")}
     start = run.data.tags.get("bert.start_from", "random init")
-    text = (f"`bert pretrain` run {run_id}: {config.get('num_hidden_layers')} layers x "
-            f"{config.get('hidden_size')}, {run.data.params.get('steps', '?')} steps, "
-            f"from {start}.")  # fmt: skip
+    text = (
+        f"`bert pretrain` run {run_id}: {config.get('num_hidden_layers')} layers x "
+        f"{config.get('hidden_size')}, {run.data.params.get('steps', '?')} steps, "
+        f"from {start}."
+    )
     # the logged model's id too: a tracking server (unlike a local store) refuses a
     # `models:/m-...` source without it
-    mine = client.create_model_version(name, source=info.model_uri, run_id=run_id, tags=tags,
-                                       description=text, model_id=info.model_id)  # fmt: skip
+    mine = client.create_model_version(
+        name,
+        source=info.model_uri,
+        run_id=run_id,
+        tags=tags,
+        description=text,
+        model_id=info.model_id,
+    )
     first = _versions_of(client, name, run_id)[0]
     if first.version != mine.version:
         client.delete_model_version(name, mine.version)
     return first
-
-
-def by_alias(client, name: str, alias: str):
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return client.get_model_version_by_alias(name, alias)
-    except MlflowException:  # no such alias (yet)
-        return None
-
-
-def _score(version, tag: str = SCORE_TAG) -> float:
-    """The version's dev score (or its task's baseline, `tag`); a version without a finite one
-    is no candidate for champion (a NaN score would win any comparison that does not look)."""
-    if tag not in version.tags:
-        raise BadValue(f"{version.name} version {version.version} has no {tag} tag (registered "
-                       "by hand, or before the registry recorded it)")  # fmt: skip
-    try:
-        score = float(version.tags[tag])
-    except ValueError:
-        score = math.nan
-    if not math.isfinite(score):
-        what = "dev score" if tag == SCORE_TAG else "baseline score"
-        raise BertError(f"{version.name} version {version.version}: {what} "
-                        f"{version.tags[tag]!r} is not a finite number (a diverged "
-                        "fine-tuning?): not promoted")  # fmt: skip
-    return score
 
 
 def version_of(out: Path, name: str) -> str:
@@ -326,64 +285,14 @@ def version_of(out: Path, name: str) -> str:
         raise NotFound(f"{out}: no {RECORD} (not a `bert finetune` output folder)")
     record = json.loads(path.read_text())
     if record.get("registered_model") != name:
-        raise BadValue(f"{path}: its model is registered as "
-                         f"{record.get('registered_model')!r}, not {name!r}")  # fmt: skip
+        raise BadValue(
+            f"{path}: its model is registered as {record.get('registered_model')!r}, not {name!r}"
+        )
     found = MlflowClient(tracking_uri()).search_model_versions(f"run_id='{record['run_id']}'")
     versions = [v.version for v in found if v.name == name]
     if not versions:
-        raise BertError(f"{path}: run {record['run_id']} registered no version of {name} "
-                        "(its step did not finish?)")  # fmt: skip
-    return str(versions[0])
-
-
-def promote(name: str, version: str | int | None = None, force: bool = False) -> dict:
-    """Move `champion` to `version` (default: the `candidate`) when its dev score beats the
-    champion's, or with `force`; the decision becomes the version's `bert.promotion` tag."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    uri = tracking_uri()
-    client = MlflowClient(uri)
-    try:
-        client.get_registered_model(name)
-    except MlflowException:  # not there: no `bert finetune` of the task registered one
         raise BertError(
-            f"no registered model {name!r} at {redacted(uri)}: `bert finetune` of the task "
-            "registers it (or name another with --registered-model)"
-        ) from None
-    if version is None:
-        chosen = by_alias(client, name, CANDIDATE)
-        if chosen is None:
-            raise BadValue(f"{name} has no {CANDIDATE!r} version: name the VERSION")
-    else:
-        try:
-            chosen = client.get_model_version(name, str(version))
-        except MlflowException as e:  # no such model or version: the user's to fix
-            raise BertError(f"{name} version {version}: {e.message}") from None
-    score, champion = _score(chosen), by_alias(client, name, CHAMPION)
-
-    def decision(now, promoted: bool, reason: str) -> dict:  # `now`: the champion after it
-        return {"registered_model": name, "version": int(chosen.version), "dev_score": score,
-                "champion": None if now is None else int(now.version), "promoted": promoted,
-                "reason": reason}  # fmt: skip
-
-    baseline = _score(chosen, BASELINE_TAG)
-    if score <= baseline:  # never champion, --force or not: it learned nothing worth serving
-        reason = "not promoted: " + _below(score, baseline)
-        client.set_model_version_tag(name, chosen.version, PROMOTION_TAG, reason)
-        return decision(champion, False, reason)
-    if champion is not None and str(champion.version) == str(chosen.version):
-        return decision(chosen, False, "already the champion")
-    old = None if champion is None else _score(champion)
-    promoted = force or old is None or score > old
-    if old is None:
-        reason = FIRST.format(score)
-    else:
-        cmp = ">" if score > old else "<="
-        reason = f"dev score {score:.4g} {cmp} champion version {champion.version}'s {old:.4g}"
-        reason += " (forced)" if force and score <= old else ""
-    reason = ("champion: " if promoted else "not promoted: ") + reason
-    if promoted:
-        client.set_registered_model_alias(name, CHAMPION, chosen.version)
-    client.set_model_version_tag(name, chosen.version, PROMOTION_TAG, reason)
-    return decision(chosen if promoted else champion, promoted, reason)
+            f"{path}: run {record['run_id']} registered no version of {name} "
+            "(its step did not finish?)"
+        )
+    return str(versions[0])

@@ -158,7 +158,7 @@ def test_the_public_branch_continues_the_packaged_checkpoint(dvc_run):
 
     from bert_core import hub
     from bert_core.model.modeling import BertConfig
-    from bert_core.serve import registry
+    from bert_core.serve import champion, registry
 
     repo, env, _ = dvc_run
     public = yaml.safe_load((repo / "params.yaml").read_text())["public"]["minilm"]["init_model"]
@@ -192,14 +192,14 @@ def test_the_public_branch_continues_the_packaged_checkpoint(dvc_run):
         sound = [
             v
             for v in versions
-            if float(v.tags[registry.SCORE_TAG]) > float(v.tags[registry.BASELINE_TAG])
+            if float(v.tags[champion.SCORE_TAG]) > float(v.tags[champion.BASELINE_TAG])
         ]
-        champion = registry.by_alias(client, registry.model_name(task), registry.CHAMPION)
+        served = champion.by_alias(client, registry.model_name(task), champion.CHAMPION)
         if sound:
-            best = max(sound, key=lambda v: float(v.tags[registry.SCORE_TAG]))
-            assert str(champion.version) == str(best.version), task
+            best = max(sound, key=lambda v: float(v.tags[champion.SCORE_TAG]))
+            assert str(served.version) == str(best.version), task
         else:
-            assert champion is None, task
+            assert served is None, task
 
 
 @pytest.mark.slow

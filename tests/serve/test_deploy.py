@@ -16,8 +16,8 @@ import yaml
 from mlflow import MlflowClient
 
 from bert_core import cli
+from bert_core.serve.champion import BASELINE_TAG, SCORE_TAG
 from bert_core.serve.deploy import DeployConfig, inference_service
-from bert_core.serve.registry import BASELINE_TAG, SCORE_TAG
 from tests.kserve_schema import crd_problems, kserve_schemas
 from tests.kube_api import KubeApi
 

@@ -21,8 +21,8 @@ from mlflow import MlflowClient
 from mlflow.models import Model
 
 from bert_core import cli
+from bert_core.serve import champion, registry
 from bert_core.serve import mlflow_model as serving
-from bert_core.serve import registry
 from bert_core.serve.predictors import load_predictor
 from bert_core.tracking import RUN_RECORD, start_run
 from tests.serving_helpers import build
@@ -175,7 +175,7 @@ def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_cham
     assert str(v1.version) == "1" and v1.run_id == record["run_id"]
     # registered after the run ended: the version points at a FINISHED run
     assert client.get_run(v1.run_id).info.status == "FINISHED"
-    assert float(v1.tags[registry.SCORE_TAG]) == metrics["score"]
+    assert float(v1.tags[champion.SCORE_TAG]) == metrics["score"]
     assert v1.tags[registry.TASK_TAG] == "SST-2"
     assert v1.tags[registry.METRIC_TAG] == "accuracy" == metrics["score_metric"]
     assert v1.tags[registry.SOURCE_TAG] == link == metrics["pretrained_model"]
@@ -196,13 +196,13 @@ def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_cham
     # The first version that beats it is champion at once, and says why; one that does not (a
     # few examples' fine-tuning may not) is registered, never champion
     assert metrics["baseline"].endswith("(the most frequent in training)")
-    assert float(v1.tags[registry.BASELINE_TAG]) == metrics["baseline_score"] > 0
+    assert float(v1.tags[champion.BASELINE_TAG]) == metrics["baseline_score"] > 0
     sound = metrics["score"] > metrics["baseline_score"]
     v1 = client.get_model_version("bert-sst2", v1.version)
-    assert v1.tags[registry.PROMOTION_TAG].startswith(
+    assert v1.tags[champion.PROMOTION_TAG].startswith(
         "champion: first champion (dev score" if sound else "not champion: dev score"
     )
-    assert (registry.by_alias(client, "bert-sst2", "champion") is not None) == sound
+    assert (champion.by_alias(client, "bert-sst2", "champion") is not None) == sound
     assert cli.main(["promote", "sst2"]) == 0  # the candidate: champion already, or never
     reason = json.loads(capsys.readouterr().out)["reason"]
     assert reason == "already the champion" if sound else "does not beat the task's" in reason
@@ -216,24 +216,24 @@ def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_cham
         return registry.register(record["model_uri"], "bert-gate", floor | {"score": score}).version
 
     low = version(50.0)
-    assert registry.by_alias(client, "bert-gate", "champion") is None
-    assert client.get_model_version("bert-gate", low).tags[registry.PROMOTION_TAG] == (
+    assert champion.by_alias(client, "bert-gate", "champion") is None
+    assert client.get_model_version("bert-gate", low).tags[champion.PROMOTION_TAG] == (
         "not champion: dev score 50 does not beat the task's baseline 50 (the best answer that "
         "ignores the input, on the same dev set)"
     )
-    assert registry.promote("bert-gate", low, force=True)["promoted"] is False
-    assert registry.by_alias(client, "bert-gate", "champion") is None
+    assert champion.promote("bert-gate", low, force=True)["promoted"] is False
+    assert champion.by_alias(client, "bert-gate", "champion") is None
     first = version(60.0)
-    assert str(registry.by_alias(client, "bert-gate", "champion").version) == str(first)
+    assert str(champion.by_alias(client, "bert-gate", "champion").version) == str(first)
     worse, better = version(59.0), version(61.0)  # neither moves champion when registered
-    assert str(registry.by_alias(client, "bert-gate", "champion").version) == str(first)
-    refused = registry.promote("bert-gate", worse)
+    assert str(champion.by_alias(client, "bert-gate", "champion").version) == str(first)
+    refused = champion.promote("bert-gate", worse)
     assert (refused["promoted"], refused["champion"]) == (False, int(first))
     tags = client.get_model_version("bert-gate", worse).tags
-    assert "not promoted: dev score" in tags[registry.PROMOTION_TAG]
-    assert registry.promote("bert-gate", better)["champion"] == int(better)
-    assert registry.promote("bert-gate", better)["reason"] == "already the champion"
-    assert registry.promote("bert-gate", worse, force=True)["champion"] == int(worse)
+    assert "not promoted: dev score" in tags[champion.PROMOTION_TAG]
+    assert champion.promote("bert-gate", better)["champion"] == int(better)
+    assert champion.promote("bert-gate", better)["reason"] == "already the champion"
+    assert champion.promote("bert-gate", worse, force=True)["champion"] == int(worse)
     assert str(client.get_model_version_by_alias("bert-gate", "champion").version) == str(worse)
 
     # MLmodel names no path of this machine: not the staging folder `bert finetune` logged

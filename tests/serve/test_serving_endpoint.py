@@ -20,8 +20,8 @@ import mlflow
 import pytest
 
 from bert_core import cli
+from bert_core.serve import champion, registry
 from bert_core.serve import mlflow_model as serving
-from bert_core.serve import registry
 from tests.serving_helpers import build, free_port, stop_server, strip_numbers, wait_until_up
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +89,7 @@ def servers(tmp_path_factory, minilm_dir):
                 version = registry.register(
                     info.model_uri, name, {"task": name, "score": 0.5, "baseline_score": 0.0}
                 )
-                registry.promote(name, version.version)
+                champion.promote(name, version.version)
         bin_dir = str(Path(sys.executable).parent)  # the server execs `uvicorn` from PATH
         env = {
             **os.environ,

@@ -32,8 +32,11 @@ $(VENV)/checkov/bin/checkov: $(VENV)/.installed
 
 venv: $(VENV)/.installed $(VENV)/checkov/bin/checkov
 
+# ruff check, and ruff format owning the layout of every Python file (tests/test_architecture.py:
+# no file opts out of it)
 lint: venv
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check --exclude "*.md" .
 
 # The whole suite, slow tests included (CI), on two workers (a test file each; most tests wait
 # on subprocesses and servers); pyproject.toml's addopts print the 25 slowest.

@@ -132,9 +132,9 @@ def check_apart(outputs: dict[str, object], inputs: dict[str, object]) -> None:
                 src = _place(item) if item else None
                 if src is None or src[0] != out[0]:
                     continue
-                how = ("is the same path as" if out[1] == src[1] else "contains"
-                       if out[1] in src[1].parents else "lies inside"
-                       if src[1] in out[1].parents else None)  # fmt: skip
+                o, i = out[1], src[1]  # the output's path, the input's
+                how = "is the same path as" if o == i else "contains" if o in i.parents else None
+                how = how or ("lies inside" if i in o.parents else None)
                 if how:
                     raise BertError(
                         f"{out_option} {output} {how} {in_option} {item}: an output never "

@@ -125,8 +125,8 @@ def check_uri(uri: str) -> None:
     if scheme in OTHER_STORES or uri in OTHER_STORES:  # `databricks` alone is a URI too
         return
     if scheme == "sqlite" and uri != "sqlite://" and not uri.startswith("sqlite:///"):
-        raise BertError(f"{what}: a SQLite store is sqlite:///relative/path.db or "
-                        "sqlite:////absolute/path.db (three slashes, then the path)")  # fmt: skip
+        forms = "sqlite:///relative/path.db or sqlite:////absolute/path.db"
+        raise BertError(f"{what}: a SQLite store is {forms} (three slashes, then the path)")
     if scheme in ("http", "https") and not parsed.hostname:
         raise BertError(f"{what}: no host; a tracking server is {scheme}://HOST:PORT")
     if scheme in ("", "file"):
@@ -134,11 +134,11 @@ def check_uri(uri: str) -> None:
         if not folder.is_dir():
             raise BertError(f"{what}: no such folder; a local store is sqlite:///PATH/mlflow.db")
         if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
-            raise BertError(f"{what}: a folder is MLflow's old file store, which MLflow refuses; "
-                            f"use sqlite:///{folder.resolve()}/mlflow.db")  # fmt: skip
+            old = "a folder is MLflow's old file store, which MLflow refuses"
+            raise BertError(f"{what}: {old}; use sqlite:///{folder.resolve()}/mlflow.db")
     elif scheme not in ("sqlite", "http", "https"):
-        raise BertError(f"{what}: unknown scheme {parsed.scheme!r}; use http(s)://HOST:PORT, "
-                        "sqlite:///PATH.db or a database URI (postgresql://, ...)")  # fmt: skip
+        use = "http(s)://HOST:PORT, sqlite:///PATH.db or a database URI (postgresql://, ...)"
+        raise BertError(f"{what}: unknown scheme {parsed.scheme!r}; use {use}")
 
 
 def ready_sqlite_store(uri: str, db: Path) -> None:
@@ -295,8 +295,8 @@ def check_tracking(uri: str, timeout: float = 5.0) -> None:
         raise BertError(f"{server} answered {url} with HTTP {e.code}") from None
     except OSError as e:
         reason = getattr(e, "reason", e)
-        raise BertError(f"{server} is unreachable ({reason}); start it or fix "
-                        "MLFLOW_TRACKING_URI") from None  # fmt: skip
+        fix = "start it or fix MLFLOW_TRACKING_URI"
+        raise BertError(f"{server} is unreachable ({reason}); {fix}") from None
 
 
 def _server_lost(uri: str, step: str, error: BaseException) -> BertError | None:

@@ -85,6 +85,18 @@ def test_no_module_is_over_400_lines():
     assert long == {}
 
 
+def test_the_formatter_owns_the_layout():
+    """No Python file of ours takes its layout back from `ruff format` (`make lint` checks the
+    rest: every file formatted)."""
+    marker = re.compile(r"#\s*fmt:\s*(skip|off)\b")
+    ours = [
+        p
+        for d in ("bert_core", "components", "pipelines", "tests", "bench", "docs")
+        for p in (ROOT / d).rglob("*.py")
+    ]
+    assert [p.relative_to(ROOT).as_posix() for p in ours if marker.search(p.read_text())] == []
+
+
 def test_each_package_says_what_it_owns_and_may_import():
     for init in sorted(PKG.glob("**/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""

@@ -118,10 +118,10 @@ def _single(name: str, train: Layout, test: Layout) -> tuple[Split, tuple, tuple
     )
 
 
-def _task(
-    name: str, labels, metrics, train: Layout, test: Layout, paper_metric: str, names=()
-) -> GlueTask:
+def _task(name: str, labels, metrics, train: Layout, test: Layout, paper_metric: str) -> GlueTask:
+    """A task of one train, dev and test file each; a binary one's label names from BINARY_NAMES."""
     tr, dev, te = _single(name, train, test)
+    names = BINARY_NAMES.get(name, ())
     return GlueTask(name, labels, metrics, tr, dev, te, paper_metric, names)
 
 
@@ -150,7 +150,6 @@ TASKS: dict[str, GlueTask] = {
             Layout((), text_a=3, label=1),
             _INDEX_SENTENCE,
             "mcc",
-            BINARY_NAMES["CoLA"],
         ),
         # SST-2: `sentence label`; test `index sentence`.
         _task(
@@ -160,7 +159,6 @@ TASKS: dict[str, GlueTask] = {
             Layout(("sentence", "label"), text_a=0, label=1),
             _INDEX_SENTENCE,
             "accuracy",
-            BINARY_NAMES["SST-2"],
         ),
         # MRPC: `Quality #1 ID #2 ID #1 String #2 String`; test `index #1 ID #2 ID #1 .. #2 ..`.
         _task(
@@ -170,7 +168,6 @@ TASKS: dict[str, GlueTask] = {
             Layout(_MRPC, text_a=3, text_b=4, label=0),
             Layout(("index", *_MRPC[1:]), text_a=3, text_b=4, index=0),
             "f1",
-            BINARY_NAMES["MRPC"],
         ),
         # STS-B: `index genre filename year old_index source1 source2 sentence1 sentence2 score`.
         _task(
@@ -189,7 +186,6 @@ TASKS: dict[str, GlueTask] = {
             Layout(_QQP, text_a=3, text_b=4, label=5),
             Layout(("id", "question1", "question2"), text_a=1, text_b=2, index=0),
             "f1",
-            BINARY_NAMES["QQP"],
         ),
         # MNLI: sentence1/sentence2 at 8/9, gold_label last (train 12 columns, dev 16).
         GlueTask(
@@ -217,8 +213,7 @@ TASKS: dict[str, GlueTask] = {
         # QNLI: `index question sentence label`; RTE, WNLI: `index sentence1 sentence2 label`.
         _task("QNLI", NLI2, ("accuracy",), *_pair_indexed("question", "sentence"), "accuracy"),
         _task("RTE", NLI2, ("accuracy",), *_pair_indexed("sentence1", "sentence2"), "accuracy"),
-        _task("WNLI", BINARY, ("accuracy",), *_pair_indexed("sentence1", "sentence2"), "accuracy",
-              BINARY_NAMES["WNLI"]),
+        _task("WNLI", BINARY, ("accuracy",), *_pair_indexed("sentence1", "sentence2"), "accuracy"),
     ]
 }
 
@@ -360,6 +355,7 @@ def compute_metrics(task: GlueTask, predictions, labels) -> dict[str, float]:
 
     def correlation(name: str) -> float:  # scipy.stats: over a second to import, STS-B's only
         from scipy import stats
+
         return 0.0 if constant else getattr(stats, f"{name}r")(y_pred, y_true)[0]
 
     y_pred, y_true = np.asarray(predictions), np.asarray(labels)

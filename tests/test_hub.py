@@ -179,6 +179,7 @@ def test_the_packaged_checkpoint_is_the_offline_public_one(minilm_dir):
     assert hub.location("s3://bucket/bert") == "s3://bucket/bert"  # an URI kept whole
 
 
+@pytest.mark.slow  # ~13 s: a whole fine-tuning (#42's budget: any other test <= 10 s)
 def test_finetune_starts_from_a_checkpoint_named_on_the_hub(
     hub_server, tmp_path, shared_data, monkeypatch
 ):

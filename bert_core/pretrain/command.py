@@ -3,9 +3,10 @@
 The driver (`pretrain`) checks its inputs, starts or joins Ray, opens the MLflow run and builds a
 `TorchTrainer`; every worker runs `bert_core.pretrain.worker.train_loop_per_worker`, which reads
 its own share of the instance shards (`bert_core.pretrain.data`), trains with the paper's
-optimiser (`bert_core.model.optim`) and reports metrics and checkpoints
-(`bert_core.pretrain.state`). The run's settings are `bert_core.pretrain.config.PretrainConfig`,
-whose fields are also the command's options.
+optimiser (`bert_core.model.optim`), reports checkpoints (`bert_core.pretrain.state`) and sends
+metrics to MLflow and this driver's progress bar (`bert_core.pretrain.channel`). The run's
+settings are `bert_core.pretrain.config.PretrainConfig`, whose fields are also the command's
+options.
 
 Resume: Ray Train (V2) keeps a snapshot of the reported checkpoints in
 `storage_path/run_name`; a new run with the same storage path and name loads it, so a worker that
@@ -42,11 +43,12 @@ from typing import Any
 from bert_core import hub
 from bert_core.errors import BertError, Diverged, Interrupted, atomic_dir, handling_signals
 from bert_core.pretrain import ray_jobs
+from bert_core.pretrain.channel import Progress
 from bert_core.pretrain.checks import check_inputs, check_output
 from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig, build_parser, parse_args
 from bert_core.pretrain.local_ray import init_local_ray
 from bert_core.pretrain.shards import seq_length, shards
-from bert_core.pretrain.state import DIVERGED, HELDOUT_COLUMNS, load_state, write_metrics_csv
+from bert_core.pretrain.state import HELDOUT_COLUMNS, load_state, write_metrics_csv
 from bert_core.storage import check_apart, copy, exists, filesystem, is_s3, preflight
 from bert_core.tracking import RUN_RECORD
 
@@ -83,60 +85,6 @@ def exports_path(storage: str, cfg: PretrainConfig) -> str:
 
 def _local(path: str) -> str:
     return path if is_s3(path) else str(Path(path).resolve())
-
-
-class _Progress:
-    """A tqdm bar on the driver, fed by rank 0 through a Ray queue; and the queue the other way,
-    `control`, that asks the workers to stop (`_stop_on_signals`)."""
-
-    def __init__(self, total: int):
-        from ray.util.queue import Queue
-        from tqdm import tqdm
-
-        self.queue, self.control = Queue(), Queue()
-        self.diverged: str | None = None  # rank 0's word that the numbers went non-finite
-        self.bar = tqdm(total=total, desc="pretrain", unit="step", dynamic_ncols=True, disable=None)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        from ray.util.queue import Empty
-
-        while not self.stop.is_set():
-            try:
-                m = self.queue.get(timeout=0.5)
-            except Empty:
-                continue
-            except Exception:  # the queue actor went away at shutdown
-                return
-            self._show(m)
-
-    def _show(self, m: dict) -> None:
-        if DIVERGED in m:
-            self.diverged = m[DIVERGED]
-            return
-        self.bar.n = int(m["step"])
-        self.bar.set_postfix(
-            loss=f"{m['loss']:.3f}",
-            mlm_acc=f"{m['mlm_accuracy']:.3f}",
-            tok_s=f"{m['tokens_per_s']:.0f}",
-            refresh=False,
-        )
-        self.bar.refresh()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-        with contextlib.suppress(Exception):  # what came after the thread's last look
-            while not self.queue.empty():
-                self._show(self.queue.get_nowait())
-        self.bar.close()
-        import ray
-
-        for queue in (self.queue, self.control):
-            with contextlib.suppress(Exception):
-                ray.kill(queue.actor)
 
 
 def _fit_in_thread(trainer):
@@ -256,7 +204,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         ) as run,
         _output_folder(cfg.output) as out,
     ):
-        progress = _Progress(cfg.steps)
+        progress = Progress(cfg.steps)
         try:
             loop_config = {
                 "config": asdict(cfg),

@@ -12,7 +12,6 @@ import csv
 import json
 import random
 import tempfile
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -22,13 +21,10 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
-from bert_core.errors import Diverged, atomic_file
+from bert_core.errors import atomic_file
 from bert_core.pretrain.config import PretrainConfig
 from bert_core.storage import filesystem, is_s3, output_dir
 
-# the key of rank 0's message to the driver (`MetricSink.tell_driver`) when the numbers went
-# non-finite: the workers stop, the driver raises `errors.Diverged`
-DIVERGED = "diverged"
 CSV_COLUMNS = (
     "step",
     "loss",
@@ -294,65 +290,3 @@ class Meter:
             "data_wait_share": s["data_wait"] / world_size / elapsed,
             "_mean_seq_len": s["padded_tokens"] / max(s["sequences"], 1),
         }
-
-
-class MetricSink:
-    """Rank 0's metrics to MLflow and to the driver's progress bar, from a background thread.
-
-    Why not `ray.train.report` for every log line: a report waits until the Ray Train controller
-    has collected the previous one (it polls every 2 s), which would stall fast steps. Reports
-    are kept for checkpoints; frequent metrics go out here without blocking training.
-    """
-
-    def __init__(self, loop_config: dict[str, Any]):
-        import queue
-
-        self.run_id = loop_config.get("mlflow_run_id")
-        self.uri = loop_config.get("mlflow_tracking_uri")
-        self.progress = loop_config.get("progress")
-        self.queue: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="bert-metrics")
-        self.thread.start()
-
-    def log_params(self, params: dict[str, str]) -> None:
-        """Parameters of the driver's run known only here (e.g. the instances' settings); once,
-        at start, so synchronously. The same value again (a restart) is accepted by MLflow."""
-        if not self.run_id or not params:
-            return
-        from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
-
-        try:
-            batch = [Param(k, str(v)[:6000]) for k, v in params.items()]
-            MlflowClient(self.uri).log_batch(self.run_id, params=batch)
-        except Exception as e:  # tracking must never kill training
-            print(f"[pretrain] parameter logging failed: {e}", flush=True)
-
-    def put(self, metrics: dict[str, float]) -> None:
-        self.queue.put(dict(metrics))
-
-    def tell_driver(self, message: dict[str, str]) -> None:
-        """`message` to the driver now, through its progress queue (e.g. `DIVERGED`)."""
-        if self.progress is None:
-            raise Diverged(next(iter(message.values())))
-        self.progress.put(message)
-
-    def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout=60)
-
-    def _run(self) -> None:
-        from mlflow.entities import Metric
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(self.uri) if self.run_id else None
-        while (metrics := self.queue.get()) is not None:
-            step, now = int(metrics["step"]), int(time.time() * 1000)
-            try:
-                if client is not None:
-                    batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-                    client.log_batch(self.run_id, metrics=batch)
-                if self.progress is not None and "loss" in metrics:  # training rows only
-                    self.progress.put(metrics)
-            except Exception as e:  # tracking must never kill training
-                print(f"[pretrain] metric logging failed at step {step}: {e}", flush=True)

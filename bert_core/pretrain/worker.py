@@ -29,15 +29,14 @@ from bert_core.data.tokenizer import read_vocab
 from bert_core.errors import BertError
 from bert_core.model import optim
 from bert_core.model.weights import nonfinite
+from bert_core.pretrain.channel import DIVERGED, MetricSink, stop_requested
 from bert_core.pretrain.config import PretrainConfig
 from bert_core.pretrain.data import InstanceStream, dynamic_masking, prefetch
 from bert_core.pretrain.heldout import HeldOutEval
 from bert_core.pretrain.shards import list_row_groups, read_instances_config
 from bert_core.pretrain.state import (
     CSV_COLUMNS,
-    DIVERGED,
     Meter,
-    MetricSink,
     export_model,
     flops_per_token,
     gather_objects,
@@ -148,9 +147,17 @@ def setup(
         pad_id=vocab.get("[PAD]", 0),
         next_token=cfg.left_to_right,
     )
-    forward = torch.compile(model) if cfg.compile else model
-    found = (step, history, heldout, masking_used)
-    return Training(forward, core, optimizer, scheduler, stream, *found)
+    return Training(
+        model=torch.compile(model) if cfg.compile else model,
+        core=core,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        stream=stream,
+        step=step,
+        history=history,
+        heldout=heldout,
+        masking=masking_used,
+    )
 
 
 def train_step(
@@ -291,7 +298,7 @@ def _train(
             if (bad := _evaluate(t, heldout, device, sink)) is not None:
                 return _diverged(f"{bad} by step {t.step}", lr, cfg, sink)
 
-        stop = _stop_requested(control, device, world)
+        stop = stop_requested(control, device, world)
         save = t.step % cfg.checkpoint_every == 0 or t.step == end or stop
         if t.step % cfg.log_every and not save:
             continue
@@ -328,21 +335,6 @@ def _diverged(what: str, lr: float, cfg: PretrainConfig, sink: MetricSink | None
     )
     if sink is not None:
         sink.tell_driver({DIVERGED: message})
-
-
-def _stop_requested(control, device: torch.device, world: int) -> bool:
-    """Has the driver asked to stop (an item in its `control` queue)? Rank 0 looks; with more
-    ranks an all-reduce tells them all, so every rank stops after the same step (one rank alone
-    in a collective would hang the others)."""
-    if control is None:
-        return False
-    if world == 1:
-        return not control.empty()
-    import torch.distributed as dist
-
-    flag = torch.tensor([float(dist.get_rank() == 0 and not control.empty())], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def _evaluate(

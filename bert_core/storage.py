@@ -19,10 +19,6 @@ unreachable endpoint) are one line naming the URI and the endpoint (`s3_errors`)
 first task to compute on every run: KFP's cache key sees only the URI string, the digest sees
 the data behind it.
 
-`check_apart` is the one rule that an output never touches an input: every command calls it
-with its options before any work, because writing an output replaces its folder atomically, and
-an output equal to, around or inside an input would delete or change that input.
-
 `preflight` exists because a pre-training run that discovers an unreachable bucket or tracking
 server at its first checkpoint has already burnt GPU hours: it checks both in seconds, before
 any data is read, and names what is unreachable.
@@ -96,8 +92,7 @@ def filesystem(path: str | os.PathLike):
         parsed = urlparse(endpoint)
         kwargs = {"endpoint_override": parsed.netloc or endpoint}
         kwargs["scheme"] = parsed.scheme or "https"
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
+    if region := os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"):
         kwargs["region"] = region
     return pafs.S3FileSystem(**kwargs), f"{bucket}/{key}".rstrip("/")
 
@@ -132,15 +127,21 @@ def check_apart(outputs: dict[str, object], inputs: dict[str, object]) -> None:
                 src = _place(item) if item else None
                 if src is None or src[0] != out[0]:
                     continue
-                o, i = out[1], src[1]  # the output's path, the input's
-                how = "is the same path as" if o == i else "contains" if o in i.parents else None
-                how = how or ("lies inside" if i in o.parents else None)
-                if how:
+                if how := _overlap(out[1], src[1]):
                     raise BertError(
                         f"{out_option} {output} {how} {in_option} {item}: an output never "
                         f"replaces, contains or goes into an input (writing it would delete or "
                         f"change {in_option}); choose another {out_option}"
                     )
+
+
+def _overlap(output: PurePosixPath, source: PurePosixPath) -> str | None:
+    """How `output` overlaps `source`, as `check_apart`'s message says it; None if apart."""
+    if output == source:
+        return "is the same path as"
+    if output in source.parents:
+        return "contains"
+    return "lies inside" if source in output.parents else None
 
 
 def not_found(uri: str | os.PathLike) -> NotFound:
@@ -357,8 +358,7 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-# ---------------------------------------------------------------- copies between local and s3://
-# (used by `bert pretrain` for `--output s3://...` and by its Ray jobs, bert_core.pretrain.ray_jobs)
+# ------------------------ copies between local and s3:// (`bert pretrain --output s3://`, Ray jobs)
 
 
 def exists(path: str | os.PathLike) -> bool:

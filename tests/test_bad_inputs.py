@@ -737,6 +737,13 @@ CASES = [
         "--output: s3://AKIAEXAMPLE:***@bert/pretrain holds a password",
     ),
     Case(
+        "pretrain-no-ray-at-address",
+        "missing",
+        lambda r: pretrain(r),
+        "no Ray cluster answers there ([Errno 111] Connection refused); start one",
+        env={"RAY_ADDRESS": lambda r: dead_server().removeprefix("http://")},
+    ),
+    Case(
         "pretrain-no-shards",
         "missing",
         lambda r: pretrain(r, data=r.file("i/stats.json", "{}").parent),

@@ -12,6 +12,7 @@ shards is checked without reading its data; a row group without statistics is re
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pyarrow as pa
@@ -174,3 +175,21 @@ def check_output(output: str) -> None:
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         raise BertError(f"--output {output}: cannot write there ({existing} is not writable)")
+
+
+def check_ray_address(timeout: float = 5.0) -> None:
+    """RAY_ADDRESS as host:port (a running cluster's GCS, what `ray start --head` prints) must
+    accept a connection: `ray.init` would otherwise retry for half a minute and end in a
+    traceback. "auto", "local", ray:// (Ray Client) and a dashboard URL (a Ray job,
+    `ray_jobs`) are Ray's to resolve."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise BertError(
+            f"RAY_ADDRESS={address}: no Ray cluster answers there ({e}); start one "
+            "(`ray start --head`) or unset RAY_ADDRESS to train on a private local Ray"
+        ) from None

@@ -44,7 +44,7 @@ from bert_core import hub
 from bert_core.errors import BertError, Diverged, Interrupted, atomic_dir, handling_signals
 from bert_core.pretrain import ray_jobs
 from bert_core.pretrain.channel import Progress
-from bert_core.pretrain.checks import check_inputs, check_output
+from bert_core.pretrain.checks import check_inputs, check_output, check_ray_address
 from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig, build_parser, parse_args
 from bert_core.pretrain.local_ray import init_local_ray
 from bert_core.pretrain.shards import seq_length, shards
@@ -191,6 +191,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     preflight(tracking.tracking_uri(), [cfg.instances, storage, cfg.output])
     check_inputs(cfg)  # the vocabulary, --init-model, every shard: bert_core.pretrain.checks
     check_output(cfg.output)
+    check_ray_address()
     if ray_jobs.dashboard_address():  # the job resolves a named checkpoint on the cluster
         return ray_jobs.run_as_job(replace(cfg, init_model=named), storage)
     cfg.instances = _local(cfg.instances)

@@ -20,6 +20,7 @@ model, the command line) is `bert_core.finetune.command`; the configuration
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import typing
@@ -29,10 +30,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert_core.data.tokenizer import load_tokenizer as wordpiece
+from bert_core.data.tokenizer import read_lowercase, read_vocab
 from bert_core.errors import BadValue, Diverged, InputError, NotFound
 from bert_core.finetune.config import FinetuneConfig, option  # noqa: F401 (re-exported)
 from bert_core.metrics import task_run
-from bert_core.model import optim
+from bert_core.model import heads, optim, weights
+from bert_core.model import modeling as bert
+from bert_core.model.config import CONFIG_NAME
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")  # a batch's non-target keys
 
@@ -115,9 +120,6 @@ def majority(labels: np.ndarray) -> int:
 def load_tokenizer(model_dir: str | Path):
     """The model folder's tokenizer: `bert_core.data.tokenizer`'s, on its vocab.txt (casing from
     tokenizer_config.json's `do_lower_case`; lowercase when absent, as uncased BERT)."""
-    from bert_core.data.tokenizer import load_tokenizer as wordpiece
-    from bert_core.data.tokenizer import read_lowercase
-
     model_dir = Path(model_dir)
     vocab = model_dir / "vocab.txt"
     if not vocab.is_file():
@@ -168,9 +170,6 @@ def padding_mask(rows: Sequence[np.ndarray], index: Sequence[int]) -> torch.Tens
 def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None = None):
     """The folder's BertConfig with the task's label names; checks that `max_seq_length`
     fits its positions (read before any training, so a bad folder fails first)."""
-    from bert_core.data.tokenizer import read_vocab
-    from bert_core.model import modeling as bert
-
     if not (model_dir / bert.CONFIG_NAME).is_file():
         raise NotFound(f"{model_dir}: no {bert.CONFIG_NAME} (not a BERT model folder)")
     # label2id too: given id2label alone, the folder's own label2id (a pre-trained model's
@@ -208,9 +207,6 @@ def load_model(task: FinetuneTask, model_dir: str | Path, init: str = "pretraine
     `init="random"`: the same architecture (the folder's config.json) with every weight freshly
     initialised from torch's current seed, none read from the checkpoint: the control run that
     shows what pre-training brings (the vocabulary is still the folder's)."""
-    from bert_core.model import heads, weights
-    from bert_core.model import modeling as bert
-
     model_dir = Path(model_dir)
     model = getattr(heads, task.model_class)(model_config(task, model_dir))
     model.vocab_file = model_dir / "vocab.txt"
@@ -236,10 +232,6 @@ def save_model(task: FinetuneTask, model, path: Path) -> None:
     says what its head is (STS-B: a regression) to us and to transformers alike.
     `BertConfig` has no `problem_type` field (it reads past unknown keys), hence the addition
     here rather than in the model's own `to_dict`."""
-    import json
-
-    from bert_core.model.config import CONFIG_NAME
-
     model.save_pretrained(path)
     if task.problem_type is None:
         return

@@ -33,7 +33,10 @@ from pathlib import Path
 
 import torch
 
-from bert_core.errors import Diverged, NotFound
+from bert_core.errors import Diverged, InputError, NotFound, atomic_dir
+from bert_core.finetune.engine import epoch_metrics, numeric
+from bert_core.metrics import task_run
+from bert_core.tracking import default_tags
 
 SELECTED_BY = "dev score of each trial's best epoch (the task's score); ties: the earlier trial"
 
@@ -49,8 +52,6 @@ def trial_configs(cfg) -> list:
 
 
 def _record(i: int, cfg, best: dict, seconds: float, run_id: str | None) -> dict:
-    from bert_core.finetune.engine import numeric
-
     return {
         "trial": i,
         "learning_rate": cfg.learning_rate,
@@ -81,10 +82,6 @@ def run_trials(task, model_dir, cfg, device: torch.device, train: Callable):
     """Train every trial of `cfg` (a nested MLflow run each) with `train` (the engine's), keep
     the best on dev. Returns (the chosen trial's `train` result, its config, `sweep` section)."""
     import mlflow
-
-    from bert_core.finetune.engine import epoch_metrics
-    from bert_core.metrics import task_run
-    from bert_core.tracking import default_tags
 
     trials, kept, kept_cfg, chosen = [], None, None, 0
     for i, trial in enumerate(trial_configs(cfg)):
@@ -129,8 +126,6 @@ def pick_best(folders: list[str | Path], output: str | Path) -> dict:
     """The fan-in of a fanned-out sweep: of several `bert finetune` outputs of one task (one per
     learning rate / seed), copy the best by dev score to `output`, its metrics.json given the
     `sweep` section a one-step sweep writes. Returns that metrics.json."""
-    from bert_core.errors import InputError, atomic_dir
-
     results = []
     for folder in folders:
         path = Path(folder) / "metrics.json"

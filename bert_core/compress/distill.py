@@ -58,6 +58,7 @@ from bert_core.model.config import BertConfig
 from bert_core.model.modeling import num_parameters
 from bert_core.options import add_options, config_from_args, option, optional
 from bert_core.storage import check_apart, local_copy, output_dir
+from bert_core.tracking import start_run
 
 SKIPPED = ("lr_sweep", "restarts")  # one run: a sweep of students is not offered
 INPUTS = {
@@ -137,8 +138,6 @@ def distill(
     --teacher, --student and --data were given as, recorded instead of local copies."""
     import mlflow
     import torch
-
-    from bert_core.tracking import start_run
 
     check_pair(task, teacher, student, cfg.max_seq_length)
     depth = BertConfig.from_json_file(student / "config.json").num_hidden_layers

@@ -38,6 +38,7 @@ from bert_core.options import add_options, config_from_args, option, optional
 from bert_core.serve.predictor import read_config
 from bert_core.serve.registry import write_record
 from bert_core.storage import check_apart, exists, local_copy, output_dir
+from bert_core.tracking import start_run
 
 HEADS = (
     "BertForSequenceClassification",
@@ -117,7 +118,6 @@ def quantize(cfg: QuantizeConfig, source: Path, settings: dict, data: Path | Non
     import mlflow
 
     from bert_core.finetune.engine import numeric
-    from bert_core.tracking import start_run
 
     config = read_config(source)
     head = getattr(heads, head_class(config, source / CONFIG_NAME))

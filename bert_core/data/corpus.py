@@ -46,6 +46,7 @@ from bert_core.data.documents import record_document, text_documents
 from bert_core.data.text_quality import JunkMeter
 from bert_core.errors import BadValue, InputError, NotFound
 from bert_core.options import add_options, config_from_args, option
+from bert_core.tracking import start_run
 
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 
@@ -325,7 +326,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args, CleanConfig)
     storage.check_apart({"--output": args.output}, {"--input": args.input})
-    from bert_core.tracking import start_run
 
     with storage.local_copy(args.input) as source:  # s3:// is downloaded first
         iter_input_files(source)  # a missing or empty input fails before the MLflow run

@@ -50,6 +50,7 @@ from bert_core.data.tokenizer import (
 )
 from bert_core.errors import InputError, text_lines, utf8_errors
 from bert_core.options import add_options, config_from_args, number
+from bert_core.tracking import start_run
 
 __all__ = ["SCHEMA", "InstanceConfig", "create_instances", "main"]
 
@@ -224,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     storage.check_apart({"--output": args.output}, hub.folders(inputs))
     if hub.is_named(args.vocab):  # a public checkpoint's vocabulary (and casing)
         args.vocab = str(hub.resolve(args.vocab) / "vocab.txt")
-    from bert_core.tracking import start_run
 
     with (
         storage.local_copy(args.input) as corpus,

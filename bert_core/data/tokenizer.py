@@ -37,6 +37,7 @@ from bert_core import hub, storage
 from bert_core.data.text_quality import JunkMeter
 from bert_core.errors import BadValue, InputError, NotFound, text_lines, utf8_errors
 from bert_core.options import add_options, config_from_args, option
+from bert_core.tracking import start_run
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # A reserved entry, not a word piece: the special tokens, [unused0]..[unused993] of Google's files
@@ -346,7 +347,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--input is required (the corpus to learn WordPiece from), or --init-model")
     inputs = {"--input": args.input, "--init-model": cfg.init_model}
     storage.check_apart({"--output": args.output}, hub.folders(inputs))
-    from bert_core.tracking import start_run
 
     start = cfg.init_model and hub.identity(cfg.init_model)  # the cache key's part: exact bytes
     with (

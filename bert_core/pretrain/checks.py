@@ -21,6 +21,8 @@ import pyarrow.parquet as pq
 
 from bert_core.data.tokenizer import read_vocab
 from bert_core.errors import BertError, InputError
+from bert_core.model.config import BertConfig
+from bert_core.model.modeling import CONFIG_NAME, BertForPreTraining
 from bert_core.pretrain.config import PretrainConfig
 from bert_core.pretrain.data import dynamic_masking
 from bert_core.pretrain.shards import (
@@ -40,8 +42,6 @@ def check_inputs(cfg: PretrainConfig) -> int:
     list_row_groups(cfg.instances)
     vocab = read_vocab(cfg.vocab_file)
     if cfg.init_model:
-        from bert_core.model.modeling import CONFIG_NAME, BertForPreTraining
-
         config_file = Path(cfg.init_model) / CONFIG_NAME
         if not config_file.is_file():
             raise InputError(config_file, "not found (--init-model must be a model folder)")
@@ -55,8 +55,6 @@ def check_inputs(cfg: PretrainConfig) -> int:
         check_same_vocab(cfg.vocab_file, vocab, Path(cfg.init_model) / "vocab.txt")
         model = f"--init-model {cfg.init_model}"
     else:
-        from bert_core.model.config import BertConfig
-
         config, model = BertConfig(**cfg.shape()), f"the {cfg.preset} preset"
     check_seq_length(cfg.instances, config.max_position_embeddings, model)
     limits = {

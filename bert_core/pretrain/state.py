@@ -22,6 +22,7 @@ import pyarrow.fs as pafs
 import torch
 
 from bert_core.errors import atomic_file
+from bert_core.model.modeling import TOKENIZER_FILES
 from bert_core.pretrain.config import PretrainConfig
 from bert_core.storage import filesystem, is_s3, output_dir
 
@@ -168,7 +169,6 @@ def export_name(step: int) -> str:
 
 def fetch_tokenizer_files(instances: str, folder: Path) -> Path:
     """vocab.txt and the tokenizer settings of instances (s3:// or local), copied into `folder`."""
-    from bert_core.model.modeling import TOKENIZER_FILES
 
     folder.mkdir()
     for name in TOKENIZER_FILES:

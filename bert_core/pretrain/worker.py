@@ -28,6 +28,7 @@ import torch
 from bert_core.data.tokenizer import read_vocab
 from bert_core.errors import BertError
 from bert_core.model import optim
+from bert_core.model.modeling import BertConfig, BertForPreTraining
 from bert_core.model.weights import nonfinite
 from bert_core.pretrain.channel import DIVERGED, MetricSink, stop_requested
 from bert_core.pretrain.config import PretrainConfig
@@ -51,7 +52,6 @@ from bert_core.pretrain.state import (
 
 
 def build_model(cfg: PretrainConfig, vocab_size: int) -> torch.nn.Module:
-    from bert_core.model.modeling import BertConfig, BertForPreTraining
 
     # --objective ltr trains (and exports) a causal model, whatever --init-model was
     overrides: dict[str, Any] = {"is_decoder": cfg.left_to_right}

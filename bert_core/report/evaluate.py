@@ -53,6 +53,7 @@ from bert_core.report.tables import (  # noqa: F401 (TABLE_ORDER: re-exported)
     plot_scores,
     slug,
 )
+from bert_core.tracking import publish_results, start_run
 
 SYSTEM_OF_INIT = {"pretrained": "BERT (ours)", "random": "random init"}
 CONTROL_INIT = "random"
@@ -370,7 +371,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(names) != len(args.results):
         parser.error("give one --system per --results, or none (systems named by init)")
     storage.check_apart({"--output": args.output}, {"--results": sum(args.results, [])})
-    from bert_core.tracking import start_run
 
     groups = list(zip(names, args.results, strict=True))
     results = evaluate(groups, args.output)
@@ -378,8 +378,6 @@ def main(argv: list[str] | None = None) -> int:
     systems = list(results.get("systems", [results["system"]]))
     with start_run("evaluate", {"results": folders, "system": ", ".join(systems)}) as run:
         import mlflow
-
-        from bert_core.tracking import publish_results
 
         metrics = mlflow_metrics(results)
         mlflow.log_metrics(metrics)

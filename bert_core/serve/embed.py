@@ -44,6 +44,8 @@ from bert_core.finetune.tasks import glue as finetune_glue
 from bert_core.finetune.tasks.glue_data import Example
 from bert_core.serve import records
 from bert_core.serve.predictors import BadInput, Predictor, Settings
+from bert_core.storage import check_apart, local_copy
+from bert_core.tracking import environ, start_run
 
 LAYER_SETS = {"last4": (-4, -3, -2, -1), "last": (-1,), "second-to-last": (-2,), "embeddings": (0,)}
 COMBINE = ("concat", "sum", "mean")
@@ -233,8 +235,6 @@ def _layers_value(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from bert_core.serve.mlflow_model import local_model
     from bert_core.serve.predict import parse_columns, tracking_env
-    from bert_core.storage import check_apart, local_copy
-    from bert_core.tracking import environ, start_run
 
     args = build_parser().parse_args(_layers_value(sys.argv[1:] if argv is None else argv))
     rename, layers = parse_columns(args.column), parse_layers(args.layers)

@@ -29,6 +29,8 @@ from bert_core.errors import BadValue
 from bert_core.options import number
 from bert_core.serve import records
 from bert_core.serve.predictors import BadInput, Predictor, Settings, load_predictor
+from bert_core.storage import check_apart, is_uri, local_copy
+from bert_core.tracking import environ, start_run, tracking_uri
 
 OVERRIDES = (
     "batch_size",
@@ -170,8 +172,6 @@ def model_run(source: str | Path) -> str | None:
     from mlflow.exceptions import MlflowException
 
     from bert_core.serve.registry import RECORD
-    from bert_core.storage import is_uri
-    from bert_core.tracking import tracking_uri
 
     text = str(source)
     try:
@@ -216,8 +216,6 @@ def tracking_env(model: str | Path) -> tuple[dict[str, str], dict[str, str]]:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from bert_core.tracking import tracking_uri
-
     client = MlflowClient(tracking_uri())
     try:
         experiment = client.get_experiment(client.get_run(run_id).info.experiment_id)
@@ -230,10 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rename = parse_columns(args.column)
     records.output_format(args.output)  # before any model is loaded
-    from bert_core.storage import check_apart, local_copy
 
     check_apart({"--output": args.output}, {"--input": args.input, "--model": args.model})
-    from bert_core.tracking import environ, start_run
 
     params = {"model": args.model, "input": args.input, "output": str(args.output)}
     env, tags = tracking_env(args.model)

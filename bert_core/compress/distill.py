@@ -57,6 +57,7 @@ from bert_core.model import optim
 from bert_core.model.config import BertConfig
 from bert_core.model.modeling import num_parameters
 from bert_core.options import add_options, config_from_args, option, optional
+from bert_core.serve.registry import write_record
 from bert_core.storage import check_apart, local_copy, output_dir
 from bert_core.tracking import start_run
 
@@ -204,7 +205,6 @@ def log_results(out: Path, result: dict) -> None:
     import mlflow
 
     from bert_core.serve.mlflow_model import inference_settings
-    from bert_core.serve.registry import write_record
 
     log_result(out, result)  # metrics.json, the student's eval/* (as `bert finetune` logs them)
     teacher, student = result["teacher"], result["student"]

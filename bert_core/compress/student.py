@@ -22,6 +22,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from bert_core.data.tokenizer import read_lowercase, read_vocab
 from bert_core.errors import BadValue, InputError, NotFound
 from bert_core.finetune.engine import FinetuneTask, load_model
 from bert_core.model.config import CONFIG_NAME, BertConfig
@@ -37,7 +38,6 @@ def _config(folder: Path, what: str) -> BertConfig:
 
 def _tokenizer(folder: Path, what: str) -> tuple[list[str], bool]:
     """(vocab.txt's tokens in id order, lowercase) as `engine.load_tokenizer` reads them."""
-    from bert_core.data.tokenizer import read_lowercase, read_vocab
 
     if not (folder / "vocab.txt").is_file():
         raise InputError(folder, f"{what}: no vocab.txt (the model folder must carry it)")

@@ -32,6 +32,7 @@ import numpy as np
 
 from bert_core.data import masking
 from bert_core.data.instance_config import InstanceConfig
+from bert_core.data.tokenizer import read_vocab
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,6 @@ class Vocab:
 
     @classmethod
     def from_file(cls, vocab_file: Path) -> Vocab:
-        from bert_core.data.tokenizer import read_vocab
 
         vocab = read_vocab(vocab_file, required=("[UNK]", "[CLS]", "[SEP]", "[MASK]"))
         is_subword = np.zeros(len(vocab), dtype=bool)

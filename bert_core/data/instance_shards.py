@@ -35,6 +35,7 @@ from bert_core.data.instance_sampling import (
     mask_batch,
     mask_whole_words,
 )
+from bert_core.data.tokenizer import encode_lines, load_tokenizer
 from bert_core.errors import utf8_errors
 
 SCHEMA = pa.schema(
@@ -72,7 +73,6 @@ def tokenize_documents(
     docs: list[list[str]], tokenizer, cache: dict | None = None
 ) -> list[list[list[int]]]:
     """Token ids per sentence per document, in batches through the Rust tokenizer."""
-    from bert_core.data.tokenizer import encode_lines
 
     encoded = encode_lines(tokenizer, list(chain.from_iterable(docs)), cache)
     out: list[list[list[int]]] = []
@@ -152,7 +152,6 @@ def _shard_tools(vocab_file: Path, lowercase: bool) -> tuple[Vocab, object, dict
     """Vocabulary, tokenizer and piece cache, loaded once per worker process and reused for
     every shard it handles (a pure function of the vocabulary: output does not depend on which
     worker ran which shard)."""
-    from bert_core.data.tokenizer import load_tokenizer
 
     return Vocab.from_file(vocab_file), load_tokenizer(vocab_file, lowercase), {}
 

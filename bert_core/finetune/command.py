@@ -43,7 +43,7 @@ from bert_core.model import optim
 from bert_core.options import add_options
 from bert_core.serve.registry import log_finetuned, pretrained_source, register_finetuned
 from bert_core.storage import check_apart, local_copy, output_dir
-from bert_core.tracking import RUN_RECORD
+from bert_core.tracking import RUN_RECORD, start_run
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,6 @@ def finetune(
     """Fine-tune (one run, or a sweep of trials with the best on dev kept), write the output
     folder (local or s3://); returns metrics.json's content. `data_uri`, `model_uri`: where
     `data_dir` and `model_dir` were copied from (s3:// URIs), recorded instead of them."""
-    from bert_core.tracking import start_run
 
     # Everything that can be wrong with the input fails here, before any training.
     tokenizer = load_tokenizer(model_dir)

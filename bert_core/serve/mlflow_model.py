@@ -40,7 +40,7 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-from bert_core.errors import BertError, NotFound
+from bert_core.errors import BertError, NotFound, redacted
 from bert_core.serve.predictors import (
     BadInput,
     Settings,
@@ -49,6 +49,7 @@ from bert_core.serve.predictors import (
     read_config,
 )
 from bert_core.storage import is_uri
+from bert_core.tracking import tracking_uri
 
 ARTIFACT = "model"  # the artifacts key (and folder name) of the HF-layout model folder
 # what the predictors import at inference; pinned to the versions that logged the model
@@ -217,8 +218,6 @@ def local_model(source: str | os.PathLike) -> Iterator[tuple[Path, dict]]:
     if not is_uri(source):
         yield _layout(Path(source))
         return
-    from bert_core.errors import redacted
-    from bert_core.tracking import tracking_uri
 
     quiet_progress()
     mlflow.set_tracking_uri(tracking_uri())

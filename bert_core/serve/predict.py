@@ -29,6 +29,7 @@ from bert_core.errors import BadValue
 from bert_core.options import number
 from bert_core.serve import records
 from bert_core.serve.predictors import BadInput, Predictor, Settings, load_predictor
+from bert_core.serve.registry import RECORD
 from bert_core.storage import check_apart, is_uri, local_copy
 from bert_core.tracking import environ, start_run, tracking_uri
 
@@ -170,8 +171,6 @@ def model_run(source: str | Path) -> str | None:
     (mlflow_model.json); None when it names none or the tracking store does not know it."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
-
-    from bert_core.serve.registry import RECORD
 
     text = str(source)
     try:

@@ -55,9 +55,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from bert_core.errors import BertError, NotFound
+from bert_core.errors import BertError, NotFound, redacted
 from bert_core.options import number
+from bert_core.serve.batching import BatchedModel
+from bert_core.serve.limits import Limits, with_header_timeout
 from bert_core.storage import is_uri
+from bert_core.tracking import tracking_uri
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 POSITIVE = (
@@ -183,9 +186,7 @@ def model_files(model: str, overrides: dict) -> Iterator[tuple[Path, object, dic
     from mlflow.exceptions import MlflowException
     from mlflow.models import Model
 
-    from bert_core.errors import redacted
     from bert_core.serve.mlflow_model import CONFIG_KEY
-    from bert_core.tracking import tracking_uri
 
     source = model_source(model)
     with tempfile.TemporaryDirectory(prefix="bert-serve-") as tmp:
@@ -237,7 +238,6 @@ def build_app(model, args: argparse.Namespace, meta):
     model) and its MLflow signature (`meta`: the MLmodel), inside the limits."""
     from mlflow.pyfunc import scoring_server
 
-    from bert_core.serve.limits import Limits
     from bert_core.serve.v2 import V2Model, v2_app
 
     if meta.signature is None:
@@ -257,8 +257,6 @@ def run(app, sock: socket.socket, args: argparse.Namespace, banner: str) -> None
 
     port = sock.getsockname()[1]
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    from bert_core.serve.limits import with_header_timeout
 
     http = with_header_timeout(AutoHTTPProtocol, args.header_timeout)
     config = uvicorn.Config(
@@ -292,8 +290,6 @@ def main(argv: list[str] | None = None) -> int:
         with model_files(args.model, overrides) as (local, meta, config):
             sock = listen(args.host, args.port)
             import mlflow
-
-            from bert_core.serve.batching import BatchedModel
 
             pyfunc = mlflow.pyfunc.load_model(str(local), model_config=config or None)
             model = BatchedModel(pyfunc, args.max_batch_rows)

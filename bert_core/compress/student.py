@@ -38,7 +38,6 @@ def _config(folder: Path, what: str) -> BertConfig:
 
 def _tokenizer(folder: Path, what: str) -> tuple[list[str], bool]:
     """(vocab.txt's tokens in id order, lowercase) as `engine.load_tokenizer` reads them."""
-
     if not (folder / "vocab.txt").is_file():
         raise InputError(folder, f"{what}: no vocab.txt (the model folder must carry it)")
     vocab = read_vocab(folder / "vocab.txt")

@@ -47,7 +47,6 @@ class Vocab:
 
     @classmethod
     def from_file(cls, vocab_file: Path) -> Vocab:
-
         vocab = read_vocab(vocab_file, required=("[UNK]", "[CLS]", "[SEP]", "[MASK]"))
         is_subword = np.zeros(len(vocab), dtype=bool)
         for token, i in vocab.items():

@@ -73,7 +73,6 @@ def tokenize_documents(
     docs: list[list[str]], tokenizer, cache: dict | None = None
 ) -> list[list[list[int]]]:
     """Token ids per sentence per document, in batches through the Rust tokenizer."""
-
     encoded = encode_lines(tokenizer, list(chain.from_iterable(docs)), cache)
     out: list[list[list[int]]] = []
     k = 0
@@ -152,7 +151,6 @@ def _shard_tools(vocab_file: Path, lowercase: bool) -> tuple[Vocab, object, dict
     """Vocabulary, tokenizer and piece cache, loaded once per worker process and reused for
     every shard it handles (a pure function of the vocabulary: output does not depend on which
     worker ran which shard)."""
-
     return Vocab.from_file(vocab_file), load_tokenizer(vocab_file, lowercase), {}
 
 

@@ -77,7 +77,6 @@ def finetune(
     """Fine-tune (one run, or a sweep of trials with the best on dev kept), write the output
     folder (local or s3://); returns metrics.json's content. `data_uri`, `model_uri`: where
     `data_dir` and `model_dir` were copied from (s3:// URIs), recorded instead of them."""
-
     # Everything that can be wrong with the input fails here, before any training.
     tokenizer = load_tokenizer(model_dir)
     counts = task.prepare(Path(data_dir), tokenizer, cfg)

@@ -170,13 +170,13 @@ def padding_mask(rows: Sequence[np.ndarray], index: Sequence[int]) -> torch.Tens
 def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None = None):
     """The folder's BertConfig with the task's label names; checks that `max_seq_length`
     fits its positions (read before any training, so a bad folder fails first)."""
-    if not (model_dir / bert.CONFIG_NAME).is_file():
-        raise NotFound(f"{model_dir}: no {bert.CONFIG_NAME} (not a BERT model folder)")
+    if not (model_dir / CONFIG_NAME).is_file():
+        raise NotFound(f"{model_dir}: no {CONFIG_NAME} (not a BERT model folder)")
     # label2id too: given id2label alone, the folder's own label2id (a pre-trained model's
     # LABEL_0, LABEL_1) would be kept beside the task's names, the two disagreeing
     names = list(task.labels or ())
     config = bert.BertConfig.from_json_file(
-        model_dir / bert.CONFIG_NAME,
+        model_dir / CONFIG_NAME,
         num_labels=task.num_labels,
         finetuning_task=task.name,
         id2label=dict(enumerate(names)) or None,
@@ -188,7 +188,7 @@ def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None
         raise InputError(  # its ids past the embedding table: another model's vocabulary
             vocab,
             f"{size} tokens, more than the model's vocab_size {config.vocab_size} "
-            f"({model_dir / bert.CONFIG_NAME}): the vocabulary of another model",
+            f"({model_dir / CONFIG_NAME}): the vocabulary of another model",
         )
     if max_seq_length is not None and max_seq_length > config.max_position_embeddings:
         raise BadValue(

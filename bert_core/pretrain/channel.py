@@ -10,6 +10,7 @@ driver's stop request (SIGTERM or SIGINT), which every rank acts on after the sa
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from typing import Any
@@ -32,8 +33,6 @@ class MetricSink:
     """
 
     def __init__(self, loop_config: dict[str, Any]):
-        import queue
-
         self.run_id = loop_config.get("mlflow_run_id")
         self.uri = loop_config.get("mlflow_tracking_uri")
         self.progress = loop_config.get("progress")
@@ -134,9 +133,9 @@ class Progress:
         self.bar.close()
         import ray
 
-        for queue in (self.queue, self.control):
+        for ray_queue in (self.queue, self.control):
             with contextlib.suppress(Exception):
-                ray.kill(queue.actor)
+                ray.kill(ray_queue.actor)
 
 
 def stop_requested(control, device: torch.device, world: int) -> bool:

@@ -169,7 +169,6 @@ def export_name(step: int) -> str:
 
 def fetch_tokenizer_files(instances: str, folder: Path) -> Path:
     """vocab.txt and the tokenizer settings of instances (s3:// or local), copied into `folder`."""
-
     folder.mkdir()
     for name in TOKENIZER_FILES:
         fs, inner = filesystem(f"{instances.rstrip('/')}/{name}")

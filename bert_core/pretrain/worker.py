@@ -52,7 +52,6 @@ from bert_core.pretrain.state import (
 
 
 def build_model(cfg: PretrainConfig, vocab_size: int) -> torch.nn.Module:
-
     # --objective ltr trains (and exports) a causal model, whatever --init-model was
     overrides: dict[str, Any] = {"is_decoder": cfg.left_to_right}
     if cfg.dropout is not None:

@@ -42,7 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.serving_helpers import free_port, stop_server, wait_until_up
+from tests.pipeline_helpers import local_services
+from tests.serving_helpers import stop_server, wait_until_up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -169,7 +170,7 @@ def main() -> None:
     }  # CPU, as the issue asks
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    ports = {"ours": free_port(), "mlflow": free_port()}
+    ports = dict(zip(("ours", "mlflow"), local_services().free_ports(2), strict=True))
     cmds = {
         "ours": [sys.executable, "-m", "bert_core", "serve", uri, "--port", str(ports["ours"])],
         "mlflow": [

@@ -294,11 +294,11 @@ class RayHead:
     would stop every Ray instance on the machine."""
 
     def __init__(self, env: Mapping[str, str], token: str | None = None):
-        free_port = local_services().free_port
+        ports = iter(local_services().free_ports(6))  # six different ones: see free_ports
         self.env = {"RAY_AUTH_MODE": "token", **env}  # env's own auth settings stand
         self.token = token or self.env.get("RAY_AUTH_TOKEN") or secrets.token_hex(32)
         self.env["RAY_AUTH_TOKEN"] = self.token
-        self.port = free_port()
+        self.port = next(ports)
         self.tmp = tempfile.mkdtemp(prefix="rayjobs-", dir="/tmp")  # short: unix socket paths
         self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         self.env.pop("RAY_ADDRESS", None)
@@ -308,14 +308,14 @@ class RayHead:
             "--head",
             "--block",
             "--node-ip-address=127.0.0.1",
-            f"--port={free_port()}",
+            f"--port={next(ports)}",
             "--include-dashboard=true",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.port}",
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
+            f"--ray-client-server-port={next(ports)}",
+            f"--dashboard-agent-listen-port={next(ports)}",
+            f"--dashboard-agent-grpc-port={next(ports)}",
+            f"--runtime-env-agent-port={next(ports)}",
             "--num-cpus=2",
             "--num-gpus=0",
             "--disable-usage-stats",

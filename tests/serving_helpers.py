@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -23,6 +22,7 @@ import torch
 from bert_core.finetune.tasks import ner
 from bert_core.model import heads
 from bert_core.model.modeling import BertForPreTraining
+from tests.pipeline_helpers import local_services
 
 KINDS = {
     # kind: (head class, config overrides)
@@ -72,9 +72,8 @@ def build(kind: str, minilm_dir: Path, dest: Path, seed: int = 0) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """infra/scripts/local_services.py's: one home for how a test picks a port."""
+    return local_services().free_port()
 
 
 def wait_until_up(proc: subprocess.Popen, port: int, log: Path, timeout: float) -> None:

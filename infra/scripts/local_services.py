@@ -19,6 +19,7 @@ defaults are used only when they are unset, since moto accepts any key.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -38,11 +39,20 @@ LOCAL_KEYS = {
 }
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` different ports nothing listens on now (the OS picks them), for the servers of one
+    test session. Each socket stays bound until all are picked: the OS may hand a closed
+    socket's port out again at once, and one Ray head given the same port twice will not start."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now (the OS picks it), for one server of one test session."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, for one server of one test session."""
+    return free_ports(1, host)[0]
 
 
 def _bin(name: str) -> str:

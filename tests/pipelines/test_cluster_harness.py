@@ -106,6 +106,19 @@ def servers(s3_server, root, planted):
     mlflow.stop()
 
 
+@pytest.fixture(scope="module")
+def s3_data(s3_server, planted, shared_data) -> None:
+    """The data slice every run of this module reads, under the cluster's data defaults
+    (s3://bert/data): one fixture, so a test that runs the pipeline alone finds it too."""
+    import boto3
+
+    keys = {key.lower(): value for key, value in planted.s3().items()}
+    region = _config()["AWS_DEFAULT_REGION"]
+    client = boto3.client("s3", endpoint_url=s3_server.url, region_name=region, **keys)
+    tasks = sorted({t for args in RUNS.values() for t in args["finetune_tasks"]})
+    upload_data_slice(shared_data, client, BUCKET, tasks)
+
+
 @pytest.fixture
 def s3_client_env(monkeypatch, s3_server):
     """This process as an S3 client of the test server (for storage.* and checks)."""
@@ -278,7 +291,7 @@ def _ray_sessions() -> set[Path]:
 
 
 @pytest.fixture(scope="module")
-def runs(servers, ray_head, planted, cache, root, shared_data) -> Runs:
+def runs(servers, s3_data, ray_head, planted, cache, root) -> Runs:
     """The compiled pipeline run twice at once, a thread each, against one S3 server with one
     bucket, one MLflow server and one Ray head, every pod and the servers holding the planted
     keys. `a`: small settings, the random-init control and the compression branch on for
@@ -296,8 +309,6 @@ def runs(servers, ray_head, planted, cache, root, shared_data) -> Runs:
         )
         for name in RUNS
     }
-    tasks = sorted({t for args in RUNS.values() for t in args["finetune_tasks"]})
-    upload_data_slice(shared_data, harnesses["a"].s3, BUCKET, tasks)
     before, start = _ray_sessions(), time.monotonic()
     with ThreadPoolExecutor(len(RUNS)) as pool:
         futures = {name: pool.submit(h.run, RUNS[name]) for name, h in harnesses.items()}
@@ -846,7 +857,7 @@ def test_the_harness_runs_the_committed_spec_defaults():
     ],
 )
 def test_bad_inputs_fail_a_first_task_and_the_exit_handler_marks_the_run_failed(
-    servers, tmp_path, arguments, failed, message
+    servers, s3_data, tmp_path, arguments, failed, message
 ):
     """Data that is not there fails `pipeline-run` (its digest), nothing to fine-tune fails
     `finetune-jobs`, before any step starts; the steps are not started, the failed launcher

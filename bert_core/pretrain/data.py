@@ -93,28 +93,19 @@ def masking_config_from_vocab(
     )
 
 
+@dataclass
 class InstanceStream:
-    """Endless, deterministic stream of padded batches for one rank.
+    """Endless, deterministic stream of padded batches for one rank."""
 
-    `start_sample` is the data position: how many samples this rank consumed before (resume).
-    """
-
-    def __init__(
-        self,
-        groups: list[RowGroup],
-        batch_size: int,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        start_sample: int = 0,
-        masking: MaskingConfig | None = None,
-        pad_id: int = 0,
-        next_token: bool = False,
-    ):
-        self.groups, self.batch_size = groups, batch_size
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.start_sample, self.masking, self.pad_id = start_sample, masking, pad_id
-        self.next_token = next_token
+    groups: list[RowGroup]
+    batch_size: int
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    start_sample: int = 0  # the data position: samples this rank consumed before (resume)
+    masking: MaskingConfig | None = None  # dynamic masking's settings; None: the instances'
+    pad_id: int = 0
+    next_token: bool = False  # left-to-right: labels are the next token (Table 5's LTR)
 
     def _epoch_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
         """(row-group number, row order) for this rank in one epoch; no data read."""

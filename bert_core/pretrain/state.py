@@ -1,4 +1,5 @@
-"""Pre-training's state and measurements: RNG states, checkpoints, metric sums, FLOPs.
+"""Pre-training's state and measurements: what a rank trains with (`Training`), RNG states,
+checkpoints, metric sums, FLOPs.
 
 A checkpoint (`state.pt`) holds everything needed to continue bit for bit: model, optimizer,
 scheduler, every rank's RNG states, the step (which is the data position: each rank has consumed
@@ -13,7 +14,7 @@ import json
 import random
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from bert_core.errors import atomic_file
 from bert_core.model.modeling import TOKENIZER_FILES
 from bert_core.pretrain.config import PretrainConfig
+from bert_core.pretrain.data import InstanceStream
 from bert_core.storage import filesystem, is_s3, output_dir
 
 CSV_COLUMNS = (
@@ -109,35 +111,42 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 # ---------------------------------------------------------------- checkpoints
 
 
+@dataclass
+class Training:
+    """What one rank trains with, and where it is."""
+
+    model: torch.nn.Module  # what runs forward: on the device (DDP under Ray), compiled or not
+    core: torch.nn.Module  # the BertForPreTraining inside: checkpoints and FLOPs
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stream: InstanceStream
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+    heldout: list[dict] = field(default_factory=list)  # held-out evaluations (rank 0)
+    # dynamic masking's settings as (value, where from: option, instances or default); {} off
+    masking: dict[str, tuple] = field(default_factory=dict)
+
+
 def save_checkpoint(
-    directory: Path,
-    cfg: PretrainConfig,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    step: int,
-    history: list[dict],
-    rngs: list[dict[str, Any]],
-    *,
-    final: bool,
-    heldout: list[dict] | None = None,
+    directory: Path, cfg: PretrainConfig, t: Training, rngs: list[dict[str, Any]], *, final: bool
 ) -> None:
-    """`directory/state.pt` (everything to continue), and `directory/model/` when `final`,
-    with the instances' vocab.txt and tokenizer settings (casing) beside it."""
+    """`directory/state.pt`: everything to continue `t` (with every rank's RNG states, `rngs`),
+    and `directory/model/` when `final`, with the instances' vocab.txt and tokenizer settings
+    (casing) beside it."""
     state = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "step": step,
-        "samples_per_rank": step * cfg.grad_accum * cfg.micro_batch,
+        "model": t.core.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict(),
+        "step": t.step,
+        "samples_per_rank": t.step * cfg.grad_accum * cfg.micro_batch,
         "rng": rngs,
-        "history": history,
-        "heldout_history": heldout or [],
+        "history": t.history,
+        "heldout_history": t.heldout,
         "config": asdict(cfg),
     }
     torch.save(state, directory / "state.pt")
     if final:
-        save_model(directory / "model", cfg, model)
+        save_model(directory / "model", cfg, t.core)
 
 
 def save_model(directory: Path, cfg: PretrainConfig, model: torch.nn.Module) -> None:

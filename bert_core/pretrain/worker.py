@@ -19,7 +19,6 @@ import math
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from bert_core.pretrain.shards import list_row_groups, read_instances_config
 from bert_core.pretrain.state import (
     CSV_COLUMNS,
     Meter,
+    Training,
     export_model,
     flops_per_token,
     gather_objects,
@@ -59,22 +59,6 @@ def build_model(cfg: PretrainConfig, vocab_size: int) -> torch.nn.Module:
     if cfg.init_model:
         return BertForPreTraining.from_pretrained(cfg.init_model, **overrides)
     return BertForPreTraining(BertConfig(**cfg.shape(), vocab_size=vocab_size, **overrides))
-
-
-@dataclass
-class Training:
-    """What one rank trains with, and where it is."""
-
-    model: torch.nn.Module  # what runs forward: on the device (DDP under Ray), compiled or not
-    core: torch.nn.Module  # the BertForPreTraining inside: checkpoints and FLOPs
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    stream: InstanceStream
-    step: int = 0
-    history: list[dict] = field(default_factory=list)
-    heldout: list[dict] = field(default_factory=list)  # held-out evaluations (rank 0)
-    # dynamic masking's settings as (value, where from: option, instances or default); {} off
-    masking: dict[str, tuple] = field(default_factory=dict)
 
 
 def freeze_nsp_head(model: torch.nn.Module) -> None:
@@ -372,18 +356,7 @@ def _report_checkpoint(
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory(prefix="bert-ckpt-") as tmp:
-        save_checkpoint(
-            Path(tmp),
-            cfg,
-            t.core,
-            t.optimizer,
-            t.scheduler,
-            t.step,
-            t.history,
-            rngs,
-            final=final,
-            heldout=t.heldout,
-        )
+        save_checkpoint(Path(tmp), cfg, t, rngs, final=final)
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(tmp),

@@ -81,7 +81,7 @@ def test_cased_vocabulary_instances_and_model(corpus, tmp_path):
     t = setup(cfg)
     ckpt = root / "ckpt"
     ckpt.mkdir()
-    save_checkpoint(ckpt, cfg, t.core, t.optimizer, t.scheduler, 0, [], [rng_state()], final=True)
+    save_checkpoint(ckpt, cfg, t, [rng_state()], final=True)
     model_dir = ckpt / "model"
     settings = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert settings["do_lower_case"] is False and (model_dir / "special_tokens_map.json").exists()

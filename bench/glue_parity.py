@@ -59,7 +59,7 @@ def train(task, model, train_set: Features, dev: dict[str, Features], cfg, devic
         return metrics, task_score(task, metrics), preds
 
     try:
-        best, _, _ = fit(
+        fitted = fit(
             model,
             len(train_set),
             lambda i: collate(train_set, i),
@@ -70,7 +70,8 @@ def train(task, model, train_set: Features, dev: dict[str, Features], cfg, devic
         )
     except Diverged as e:
         return {"diverged": str(e)}
-    return best
+    best = fitted.best
+    return {"metrics": best.metrics, "score": best.score, "epoch": best.epoch}
 
 
 def reference_train(task, model, train_set: Features, dev: dict[str, Features], cfg, device):

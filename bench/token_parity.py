@@ -132,14 +132,12 @@ def bench_ner(args, cfg: FinetuneConfig, device) -> dict:
         metrics = ner.entity_metrics(gold, pred)
         return metrics, time.perf_counter(), pred  # the last epoch wins, as for the reference
 
-    best, _, seconds = fit(
-        model, len(train), lambda i: ner.collate(train, i), evaluate, cfg, device, "ours"
-    )
+    fitted = fit(model, len(train), lambda i: ner.collate(train, i), evaluate, cfg, device, "ours")
     result["ours"] = {
-        "f1": best["metrics"]["f1"],
-        "accuracy": best["metrics"]["accuracy"],
-        "train_seconds": seconds,
-        "best_epoch": best["epoch"],
+        "f1": fitted.best.metrics["f1"],
+        "accuracy": fitted.best.metrics["accuracy"],
+        "train_seconds": fitted.train_seconds,
+        "best_epoch": fitted.best.epoch,
     }
     del model
 
@@ -246,14 +244,14 @@ def bench_squad(args, cfg: squad.SquadConfig, device) -> dict:
         metrics = squad.squad_metrics(dev_ex, preds)
         return metrics, time.perf_counter(), preds  # the last epoch wins
 
-    best, _, seconds = fit(
+    fitted = fit(
         model, len(train), lambda i: squad.collate(train, i), evaluate, cfg, device, "ours"
     )
     result["ours"] = {
-        **best["metrics"],
-        "train_seconds": seconds,
+        **fitted.best.metrics,
+        "train_seconds": fitted.train_seconds,
         "train_windows": len(train),
-        "best_epoch": best["epoch"],
+        "best_epoch": fitted.best.epoch,
     }
     del model
 

@@ -169,7 +169,7 @@ def distill(
         model = Distiller(small.to(device), cfg.temperature, cfg.alpha)
         batch = lambda i: {**task.train_batch(i), "teacher_logits": soft[i]}  # noqa: E731
         evaluate = lambda m: task.evaluate(m.student, device, cfg)  # noqa: E731
-        best, history, train_seconds = fit(
+        fitted = fit(
             model,
             task.num_train,
             batch,
@@ -183,8 +183,7 @@ def distill(
             "teacher": dev_score(task, big, device, cfg),
             "student": dev_score(task, small, device, cfg),
         }
-        run = (small, best, history, train_seconds)
-        result = run_result(task, cfg, run, uris["student"], uris["data"], device) | {
+        result = run_result(task, cfg, fitted, uris["student"], uris["data"], device) | {
             "teacher": {"model": uris["teacher"], **scored["teacher"]},
             "student": {"source": uris["student"], "layers": kept, **scored["student"]},
             "distillation": {
@@ -194,7 +193,7 @@ def distill(
             },
         }
         save_model(task, small, tmp / "model")
-        task.write_outputs(tmp, small, best["preds"], device, cfg)
+        task.write_outputs(tmp, small, fitted.predictions, device, cfg)
         log_results(tmp, result)
     return result
 

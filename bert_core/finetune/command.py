@@ -27,6 +27,7 @@ from bert_core import hub
 from bert_core.finetune.config import FinetuneConfig, config_from_args
 from bert_core.finetune.engine import (
     FinetuneTask,
+    Fitted,
     load_tokenizer,
     model_config,
     numeric,
@@ -107,9 +108,9 @@ def finetune(
             run, cfg, sweep = run_trials(task, model_dir, cfg, device, train)
         else:
             run, sweep = train(task, model_dir, cfg, device, mlflow.log_metrics), None
-        model, best, _, _ = run  # the rest goes into run_result
+        model, fitted = run
         test = task.evaluate_test(model, device, cfg)
-        result = run_result(task, cfg, run, model_uri, data_uri, device) | {
+        result = run_result(task, cfg, fitted, model_uri, data_uri, device) | {
             **({"test_metrics": numeric(test)} if test else {}),
             **({"sweep": sweep} if sweep else {}),
             "pretrained_model": source,
@@ -118,7 +119,7 @@ def finetune(
         if test:
             mlflow.log_metrics(named(test, "test"))
         save_model(task, model, tmp / "model")  # label names, task, problem type: config.json
-        task.write_outputs(tmp, model, best["preds"], device, cfg)
+        task.write_outputs(tmp, model, fitted.predictions, device, cfg)
         record = finish(tmp, result)
     # only now, the output complete and the run FINISHED: a failure above registers nothing
     version = register_finetuned(record, result)
@@ -127,23 +128,24 @@ def finetune(
     return result
 
 
-def run_result(task: FinetuneTask, cfg, run: tuple, model_uri: str, data_uri: str, device) -> dict:
+def run_result(
+    task: FinetuneTask, cfg, fitted: Fitted, model_uri: str, data_uri: str, device
+) -> dict:
     """What metrics.json holds for every trained model (`bert finetune`, `bert distill`): the
     kept epoch's metrics and score, the history, the settings, the task's counts, the training
     time and where model and data came from, and the task's baseline on the same dev set (the
-    best answer that ignores the input: `FinetuneTask.baseline`). `run`: `train`'s (model, best,
-    history, seconds)."""
-    _, best, history, train_seconds = run
+    best answer that ignores the input: `FinetuneTask.baseline`)."""
+    best, train_seconds = fitted.best, fitted.train_seconds
     baseline, rule = task.baseline()
     return {
         "task": task.name,
         "init": cfg.init,
-        "metrics": numeric(best["metrics"]),
-        "score": best["score"],
+        "metrics": numeric(best.metrics),
+        "score": best.score,
         "baseline_score": baseline,  # the best input-blind answer's: champion must beat it
         "baseline": rule,
-        "best_epoch": best["epoch"],
-        "epochs": history,
+        "best_epoch": best.epoch,
+        "epochs": [asdict(epoch) for epoch in fitted.history],
         "config": asdict(cfg),
         **task.summary(best),
         "train_seconds": train_seconds,

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import math
 import time
-import typing
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,7 +97,7 @@ class FinetuneTask:
     def write_outputs(self, out: Path, model, predictions, device: torch.device, cfg) -> None:
         """The task's prediction files for the best epoch (the model is saved by the engine)."""
 
-    def summary(self, best: dict) -> dict:
+    def summary(self, best: Epoch) -> dict:
         """The task's own metrics.json fields (counts, files, detailed metrics)."""
         return {}
 
@@ -256,7 +257,7 @@ def predict_batches(
     make_batch: Callable[[np.ndarray], dict],
     device: torch.device,
     batch_size: int,
-) -> Iterator[tuple[np.ndarray, typing.Any]]:
+) -> Iterator[tuple[np.ndarray, Any]]:
     """The prediction loop of every task: examples in length-sorted batches (least padding),
     yielding (index, model outputs) where `index` holds the batch rows' positions in the input.
 
@@ -272,32 +273,52 @@ def predict_batches(
         yield index, outputs
 
 
+@dataclass
+class Epoch:
+    """One epoch of `fit`: metrics.json's `epochs` rows and MLflow's per-epoch metrics."""
+
+    epoch: int
+    train_loss: float  # the epoch's mean
+    metrics: dict  # dev, the task's own (`evaluate`)
+    score: float  # dev, the task's one number
+    train_seconds: float  # training so far, evaluation not counted
+
+
+@dataclass
+class Fitted:
+    """What a fine-tuning ends with, beside its model (which holds the best epoch's weights)."""
+
+    best: Epoch
+    predictions: Any  # the best epoch's dev predictions, for the task's `write_outputs`
+    history: list[Epoch]
+    train_seconds: float
+
+
 def fit(
     model: torch.nn.Module,
     num_train: int,
     make_batch: Callable[[np.ndarray], dict[str, torch.Tensor]],
-    evaluate: Callable[[torch.nn.Module], tuple[dict, float, object]],
+    evaluate: Callable[[torch.nn.Module], tuple[dict, float, Any]],
     cfg,
     device: torch.device,
     desc: str,
     log_metrics: Callable[..., None] | None = None,
-) -> tuple[dict, list[dict], float]:
+) -> Fitted:
     """The fine-tuning loop of every task: `cfg.epochs` epochs with the paper's optimizer,
     schedule and clipping, dev scored after each epoch, and the best epoch's weights loaded
     back into `model`.
 
-    `evaluate(model) -> (metrics, score, predictions)`. Returns (best epoch's record with its
-    predictions under "preds", all epochs' records, training seconds). Per-epoch metrics go to
-    `log_metrics` (`mlflow.log_metrics` in the CLI; None in the benchmarks, which run without
-    MLflow). Works for any model whose forward takes the batch and returns `.loss`.
+    `evaluate(model) -> (metrics, score, predictions)`. Per-epoch metrics go to `log_metrics`
+    (`mlflow.log_metrics` in the CLI; None in the benchmarks, which run without MLflow). Works
+    for any model whose forward takes the batch and returns `.loss`.
     (Over 60 lines: one loop, read top to bottom, is clearer than pieces.)
     """
     from tqdm import tqdm
 
     total_steps = math.ceil(num_train / cfg.batch_size) * cfg.epochs
     optimizer, scheduler = build_optimizer(model, cfg, total_steps)
-    history: list[dict] = []
-    best: dict | None = None
+    history: list[Epoch] = []
+    best: tuple[Epoch, dict, Any] | None = None  # the epoch, its weights, its predictions
     # disable=None: a bar on a terminal only; in a log (a KFP pod, CI) the epoch lines below
     bar = tqdm(total=total_steps, desc=desc, unit="step", disable=None)
     train_seconds = 0.0  # evaluation is not training time
@@ -329,30 +350,24 @@ def fit(
             bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}", refresh=False)
         train_seconds += time.perf_counter() - start
         metrics, score, preds = evaluate(model)
-        record = {
-            "epoch": epoch,
-            "train_loss": float(np.mean(losses)),
-            "metrics": metrics,
-            "score": score,
-            "train_seconds": train_seconds,
-        }
+        record = Epoch(epoch, float(np.mean(losses)), metrics, score, train_seconds)
         history.append(record)
         if log_metrics is not None:
             log_metrics(epoch_metrics(record), step=epoch)
-        bar.write(f"epoch {epoch}: train_loss {record['train_loss']:.4f} dev {numeric(metrics)}")
-        if best is None or score > best["score"]:
+        bar.write(f"epoch {epoch}: train_loss {record.train_loss:.4f} dev {numeric(metrics)}")
+        if best is None or score > best[0].score:
             state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            best = {**record, "state": state, "preds": preds}
+            best = (record, state, preds)
     bar.close()
-    model.load_state_dict(best.pop("state"))
-    return best, history, train_seconds
+    kept, state, predictions = best
+    model.load_state_dict(state)
+    return Fitted(kept, predictions, history, train_seconds)
 
 
-def epoch_metrics(record: dict) -> dict[str, float]:
+def epoch_metrics(record: Epoch) -> dict[str, float]:
     """One epoch's MLflow metrics (step = epoch), in the one metric language
     (`bert_core.metrics`): `train/loss`, `dev/score`, `dev/<metric>` in percent."""
-    dev = task_run(record["score"], record["metrics"], "dev")
-    return {"train/loss": record["train_loss"], **dev}
+    return {"train/loss": record.train_loss, **task_run(record.score, record.metrics, "dev")}
 
 
 def numeric(metrics: dict) -> dict:
@@ -370,15 +385,14 @@ def train(
     cfg,
     device: torch.device,
     log_metrics: Callable[..., None] | None = None,
-):
+) -> tuple[torch.nn.Module, Fitted]:
     """One training run on the prepared task: the model (seeded with `cfg.seed`, from the
     folder's weights or random ones by `cfg.init`) fitted with `cfg`, the best epoch loaded.
-    Returns (model, best epoch's record, all epochs, training seconds). The whole step, or one
-    trial of a sweep (`bert_core.finetune.sweep`)."""
+    The whole step, or one trial of a sweep (`bert_core.finetune.sweep`)."""
     torch.manual_seed(cfg.seed)
     model = load_model(task, model_dir, cfg.init).to(device)
     trial = f" lr {cfg.learning_rate:g} seed {cfg.seed}" if cfg.is_sweep else ""
     desc = f"finetune {task.name}{trial}"
     evaluate = lambda m: task.evaluate(m, device, cfg)  # noqa: E731
     fitted = fit(model, task.num_train, task.train_batch, evaluate, cfg, device, desc, log_metrics)
-    return model, *fitted
+    return model, fitted

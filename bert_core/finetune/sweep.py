@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from bert_core.errors import Diverged, InputError, NotFound, atomic_dir
-from bert_core.finetune.engine import epoch_metrics, numeric
+from bert_core.finetune.engine import Fitted, epoch_metrics, numeric
 from bert_core.metrics import task_run
 from bert_core.tracking import default_tags
 
@@ -51,15 +51,15 @@ def trial_configs(cfg) -> list:
     ]
 
 
-def _record(i: int, cfg, best: dict, seconds: float, run_id: str | None) -> dict:
+def _record(i: int, cfg, fitted: Fitted, run_id: str | None) -> dict:
     return {
         "trial": i,
         "learning_rate": cfg.learning_rate,
         "seed": cfg.seed,
-        "score": best["score"],
-        "best_epoch": best["epoch"],
-        "metrics": numeric(best["metrics"]),
-        "train_seconds": seconds,
+        "score": fitted.best.score,
+        "best_epoch": fitted.best.epoch,
+        "metrics": numeric(fitted.best.metrics),
+        "train_seconds": fitted.train_seconds,
         "run_id": run_id,
     }
 
@@ -92,16 +92,17 @@ def run_trials(task, model_dir, cfg, device: torch.device, train: Callable):
                 params = {"trial": i, "learning_rate": trial.learning_rate, "seed": trial.seed}
                 mlflow.log_params(params | {"task": task.name, "init": trial.init})
                 result = train(task, model_dir, trial, device, mlflow.log_metrics)
-                model, best, history, seconds = result
-                kept_epoch = {"eval/best_epoch": best["epoch"]}
-                mlflow.log_metrics(task_run(best["score"], best["metrics"]) | kept_epoch)
+                model, fitted = result
+                best = fitted.best
+                kept_epoch = {"eval/best_epoch": best.epoch}
+                mlflow.log_metrics(task_run(best.score, best.metrics) | kept_epoch)
         except Diverged as e:  # a failed trial (its run FAILED), as a tuner counts one
             print(f"trial {i}: {e}", file=sys.stderr, flush=True)
             record = {"trial": i, "learning_rate": trial.learning_rate, "seed": trial.seed}
             trials.append(record | {"score": None, "diverged": str(e), "run_id": run.info.run_id})
             continue
-        trials.append(_record(i, trial, best, seconds, run.info.run_id))
-        if kept is None or best["score"] > kept[1]["score"]:
+        trials.append(_record(i, trial, fitted, run.info.run_id))
+        if kept is None or best.score > kept[1].best.score:
             kept, kept_cfg, chosen = result, trial, i
         del model, result  # a beaten trial's weights are freed before the next one
     if kept is None:
@@ -117,8 +118,8 @@ def run_trials(task, model_dir, cfg, device: torch.device, train: Callable):
             "sweep.selected_by": SELECTED_BY,
         }
     )
-    for record in kept[2]:
-        mlflow.log_metrics(epoch_metrics(record), step=record["epoch"])
+    for record in kept[1].history:
+        mlflow.log_metrics(epoch_metrics(record), step=record.epoch)
     return kept, kept_cfg, section
 
 

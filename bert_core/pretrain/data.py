@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from bert_core.data import masking
+from bert_core.data.instance_config import InstanceConfig
 from bert_core.data.masking import MaskingRecipe
 from bert_core.errors import InputError
 from bert_core.pretrain.shards import RowGroup, instance, join, read_group, read_instances_config
@@ -41,13 +42,14 @@ from bert_core.pretrain.shards import RowGroup, instance, join, read_group, read
 
 @dataclass(frozen=True)
 class MaskingConfig:
-    """RoBERTa-style dynamic masking, with BERT's replacement rule (80/10/10 by default)."""
+    """RoBERTa-style dynamic masking, with BERT's replacement rule (80/10/10 by default); the
+    defaults are `bert instances`' (one home: the paper's 15 %, 20 predictions a sequence)."""
 
     vocab_size: int
     mask_id: int
     special_ids: tuple[int, ...]
-    masked_lm_prob: float = 0.15
-    max_predictions_per_seq: int = 20
+    masked_lm_prob: float = InstanceConfig.masked_lm_prob
+    max_predictions_per_seq: int = InstanceConfig.max_predictions_per_seq
     recipe: MaskingRecipe = MaskingRecipe()
 
 

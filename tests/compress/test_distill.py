@@ -48,7 +48,7 @@ def made(tmp_path_factory, shared_data, tiny_dir):
     task = load_task("SST-2")
     cfg = FinetuneConfig(epochs=1, learning_rate=1e-3, **SMALL)
     task.prepare(data, load_tokenizer(tiny_dir), cfg)
-    teacher, best, *_ = train(task, tiny_dir, cfg, CPU)
+    teacher, fitted = train(task, tiny_dir, cfg, CPU)
     save_model(task, teacher, root / "teacher")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
@@ -76,7 +76,7 @@ def made(tmp_path_factory, shared_data, tiny_dir):
             *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()],
         ]
         assert cli.main([str(a) for a in argv]) == 0
-        yield {"root": root, "data": data, "teacher_score": best["score"]}
+        yield {"root": root, "data": data, "teacher_score": fitted.best.score}
 
 
 def test_loss_is_hintons_weighted_sum_of_soft_and_hard():

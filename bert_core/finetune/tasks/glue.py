@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from bert_core.finetune.engine import (
+    Epoch,
     FinetuneTask,
     majority,
     pad,
@@ -180,7 +181,7 @@ class GlueFinetune(FinetuneTask):
         name = self.labels[label] if self.labels else label
         return task_score(self.glue, metrics), f"always {name} (the most frequent in training)"
 
-    def summary(self, best: dict) -> dict:
+    def summary(self, best: Epoch) -> dict:
         return {
             "num_train_examples": len(self.train),
             "num_dev_examples": {s: len(f) for s, f in self.dev.items()},

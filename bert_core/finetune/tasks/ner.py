@@ -46,6 +46,7 @@ import torch
 
 from bert_core.errors import BadValue
 from bert_core.finetune.engine import (
+    Epoch,
     FinetuneConfig,
     FinetuneTask,
     option,
@@ -332,11 +333,11 @@ class NerFinetune(FinetuneTask):
         self.test_metrics = entity_metrics([s.tags for s in sentences], self.test_pred)
         return self.test_metrics
 
-    def summary(self, best: dict) -> dict:
+    def summary(self, best: Epoch) -> dict:
         test = {"test_per_type": self.test_metrics["per_type"]} if self.test else {}
         return {
-            "per_type": best["metrics"]["per_type"],
-            "strict_per_type": best["metrics"]["strict_per_type"],
+            "per_type": best.metrics["per_type"],
+            "strict_per_type": best.metrics["strict_per_type"],
             **test,
             "num_train_sentences": self.num_train_examples,
             "num_dev_sentences": len(self.dev_sentences),

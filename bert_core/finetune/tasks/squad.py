@@ -37,6 +37,7 @@ import torch
 
 from bert_core.errors import BadValue, InputError
 from bert_core.finetune.engine import (
+    Epoch,
     FinetuneConfig,
     FinetuneTask,
     option,
@@ -344,7 +345,7 @@ class SquadFinetune(FinetuneTask):
         metrics = squad_metrics(self.dev_examples, {}, self.version)
         return percent("f1", metrics["f1"]), "no answer to any question"
 
-    def summary(self, best: dict) -> dict:
+    def summary(self, best: Epoch) -> dict:
         return {
             "squad_version": self.version,
             "num_train_examples": self.num_train_examples,

@@ -32,6 +32,7 @@ import torch
 from bert_core import storage
 from bert_core.errors import InputError, NotFound, utf8_errors
 from bert_core.finetune.engine import (
+    Epoch,
     FinetuneConfig,
     FinetuneTask,
     majority,
@@ -203,7 +204,7 @@ class SwagFinetune(FinetuneTask):
         share = float((self.dev.labels == label).mean())
         return percent("accuracy", share), f"always ending {label} (the most frequent in training)"
 
-    def summary(self, best: dict) -> dict:
+    def summary(self, best: Epoch) -> dict:
         return {
             "num_train_examples": self.num_train_examples,
             "num_dev_examples": len(self.dev),

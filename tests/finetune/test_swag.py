@@ -228,11 +228,12 @@ def test_download_from_a_local_server(tmp_path: Path, shared_data: Path, serve) 
 def test_minilm_learns_swag_format_set_from_real_text(
     tmp_path: Path, shared_data: Path, minilm_dir: Path, monkeypatch
 ) -> None:
-    """MiniLM fine-tuned on 240 corpus-built SWAG examples (2 epochs, 60 steps) picks the true
+    """MiniLM fine-tuned on 240 corpus-built SWAG examples (1 epoch, 30 steps) picks the true
     next sentence of 100 held-out ones far above chance (25 %).
 
-    Measured (this setting, --seed 42): 54 % after epoch 1, 62 % after epoch 2, 68 CPU seconds
-    in all; 45 % is 4.6 standard deviations of chance (binomial, n = 100) above 25 %."""
+    Measured (this setting, --seed 42, one thread: the same every run): 53 % after the epoch
+    (62 % after a second, which doubled the test's time); 40 % is 3.5 standard deviations of
+    chance (binomial, n = 100) above 25 %."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     torch.set_num_threads(1)
     data = write_swag(tmp_path / "swag", shared_data / "corpus", 240, 100)
@@ -248,7 +249,7 @@ def test_minilm_learns_swag_format_set_from_real_text(
         "--output",
         str(out),
         "--epochs",
-        "2",
+        "1",
         "--max-seq-length",
         "32",
         "--batch-size",
@@ -265,6 +266,6 @@ def test_minilm_learns_swag_format_set_from_real_text(
     assert [r["label"] for r in rows] == gold
     accuracy = np.mean([r["label"] == r["prediction"] for r in rows])
     assert accuracy == pytest.approx(result["metrics"]["accuracy"])
-    assert accuracy > 0.45, result["epochs"]
+    assert accuracy > 0.40, result["epochs"]
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["architectures"] == ["BertForMultipleChoice"]

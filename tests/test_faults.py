@@ -413,6 +413,9 @@ def refs(tmp_path_factory, shared_data, empty_store) -> References:
     return References(tmp_path_factory.mktemp("refs"), shared_data, empty_store)
 
 
+WORKERS_UP = "Started training worker group"  # Ray Train's controller, on the driver's log
+
+
 def _recorded(snapshot: Path, step: int) -> bool:
     """Ray Train has recorded the checkpoint of `step` (only a recorded one is resumed from)."""
     try:
@@ -537,7 +540,8 @@ def _resumed(run: Run) -> set[int]:
 def test_pretrain_killed_or_stopped_resumes_and_ends_as_one_go(refs, tmp_path, empty_store):
     """The whole `bert pretrain` (driver, its private Ray cluster, the workers) interrupted four
     times, each run resuming the last:
-    1. SIGKILL at a seeded time before the first checkpoint: only Ray's storage is left.
+    1. SIGKILL at a seeded time before the first checkpoint (at the latest when the workers
+       start): only Ray's storage is left.
     2. SIGKILL a seeded moment after the run's first checkpoint was recorded: the next run
        resumes from the last recorded one (step >= 4).
     3. #26: SIGTERM to the driver alone (what Kubernetes sends a pod) once it has resumed: the
@@ -574,7 +578,13 @@ def test_pretrain_killed_or_stopped_resumes_and_ends_as_one_go(refs, tmp_path, e
         run, mark = start(f"kill{i}")
         while after == "checkpoint" and run.proc.poll() is None and not _recorded(snapshot, 4):
             time.sleep(0.02)
-        time.sleep(delay)
+        # before the first checkpoint: at the seeded time, or once the workers have started if
+        # that comes first (a run faster than the reference's would otherwise reach its end)
+        end = time.monotonic() + delay
+        while after == "start" and time.monotonic() < end and WORKERS_UP not in run.text():
+            time.sleep(0.02)
+        if after == "checkpoint":
+            time.sleep(delay)
         assert run.proc.poll() is None, f"finished before the kill: {run.text()[-2000:]}"
         run.kill()
         nothing_but_checkpoints(mark, metrics=False)

@@ -39,7 +39,10 @@ lint: venv
 	$(PY) -m ruff format --check --exclude "*.md" .
 
 # The whole suite, slow tests included (CI), on two workers (a test file each; most tests wait
-# on subprocesses and servers); pyproject.toml's addopts print the 25 slowest.
+# on subprocesses and servers); pyproject.toml's addopts print the 25 slowest. Not three: at
+# c37741b, WORKERS=3 took pytest 41 min 27 s on the idle 2-core machine (two: 40 min at a016dfb)
+# and failed 8 tests, the DVC run past its 15-minute limit among them: the steps' own
+# processes then contend for the two cores.
 WORKERS ?= 2
 test: venv lint
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile

@@ -318,7 +318,9 @@ def fit(
     total_steps = math.ceil(num_train / cfg.batch_size) * cfg.epochs
     optimizer, scheduler = build_optimizer(model, cfg, total_steps)
     history: list[Epoch] = []
-    best: tuple[Epoch, dict, Any] | None = None  # the epoch, its weights, its predictions
+    best: Epoch | None = None
+    best_state: dict[str, torch.Tensor] = {}  # its weights, on the CPU
+    best_predictions: Any = None
     # disable=None: a bar on a terminal only; in a log (a KFP pod, CI) the epoch lines below
     bar = tqdm(total=total_steps, desc=desc, unit="step", disable=None)
     train_seconds = 0.0  # evaluation is not training time
@@ -355,13 +357,12 @@ def fit(
         if log_metrics is not None:
             log_metrics(epoch_metrics(record), step=epoch)
         bar.write(f"epoch {epoch}: train_loss {record.train_loss:.4f} dev {numeric(metrics)}")
-        if best is None or score > best[0].score:
-            state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            best = (record, state, preds)
+        if best is None or score > best.score:
+            best, best_predictions = record, preds
+            best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     bar.close()
-    kept, state, predictions = best
-    model.load_state_dict(state)
-    return Fitted(kept, predictions, history, train_seconds)
+    model.load_state_dict(best_state)
+    return Fitted(best, best_predictions, history, train_seconds)
 
 
 def epoch_metrics(record: Epoch) -> dict[str, float]:

@@ -83,7 +83,7 @@ def run_trials(task, model_dir, cfg, device: torch.device, train: Callable):
     the best on dev. Returns (the chosen trial's `train` result, its config, `sweep` section)."""
     import mlflow
 
-    trials, kept, kept_cfg, chosen = [], None, None, 0
+    trials, kept, kept_fitted, kept_cfg, chosen = [], None, None, None, 0
     for i, trial in enumerate(trial_configs(cfg)):
         name = f"trial-{i} lr={trial.learning_rate:g} seed={trial.seed}"
         tags = {**default_tags(), "bert.step": f"finetune-{task.name}-trial", "bert.trial": str(i)}
@@ -102,8 +102,8 @@ def run_trials(task, model_dir, cfg, device: torch.device, train: Callable):
             trials.append(record | {"score": None, "diverged": str(e), "run_id": run.info.run_id})
             continue
         trials.append(_record(i, trial, fitted, run.info.run_id))
-        if kept is None or best.score > kept[1].best.score:
-            kept, kept_cfg, chosen = result, trial, i
+        if kept is None or best.score > kept_fitted.best.score:
+            kept, kept_fitted, kept_cfg, chosen = result, fitted, trial, i
         del model, result  # a beaten trial's weights are freed before the next one
     if kept is None:
         raise Diverged(f"every trial diverged; the last: {trials[-1]['diverged']}")
@@ -118,7 +118,7 @@ def run_trials(task, model_dir, cfg, device: torch.device, train: Callable):
             "sweep.selected_by": SELECTED_BY,
         }
     )
-    for record in kept[1].history:
+    for record in kept_fitted.history:
         mlflow.log_metrics(epoch_metrics(record), step=record.epoch)
     return kept, kept_cfg, section
 

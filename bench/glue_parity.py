@@ -24,6 +24,7 @@ import importlib.util
 import json
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -70,8 +71,7 @@ def train(task, model, train_set: Features, dev: dict[str, Features], cfg, devic
         )
     except Diverged as e:
         return {"diverged": str(e)}
-    best = fitted.best
-    return {"metrics": best.metrics, "score": best.score, "epoch": best.epoch}
+    return asdict(fitted.best)
 
 
 def reference_train(task, model, train_set: Features, dev: dict[str, Features], cfg, device):

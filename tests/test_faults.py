@@ -576,15 +576,15 @@ def test_pretrain_killed_or_stopped_resumes_and_ends_as_one_go(refs, tmp_path, e
 
     for i, (after, delay) in enumerate(kills):
         run, mark = start(f"kill{i}")
-        while after == "checkpoint" and run.proc.poll() is None and not _recorded(snapshot, 4):
-            time.sleep(0.02)
-        # before the first checkpoint: at the seeded time, or once the workers have started if
-        # that comes first (a run faster than the reference's would otherwise reach its end)
-        end = time.monotonic() + delay
-        while after == "start" and time.monotonic() < end and WORKERS_UP not in run.text():
-            time.sleep(0.02)
         if after == "checkpoint":
+            while run.proc.poll() is None and not _recorded(snapshot, 4):
+                time.sleep(0.02)
             time.sleep(delay)
+        else:  # before the first checkpoint: at the seeded time, or once the workers have
+            # started if that comes first (a run faster than the reference's would reach its end)
+            end = time.monotonic() + delay
+            while time.monotonic() < end and WORKERS_UP not in run.text():
+                time.sleep(0.02)
         assert run.proc.poll() is None, f"finished before the kill: {run.text()[-2000:]}"
         run.kill()
         nothing_but_checkpoints(mark, metrics=False)

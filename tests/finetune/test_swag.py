@@ -232,7 +232,7 @@ def test_minilm_learns_swag_format_set_from_real_text(
     next sentence of 100 held-out ones far above chance (25 %).
 
     Measured (this setting, --seed 42, one thread: the same every run): 53 % after the epoch
-    (62 % after a second, which doubled the test's time); 40 % is 3.5 standard deviations of
+    (62 % after a second, which doubled the test's time); 45 % is 4.6 standard deviations of
     chance (binomial, n = 100) above 25 %."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     torch.set_num_threads(1)
@@ -266,6 +266,6 @@ def test_minilm_learns_swag_format_set_from_real_text(
     assert [r["label"] for r in rows] == gold
     accuracy = np.mean([r["label"] == r["prediction"] for r in rows])
     assert accuracy == pytest.approx(result["metrics"]["accuracy"])
-    assert accuracy > 0.40, result["epochs"]
+    assert accuracy > 0.45, result["epochs"]
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["architectures"] == ["BertForMultipleChoice"]

@@ -1595,13 +1595,13 @@ CASES = [
         "promote-no-candidate",
         "missing",
         lambda r: ["promote", registered("SST-2")],
-        "bert-sst2 has no 'candidate' version",
+        "bert-sst2-candidates has no version yet: `bert finetune` of the task registers one",
     ),
     Case(
         "promote-no-such-version",
         "missing",
         lambda r: ["promote", registered("SST-2"), "7"],
-        "bert-sst2 version 7",
+        "bert-sst2-candidates version 7",
     ),
     Case(
         "promote-registration-off",
@@ -1620,7 +1620,7 @@ CASES = [
         "promote-best-of-no-candidate",
         "missing",
         lambda r: ["promote", registered("SST-2"), "--best-of", r.tmp],
-        "no fine-tuning output there is registered as bert-sst2",
+        "no fine-tuning output there is registered as bert-sst2-candidates",
     ),
     Case(
         "promote-best-of-and-version",
@@ -1780,7 +1780,7 @@ CASES = [
         "promote-no-registered-model",
         "missing",
         lambda r: ["promote", "MRPC"],
-        "no registered model 'bert-mrpc' at sqlite:///",
+        "no registered model 'bert-mrpc-candidates' at sqlite:///",
     ),
     # ---- bert deploy (refused before any cluster is touched)
     Case(
@@ -2492,7 +2492,8 @@ CASES = [
         "promote-version-zero",
         "setting",
         lambda r: ["promote", "SST-2", "0"],
-        "bert-sst2 version 0: Model Version (name=bert-sst2, version=0) not found",
+        "bert-sst2-candidates version 0: Model Version (name=bert-sst2-candidates, version=0) "
+        "not found",
     ),
     Case(
         "runs-limit-zero",
@@ -2601,15 +2602,16 @@ def dead_server() -> str:
 
 
 def registered(task: str) -> str:
-    """`task`, its registered model (bert-sst2) made in the module's store, with no version."""
+    """`task`, its candidates model (bert-sst2-candidates) made in the module's store, with no
+    version."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from bert_core.serve.registry import model_name
+    from bert_core.serve.registry import candidates_of, model_name
     from bert_core.tracking import tracking_uri
 
     try:
-        MlflowClient(tracking_uri()).create_registered_model(model_name(task))
+        MlflowClient(tracking_uri()).create_registered_model(candidates_of(model_name(task)))
     except MlflowException:  # made by an earlier row
         pass
     return task

@@ -1,14 +1,16 @@
-"""`bert promote TASK`: a better version becomes the champion, then takes all of the traffic.
+"""`bert promote TASK`: a better candidate becomes the champion, then takes all of the traffic.
 
-Two moves of one decision, in the order a release makes them. First the registry: the version
-named (a number, the fine-tuning output folder that made it, or by default the `candidate`)
-becomes the task's `champion` when its dev score beats the champion's (`champion.promote`: the
-rule and its record). `bert deploy --task TASK` then serves the new champion as a canary beside
-the running version; `bert promote TASK --full-traffic`, once the canary looks right, sends all
-traffic to it (`deploy.full_traffic`) and leaves the registry alone.
+Two moves of one decision, in the order a release makes them. First the registry: the candidate
+named (a version number of the task's candidates model, the fine-tuning output folder that made
+it, or by default the newest) is copied into the task's release model as its `champion` when its
+dev score beats the champion's (`champion.promote`: the rule and its record). On a tracking
+server with authentication only the release identity may do this (docs/cluster.md). `bert
+deploy --task TASK` then serves the new champion as a canary beside the running version; `bert
+promote TASK --full-traffic`, once the canary looks right, sends all traffic to it
+(`deploy.full_traffic`) and leaves the registry alone.
 
 `--best-of DIR` is the gate a pipeline ends with (`make run`'s `promote` stages): among the
-fine-tuning outputs under DIR registered as the task's model (ours, each public start; the
+fine-tuning outputs under DIR registered as the task's candidates (ours, each public start; the
 random-init control registers none), scored on the same dev set, the best by dev score is the
 version promoted, by the same rule. A model that does not beat its task's baseline (the best
 answer that ignores the input, recorded with each version) is never champion.
@@ -24,19 +26,29 @@ import json
 from pathlib import Path
 
 from bert_core.errors import BadValue, NotFound
-from bert_core.serve.champion import CANDIDATE, promote
+from bert_core.serve.champion import promote
 from bert_core.serve.deploy import cluster, full_traffic
-from bert_core.serve.registry import NAME_ENV, RECORD, model_name, version_of
+from bert_core.serve.registry import (
+    NAME_ENV,
+    RECORD,
+    candidates_of,
+    describe,
+    model_name,
+    release_description,
+    version_of,
+)
+from bert_core.tracking import tracking_uri
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert promote", description=__doc__.split("\n")[0])
-    p.add_argument("task", help="the task (SST-2, conll2003, ...): its registered model")
+    p.add_argument("task", help="the task (SST-2, conll2003, ...): its registered models")
     p.add_argument(
         "version",
         nargs="?",
-        help="the version: a number, or the `bert finetune` "
-        f"output folder that made it (default: the {CANDIDATE!r} alias)",
+        help="the candidate: a version number of the task's "
+        "candidates model, or the `bert finetune` output folder that made it (default: the "
+        "newest)",
     )
     p.add_argument(
         "--best-of",
@@ -45,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of VERSION: the best by "
         "dev score of the fine-tuning outputs under DIR registered as the task's model",
     )
-    p.add_argument("--registered-model", help=f"the name (default: {NAME_ENV} or bert-{{task}})")
+    p.add_argument(
+        "--registered-model",
+        help=f"the release model (default: {NAME_ENV} or "
+        "bert-{task}); its candidates are NAME-candidates",
+    )
     p.add_argument("--force", action="store_true", help="make it champion whatever its score")
     p.add_argument(
         "--full-traffic",
@@ -73,10 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.best_of is not None and args.version is not None:
         raise BadValue("--best-of: give it or a VERSION, not both")
-    version = args.version if args.best_of is None else best_of(args.best_of, name)
+    candidates = candidates_of(name)
+    version = args.version if args.best_of is None else best_of(args.best_of, candidates)
     if version is not None and not version.isdigit():
-        version = version_of(Path(version), name)
-    print(json.dumps(promote(name, version, args.force)))
+        version = version_of(Path(version), candidates)
+    decision = promote(name, candidates, version, args.force)
+    if decision["promoted"]:  # the copy made the release model: say what it is
+        from mlflow import MlflowClient
+
+        describe(MlflowClient(tracking_uri()), name, release_description(args.task))
+    print(json.dumps(decision))
     return 0
 
 

@@ -1,21 +1,28 @@
-"""The model registry: a registered model per task and the pre-trained one, `bert promote`.
+"""The model registry: two registered models per task, the pre-trained one, `bert promote`.
 
 `bert finetune` logs its model as an MLflow model (`bert_core.serve.mlflow_model`) on its run
 (`log_finetuned`) and, only once its output folder is complete and its run has ended FINISHED,
-registers a new version of the task's registered model (`register_finetuned`): a step that fails
-at any point before leaves the registry as it was. The name comes from `BERT_REGISTERED_MODEL` (a
-template, default `bert-{task}`: `bert-sst2`, `bert-conll2003`, `bert-squad`; `none` logs the
-model without registering it). The random-init control is never registered: it is a measurement,
-not a candidate. When `BERT_MODEL_ALIAS` is set (the pipeline sets `candidate`) the new version
-gets that alias. A fine-tuning output folder records its logged model and the name it is
-registered under in `mlflow_model.json`; the version number is on the run (`bert.model_version`
-tag) and in the registry (`MlflowClient().search_model_versions(f"run_id='{run_id}'")`).
+registers a new version of the task's *candidates* (`register_finetuned`): a step that fails at
+any point before leaves the registry as it was. What is served is the task's *release* model:
+its versions are candidates copied in by `bert promote` (MLflow's `copy_model_version`, the way
+MLflow promotes a model from one environment's registered model to the next), and its
+`champion` alias is the one `bert serve` and `bert deploy` read. Two models, not one: an MLflow
+server with authentication (MLflow's basic-auth app, docs/cluster.md) grants creating a version
+and moving an alias with one permission (`update` on the registered model), so only two models
+let the pipeline's identity register candidates while moving `champion` needs the identity
+`bert promote` runs as. The release name comes from `BERT_REGISTERED_MODEL` (a template,
+default `bert-{task}`: `bert-sst2`, `bert-conll2003`, `bert-squad`; `none` logs the model
+without registering it); its candidates are `bert-sst2-candidates` (`candidates_of`). The
+random-init control is never registered: it is a measurement, not a candidate. A fine-tuning
+output folder records its logged model and the candidates model it is registered in, in
+`mlflow_model.json`; the version number is on the run (`bert.model_version` tag) and in the
+registry (`MlflowClient().search_model_versions(f"run_id='{run_id}'")`).
 
 Why descriptions and tags: versions told apart only by run id are of no use to a person choosing
 one. Each registered model says what it is and how its versions are made and promoted; each
 version says which run made it, its dev score and metric, and what it was fine-tuned from, as a
 description and as tags to search by (`bert.task`, `bert.dev_score`, `bert.dev_metric`,
-`bert.pretrained_model`).
+`bert.pretrained_model`); a copy keeps its candidate's.
 
 The pre-trained model is `bert-pretrained`, one version per `bert pretrain` run that ended
 FINISHED (`register_pretrained`). Its model folder names its run (`tracking.RUN_RECORD`, written
@@ -26,9 +33,8 @@ found by that run, or logged on it and registered, by the KFP pretrain step or b
 `bert.pretrained_model` = `models:/bert-pretrained/N` (`pretrained_source`). A folder that names
 no such run (a public checkpoint, one made by hand) is linked by the path or URI given.
 
-`champion` (which version is served, and why) is `bert_core.serve.champion`'s rule: the first
-version that beats its task's baseline becomes champion when registered; after that only
-`bert promote` moves it.
+`champion` (which candidate is served, and why) is `bert_core.serve.champion`'s rule, applied
+only by `bert promote`.
 """
 
 from __future__ import annotations
@@ -40,30 +46,29 @@ from pathlib import Path
 from typing import Any
 
 from bert_core.errors import BadValue, BertError, NotFound
-from bert_core.serve.champion import (
-    BASELINE_TAG,
-    CANDIDATE,
-    CHAMPION,
-    SCORE_TAG,
-    on_register,
-)
+from bert_core.serve.champion import BASELINE_TAG, CHAMPION, SCORE_TAG, on_register
 from bert_core.tracking import RUN_RECORD, tracking_uri
 
-NAME_ENV = "BERT_REGISTERED_MODEL"  # registered model name template; "none": do not register
-ALIAS_ENV = "BERT_MODEL_ALIAS"  # alias given to the new version (the pipeline: candidate)
+NAME_ENV = "BERT_REGISTERED_MODEL"  # release model name template; "none": do not register
 DEFAULT_NAME = "bert-{task}"
+CANDIDATES = "{name}-candidates"  # where `bert finetune` registers; `bert promote` copies out
 TASK_TAG, METRIC_TAG, SOURCE_TAG = "bert.task", "bert.dev_metric", "bert.pretrained_model"
 RECORD = "mlflow_model.json"  # in a fine-tuning output: the model's MLflow URI and version
 PRETRAINED = "bert-pretrained"  # the registered model of `bert pretrain`'s models
 
 
 def model_name(task: str, template: str | None = None) -> str | None:
-    """`bert-sst2` for SST-2 (the task name lower-cased, alphanumerics only); None: no
-    registration (`none`)."""
+    """The task's release model (served: `champion`): `bert-sst2` for SST-2 (the task name
+    lower-cased, alphanumerics only); None: no registration (`none`)."""
     template = os.environ.get(NAME_ENV) or DEFAULT_NAME if template is None else template
     if template.strip().lower() in ("", "none"):
         return None
     return template.format(task=re.sub(r"[^a-z0-9]", "", task.lower()))
+
+
+def candidates_of(release: str) -> str:
+    """The registered model whose versions `bert promote` may copy into `release`."""
+    return CANDIDATES.format(name=release)
 
 
 def feature_based(result: dict) -> str | None:
@@ -77,15 +82,15 @@ def log_finetuned(out: Path, result: dict) -> dict:
     inference settings (`mlflow_model.inference_settings`: SQuAD 2.0's tuned null threshold
     too), and write `out/mlflow_model.json` (its URI, the run, and the registered model it is
     meant for: none for a random-init control or a feature-based tagger, measurements rather
-    than candidates for the task's model). Returns that record; nothing is registered yet."""
+    than candidates). Returns that record; nothing is registered yet."""
     from bert_core.serve.mlflow_model import inference_settings
 
     registered: dict[str, Any] = {}
-    name, alias = model_name(result["task"]), os.environ.get(ALIAS_ENV) or None
+    release = model_name(result["task"])
     # a control or a feature-based tagger is a measurement, never a candidate for the task
     measurement = result.get("init", "pretrained") == "random" or feature_based(result)
-    if name is not None and not measurement:
-        registered = {"registered_model": name, "alias": alias}
+    if release is not None and not measurement:
+        registered = {"registered_model": candidates_of(release)}
     return write_record(out, inference_settings(result), registered)
 
 
@@ -105,14 +110,14 @@ def write_record(out: Path, settings: dict, registered: dict | None = None) -> d
 
 def register_finetuned(record: dict, result: dict):
     """After the step succeeded (output complete, run FINISHED): register the logged model as a
-    new version of `record["registered_model"]` (alias moved), tag the run with it. Returns the
-    ModelVersion, or None when the record names no registered model."""
+    new version of `record["registered_model"]` (the task's candidates), tag the run with it.
+    Returns the ModelVersion, or None when the record names no registered model."""
     from mlflow import MlflowClient
 
     if not record.get("registered_model"):
         return None
     name = record["registered_model"]
-    version = register(record["model_uri"], name, result, record.get("alias"))
+    version = register(record["model_uri"], name, result)
     tags = {"bert.registered_model": name, "bert.model_version": str(version.version)}
     if result.get("pretrained_model"):
         tags[SOURCE_TAG] = result["pretrained_model"]
@@ -122,10 +127,11 @@ def register_finetuned(record: dict, result: dict):
     return version
 
 
-def register(model_uri: str, name: str, result: dict, alias: str | None = None):
-    """A new version of `name` for a logged model, described and tagged from the run's result
-    (task, dev score and metric, the pre-trained model it came from); `alias` (e.g. candidate)
-    moved to it; `champion` too when the model has none yet. Returns the ModelVersion."""
+def register(model_uri: str, name: str, result: dict):
+    """A new version of `name` (a task's candidates) for a logged model, described and tagged
+    from the run's result (task, dev score and metric, the pre-trained model it came from, the
+    task's baseline); one that does not beat the baseline says so (`champion.on_register`).
+    Returns the ModelVersion."""
     import mlflow
     from mlflow import MlflowClient
 
@@ -144,8 +150,6 @@ def register(model_uri: str, name: str, result: dict, alias: str | None = None):
     version = mlflow.register_model(model_uri, name, tags=tags)
     text = version_description(version.run_id, result, metric)
     client.update_model_version(name, version.version, description=text)
-    if alias:
-        client.set_registered_model_alias(name, alias, version.version)
     on_register(
         client, name, version.version, float(result["score"]), float(result["baseline_score"])
     )
@@ -168,16 +172,25 @@ def describe(client, name: str, description: str) -> None:
 
 
 def task_description(name: str, task: str, metric: str) -> str:
-    """What a task's registered model is, and how its versions are made and promoted."""
+    """What a task's candidates model is, and how its versions are made and promoted."""
+    release = name.removesuffix(CANDIDATES.format(name=""))
     return (
-        f"BERT fine-tuned on {task} by `bert finetune --task {task}`, scored on {task}'s dev "
-        f"set by {metric} (percent). Each fine-tuning from a pre-trained model that ends "
-        f"FINISHED adds a version, tagged `{SCORE_TAG}`, `{METRIC_TAG}` and `{SOURCE_TAG}` (the "
-        f"pre-trained model it started from) and `{BASELINE_TAG}` (the best input-blind "
-        f"answer's score); the random-init control is never registered. The first version "
-        f"that beats its baseline is `{CHAMPION}`; after that only `bert promote {task}` moves "
-        f"it, to a version whose dev score beats the champion's and its baseline (the "
-        f"pipeline's newest is `{CANDIDATE}`). Serve `models:/{name}@{CHAMPION}`."
+        f"Candidates for {release}: BERT fine-tuned on {task} by `bert finetune --task {task}`, "
+        f"scored on {task}'s dev set by {metric} (percent). Each fine-tuning from a pre-trained "
+        f"model that ends FINISHED adds a version, tagged `{SCORE_TAG}`, `{METRIC_TAG}` and "
+        f"`{SOURCE_TAG}` (the pre-trained model it started from) and `{BASELINE_TAG}` (the best "
+        f"input-blind answer's score); the random-init control is never registered. `bert "
+        f"promote {task}` copies a version whose dev score beats the champion's and its "
+        f"baseline into {release} as `{CHAMPION}`. Serve `models:/{release}@{CHAMPION}`."
+    )
+
+
+def release_description(task: str) -> str:
+    """What a task's release model is: the champions `bert promote` copied in."""
+    return (
+        f"BERT fine-tuned on {task}, as served: each version is a candidate that `bert promote "
+        f"{task}` copied in from its candidates model (its source, tags and description are the "
+        f"candidate's), and `{CHAMPION}` is the one served: `models:/NAME@{CHAMPION}`."
     )
 
 
@@ -277,7 +290,7 @@ def _register_run(client, name: str, model_dir: Path, run):
 def version_of(out: Path, name: str) -> str:
     """The version of `name` registered from the fine-tuning output folder `out`: its record
     names the run (`mlflow_model.json`), the registry has the version that run made. How a
-    pipeline promotes the model it just trained, whatever the `candidate` alias says since."""
+    pipeline promotes the model it just trained, whatever was registered since."""
     from mlflow import MlflowClient
 
     path = out / RECORD

@@ -573,7 +573,7 @@ def test_a_diverging_finetuning_fails_and_registers_nothing(
         "32",
     ]
     client = mlflow.MlflowClient()
-    versions = lambda: client.search_model_versions("name = 'bert-stsb'")  # noqa: E731
+    versions = lambda: client.search_model_versions("name = 'bert-stsb-candidates'")  # noqa: E731
     before = len(versions())
     out = tmp_path / "nan"
     assert cli.main([*run, "--output", str(out), "--lr", "1e9"]) == 1

@@ -664,11 +664,9 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
             # fine-tuned from its own pipeline's pre-trained model, on its own task's data
             assert params["model"].endswith(f"/{prefix}/pretrain/pretrained/model"), params
             assert params["data"] == f"{cluster.BUCKET}/data/glue/{task}"
-            # its task's registered model: versions from this run's steps only
-            tuned = {
-                v.run_id
-                for v in client.search_model_versions(f"name='{registry.model_name(task)}'")
-            }
+            # its task's candidates: versions from this run's steps only
+            pool = registry.candidates_of(registry.model_name(task))
+            tuned = {v.run_id for v in client.search_model_versions(f"name='{pool}'")}
             assert own[f"finetune-{task}"].info.run_id in tuned and tuned <= own_ids, task
         # its GLUE table: a row for each of its own tasks, with its own score, and no other
         table = client.download_artifacts(

@@ -122,7 +122,7 @@ def test_a_new_version_replacing_a_running_one_is_a_canary_a_redeploy_keeps():
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
     """An API server (tests/kube_api.py) and a kubeconfig naming it; a fresh registry with
-    bert-sst2 version 1 (champion, dev score 0.8) in the bucket."""
+    bert-sst2 version 1 (champion, dev score 0.8) in the bucket, and its (empty) candidates."""
     api = KubeApi()
     monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path)))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
@@ -133,6 +133,7 @@ def cluster(tmp_path, monkeypatch):
     client.create_registered_model("bert-sst2")
     client.create_model_version("bert-sst2", SOURCE, tags={"bert.dev_score": "0.8"})
     client.set_registered_model_alias("bert-sst2", "champion", "1")
+    client.create_registered_model("bert-sst2-candidates")
     mlflow.set_tracking_uri(uri)
     yield api, client
     api.close()
@@ -143,7 +144,7 @@ def finetuned_folder(
     folder,
     score: str,
     baseline: str = "0.5",
-    registered: str | None = "bert-sst2",
+    registered: str | None = "bert-sst2-candidates",
 ) -> str:
     """A fine-tuning output's record (`mlflow_model.json`), its metrics.json and the version its
     run registered (`registered` None: none, as the random-init control): what `bert finetune`
@@ -158,7 +159,6 @@ def finetuned_folder(
         "model_uri": f"models:/m-{run.info.run_id[:8]}",
         "run_id": run.info.run_id,
         "registered_model": registered,
-        "alias": None,
     }
     (folder / "mlflow_model.json").write_text(json.dumps(record))
     metrics = {
@@ -196,8 +196,9 @@ def test_deploy_promote_and_full_traffic_through_the_kubernetes_client(cluster, 
 
     newer = finetuned_folder(client, tmp_path / "SST-2", "0.9")
     assert cli.main(["promote", "SST-2", str(tmp_path / "SST-2")]) == 0
-    decision = json.loads(capsys.readouterr().out)
-    assert (decision["version"], decision["champion"], decision["promoted"]) == (2, 2, True)
+    decision = json.loads(capsys.readouterr().out)  # copied into bert-sst2 as its version 2
+    assert (decision["candidate"], decision["champion"]) == ("bert-sst2-candidates/1", 2)
+    assert decision["promoted"]
     assert cli.main(["deploy", "--task", "SST-2", "--canary-percent", "25"]) == 0
     assert json.loads(capsys.readouterr().out)["canary_percent"] == 25
     predictor = api.objects[("bert", "bert-sst2")]["spec"]["predictor"]
@@ -271,16 +272,17 @@ def test_the_gate_promotes_the_best_of_a_runs_models_that_beats_its_baseline(
     finetuned_folder(client, glue / "random-SST-2", "0.95", registered=None)  # the control
     assert cli.main(["promote", "SST-2", "--best-of", str(glue)]) == 0
     moved = json.loads(capsys.readouterr().out)
-    assert moved["promoted"] and moved["champion"] == 3 == moved["version"]  # minilm's
+    assert moved["promoted"] and moved["candidate"] == "bert-sst2-candidates/2"  # minilm's
+    assert moved["champion"] == 2  # its copy
     # at its baseline (a model that learned nothing): registered, never champion, not forced
     finetuned_folder(client, tmp_path / "flat", "0.95", baseline="0.95")
     assert cli.main(["promote", "SST-2", str(tmp_path / "flat"), "--force"]) == 0
     refused = json.loads(capsys.readouterr().out)
-    assert (refused["promoted"], refused["champion"]) == (False, 3)
+    assert (refused["promoted"], refused["champion"]) == (False, 2)
     assert refused["reason"].startswith(
         "not promoted: dev score 0.95 does not beat the task's baseline 0.95"
     )
-    assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "3"
+    assert str(client.get_model_version_by_alias("bert-sst2", "champion").version) == "2"
     # different dev sets; nothing registered as the task's model there; both forms at once
     other = json.loads((glue / "SST-2" / "metrics.json").read_text())
     other["num_dev_examples"] = {"dev": 100}
@@ -288,7 +290,7 @@ def test_the_gate_promotes_the_best_of_a_runs_models_that_beats_its_baseline(
     for argv, message in (
         ([str(glue)], "were scored on different dev sets"),
         ([str(tmp_path / "nothing")], "no such folder"),
-        ([str(glue / "random-SST-2")], "no fine-tuning output there is registered as bert-sst2"),
+        ([str(glue / "random-SST-2")], "no fine-tuning output there is registered as bert-sst2-"),
     ):
         assert cli.main(["promote", "SST-2", "--best-of", *argv]) == 2
         assert message in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """The MLflow flavor (`bert_core.serve.mlflow_model`) and the registry (`bert_core.serve.registry`):
 logged models load with `mlflow.pyfunc`, answer as the predictors do, need neither transformers nor
-the project installed; `bert finetune` registers its model, described and linked to the pre-trained
-version it came from, the first version is `champion` and `bert promote` alone moves it, only to a
-better version; a logged MLmodel names no path of the machine that logged it."""
+the project installed; `bert finetune` registers its model as a candidate, described and linked to
+the pre-trained version it came from; `bert promote` alone makes a candidate `champion` of the
+release model (a copy), only a better one and never one below its baseline; a logged MLmodel
+names no path of the machine that logged it."""
 
 from __future__ import annotations
 
@@ -141,11 +142,10 @@ def machine_paths(model_uri: str, dest: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_champion(
-    tracking, shared_data, minilm_dir, monkeypatch, capsys
+def test_finetune_registers_a_candidate_linked_to_the_pretrained_one_and_promote_copies_it(
+    tracking, shared_data, minilm_dir, capsys
 ):
     pretrained, pretrain_run = pretrain_output(minilm_dir, tracking / "pretrain" / "model")
-    monkeypatch.setenv(registry.ALIAS_ENV, "candidate")
     out = tracking / "sst2"
     argv = ["finetune", "--task", "SST-2", "--data", str(shared_data / "glue" / "SST-2")]
     argv += ["--model", str(pretrained), "--output", str(out), "--epochs", "1"]
@@ -156,9 +156,9 @@ def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_cham
         == 0
     )
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert json.loads(last)["registered_model"] == "bert-sst2/1"
+    assert json.loads(last)["registered_model"] == "bert-sst2-candidates/1"
     record = json.loads((out / registry.RECORD).read_text())
-    assert (record["registered_model"], record["alias"]) == ("bert-sst2", "candidate")
+    assert record["registered_model"] == "bert-sst2-candidates"
     client = MlflowClient()
 
     # the pre-trained model: registered from its FINISHED run before the fine-tuned version
@@ -170,7 +170,7 @@ def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_cham
     assert registry.pretrained_source(pretrained, "unused") == link
     assert len(client.search_model_versions(f"name='{registry.PRETRAINED}'")) == 1
 
-    v1 = client.get_model_version_by_alias("bert-sst2", "candidate")
+    (v1,) = client.search_model_versions("name='bert-sst2-candidates'")
     metrics = json.loads((out / "metrics.json").read_text())
     assert str(v1.version) == "1" and v1.run_id == record["run_id"]
     # registered after the run ended: the version points at a FINISHED run
@@ -181,10 +181,11 @@ def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_cham
     assert v1.tags[registry.SOURCE_TAG] == link == metrics["pretrained_model"]
     for text in (record["run_id"], "SST-2 dev accuracy", f"{metrics['score']:.2f}", link):
         assert text in v1.description, (text, v1.description)
-    described = client.get_registered_model("bert-sst2").description
+    described = client.get_registered_model("bert-sst2-candidates").description
     assert all(w in described for w in ("SST-2", "accuracy", "champion", "bert promote"))
+    assert client.search_registered_models("name='bert-sst2'") == []  # promote makes it
     run = client.get_run(record["run_id"])
-    assert run.data.tags["bert.registered_model"] == "bert-sst2"
+    assert run.data.tags["bert.registered_model"] == "bert-sst2-candidates"
     assert run.data.tags[registry.SOURCE_TAG] == link
     # the model's inference settings beside, not over, the run's training parameters
     assert (run.data.params["batch_size"], run.data.params["inference/max_seq_length"]) == (
@@ -193,48 +194,69 @@ def test_finetune_registers_its_model_linked_to_the_pretrained_one_first_as_cham
     )
 
     # the task's baseline on the same dev set travels with the version: SST-2's majority label.
-    # The first version that beats it is champion at once, and says why; one that does not (a
-    # few examples' fine-tuning may not) is registered, never champion
+    # `bert promote` (default: the newest candidate) copies a sound one into bert-sst2 as its
+    # champion, and says why; one that does not beat it (a few examples' fine-tuning may not)
+    # is marked when registered and never copied
     assert metrics["baseline"].endswith("(the most frequent in training)")
     assert float(v1.tags[champion.BASELINE_TAG]) == metrics["baseline_score"] > 0
     sound = metrics["score"] > metrics["baseline_score"]
-    v1 = client.get_model_version("bert-sst2", v1.version)
-    assert v1.tags[champion.PROMOTION_TAG].startswith(
-        "champion: first champion (dev score" if sound else "not champion: dev score"
-    )
-    assert (champion.by_alias(client, "bert-sst2", "champion") is not None) == sound
-    assert cli.main(["promote", "sst2"]) == 0  # the candidate: champion already, or never
-    reason = json.loads(capsys.readouterr().out)["reason"]
-    assert reason == "already the champion" if sound else "does not beat the task's" in reason
+    assert (champion.PROMOTION_TAG in v1.tags) == (not sound)
+    assert cli.main(["promote", "sst2"]) == 0
+    decision = json.loads(capsys.readouterr().out)
+    assert decision["promoted"] is sound and decision["candidate"] == "bert-sst2-candidates/1"
+    served = champion.by_alias(client, "bert-sst2", "champion")
+    if sound:
+        assert served.source == "models:/bert-sst2-candidates/1" and served.run_id == v1.run_id
+        assert served.tags[champion.SCORE_TAG] == v1.tags[champion.SCORE_TAG]  # the candidate's
+        assert served.tags[champion.PROMOTION_TAG].startswith("champion: first champion (dev")
+        assert "bert promote" in client.get_registered_model("bert-sst2").description
+        assert cli.main(["promote", "sst2", str(out)]) == 0  # by its output folder: the same
+        assert json.loads(capsys.readouterr().out)["reason"] == "already the champion"
+    else:
+        assert served is None and "does not beat the task's" in decision["reason"]
 
-    # the rule on versions of known scores: at the baseline, not champion, not even forced; the
-    # first above it champion; after that, only a better one moves it, or --force
+    # the rule on candidates of known scores: at the baseline, not champion, not even forced;
+    # the first above it champion; after that, only a better one moves it, or --force; each
+    # promotion a new version of the release model, copied from its candidate
     floor = {"task": "SST-2", "score": 50.0, "baseline_score": 50.0, "score_metric": "accuracy"}
     floor["pretrained_model"] = link
+    pool = registry.candidates_of("bert-gate")
 
     def version(score: float) -> str:
-        return registry.register(record["model_uri"], "bert-gate", floor | {"score": score}).version
+        return registry.register(record["model_uri"], pool, floor | {"score": score}).version
+
+    def promote(v: str, force: bool = False) -> dict:
+        return champion.promote("bert-gate", pool, v, force)
+
+    def served() -> str | None:  # the candidate the champion was copied from
+        now = champion.by_alias(client, "bert-gate", "champion")
+        return None if now is None else now.source.removeprefix(f"models:/{pool}/")
 
     low = version(50.0)
-    assert champion.by_alias(client, "bert-gate", "champion") is None
-    assert client.get_model_version("bert-gate", low).tags[champion.PROMOTION_TAG] == (
+    assert client.get_model_version(pool, low).tags[champion.PROMOTION_TAG] == (
         "not champion: dev score 50 does not beat the task's baseline 50 (the best answer that "
         "ignores the input, on the same dev set)"
     )
-    assert champion.promote("bert-gate", low, force=True)["promoted"] is False
-    assert champion.by_alias(client, "bert-gate", "champion") is None
+    assert promote(low, force=True)["promoted"] is False
+    assert served() is None and client.search_registered_models("name='bert-gate'") == []
     first = version(60.0)
-    assert str(champion.by_alias(client, "bert-gate", "champion").version) == str(first)
-    worse, better = version(59.0), version(61.0)  # neither moves champion when registered
-    assert str(champion.by_alias(client, "bert-gate", "champion").version) == str(first)
-    refused = champion.promote("bert-gate", worse)
-    assert (refused["promoted"], refused["champion"]) == (False, int(first))
-    tags = client.get_model_version("bert-gate", worse).tags
-    assert "not promoted: dev score" in tags[champion.PROMOTION_TAG]
-    assert champion.promote("bert-gate", better)["champion"] == int(better)
-    assert champion.promote("bert-gate", better)["reason"] == "already the champion"
-    assert champion.promote("bert-gate", worse, force=True)["champion"] == int(worse)
-    assert str(client.get_model_version_by_alias("bert-gate", "champion").version) == str(worse)
+    assert served() is None  # registering promotes nothing
+    assert promote(first)["reason"].startswith("champion: first champion (dev score 60)")
+    assert served() == str(first)
+    worse, better = version(59.0), version(61.0)
+    refused = promote(worse)
+    assert (refused["promoted"], refused["champion"]) == (False, 1)
+    assert refused["reason"] == "not promoted: dev score 59 <= champion version 1's 60"
+    assert promote(better)["champion"] == 2 and served() == str(better)
+    assert promote(better)["reason"] == "already the champion"
+    forced = promote(worse, force=True)
+    assert forced["champion"] == 3 and forced["reason"].endswith(
+        f"(forced) (from {pool} version {worse})"
+    )
+    assert served() == str(worse)
+    copies = client.search_model_versions("name='bert-gate'")
+    want = sorted(f"models:/{pool}/{v}" for v in (first, better, worse))
+    assert sorted(v.source for v in copies) == want
 
     # MLmodel names no path of this machine: not the staging folder `bert finetune` logged
     # from, not this checkout's code file; and the models load with the folders all gone
@@ -273,7 +295,6 @@ def test_a_step_that_fails_after_logging_its_model_registers_nothing(
 
     tiny = build("classification", minilm_dir, tracking / "failing-init")
     monkeypatch.setenv(registry.NAME_ENV, "failing-{task}")
-    monkeypatch.setenv(registry.ALIAS_ENV, "candidate")
     finish = command.finish
 
     def finish_then_fail(out, result):
@@ -287,8 +308,8 @@ def test_a_step_that_fails_after_logging_its_model_registers_nothing(
     assert cli.main([*argv, "--max-train-examples", "8", "--max-eval-examples", "8"]) == 2
     assert "injected after logging" in capsys.readouterr().err
     client = MlflowClient()
-    assert client.search_model_versions("name='failing-sst2'") == []
-    assert client.search_registered_models("name='failing-sst2'") == []
+    assert client.search_model_versions("name='failing-sst2-candidates'") == []
+    assert client.search_registered_models("name LIKE 'failing-sst2%'") == []
     assert not out.exists()
     runs = mlflow.search_runs(
         search_all_experiments=True,
@@ -403,7 +424,8 @@ def test_predict_logs_where_its_model_was_logged(tracking, minilm_dir, monkeypat
     with mlflow.start_run(experiment_id=mlflow.set_experiment("models").experiment_id) as run:
         info = serving.log_model(folder, {})
     result = {"task": "SST-2", "score": 1.0, "baseline_score": 0.5}
-    version = registry.register(info.model_uri, "exp-sst2", result, alias="champion")
+    version = registry.register(info.model_uri, "exp-sst2-candidates", result)
+    champion.promote("exp-sst2", "exp-sst2-candidates", version.version)
     output = tracking / "exp-output"  # a `bert finetune` output: model/, metrics.json, record
     shutil.copytree(folder, output / "model")
     (output / "metrics.json").write_text(json.dumps({"config": {}}))
@@ -430,7 +452,7 @@ def test_predict_logs_where_its_model_was_logged(tracking, minilm_dir, monkeypat
         f"runs:/{run.info.run_id}/model",
         str(output),
         "models:/exp-sst2@champion",
-        f"models:/exp-sst2/{version.version}",
+        f"models:/exp-sst2-candidates/{version.version}",
     ]
     try:
         for model in models:

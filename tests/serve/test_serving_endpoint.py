@@ -86,10 +86,9 @@ def servers(tmp_path_factory, minilm_dir):
             for name, (kind, _) in REQUESTS.items():
                 folder = build(kind, minilm_dir, root / kind)
                 info = serving.log_model(folder, {"max_chars": 2000})
-                version = registry.register(
-                    info.model_uri, name, {"task": name, "score": 0.5, "baseline_score": 0.0}
-                )
-                champion.promote(name, version.version)
+                pool, result = registry.candidates_of(name), {"task": name, "score": 0.5}
+                version = registry.register(info.model_uri, pool, result | {"baseline_score": 0})
+                champion.promote(name, pool, version.version)
         bin_dir = str(Path(sys.executable).parent)  # the server execs `uvicorn` from PATH
         env = {
             **os.environ,

@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -31,6 +33,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 LOCAL_KEYS = {
     "AWS_ACCESS_KEY_ID": "local-access-key",
@@ -146,10 +150,16 @@ def start_s3(workdir: Path, port: int | None = None, buckets: tuple[str, ...] = 
 
 
 def start_mlflow(
-    workdir: Path, s3_url: str | None, artifacts: str, port: int | None = None
+    workdir: Path,
+    s3_url: str | None,
+    artifacts: str,
+    port: int | None = None,
+    admin_password: str | None = None,
 ) -> Service:
     """`mlflow server` with a SQLite backend and artifacts proxied to `artifacts` (s3://..., or
-    a local folder with `s3_url` None).
+    a local folder with `s3_url` None). With `admin_password`: behind MLflow's basic-auth app as
+    the cluster runs it (infra/k8s/mlflow/basic_auth.ini, its users' database in `workdir`),
+    the admin `admin` with that password (infra/scripts/mlflow_users.py adds the others).
 
     Clients log artifacts through the server (mlflow-artifacts:/), so only the server holds the
     S3 credentials, as in the cluster deployment. The same `workdir` and `port` again restart a
@@ -175,6 +185,17 @@ def start_mlflow(
         artifacts,
     ]
     env = client_env(s3_url) if s3_url else dict(os.environ)
+    if admin_password is not None:
+        ini = workdir / "basic_auth.ini"
+        text = (ROOT / "infra/k8s/mlflow/basic_auth.ini").read_text()
+        auth_db = f"sqlite:///{(workdir / 'basic_auth.db').resolve()}"
+        ini.write_text(re.sub(r"(?m)^database_uri = .*$", f"database_uri = {auth_db}", text))
+        cmd += ["--app-name", "basic-auth"]
+        env |= {
+            "MLFLOW_AUTH_CONFIG_PATH": str(ini),
+            "MLFLOW_AUTH_ADMIN_PASSWORD": admin_password,
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),  # its forms' CSRF key
+        }
     proc = _spawn("mlflow", cmd, env, log)
     service = Service("mlflow", url, proc, log, {"MLFLOW_TRACKING_URI": url})
     try:

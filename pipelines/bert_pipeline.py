@@ -249,9 +249,15 @@ RESOURCES = {
 }
 
 
-def pod(task, name: str, secrets: Iterable[tuple[str, tuple[str, ...]]] = ()):
+def pod(
+    task,
+    name: str,
+    secrets: Iterable[tuple[str, tuple[str, ...]]] = (),
+    mlflow_auth: str = cluster.AUTH_SECRET,
+):
     """A task as a cluster pod: its display name, requests and limits (RESOURCES), the
-    ConfigMap and Secrets of `pipelines/cluster.py` (and `secrets`, pairs of name and keys) as
+    ConfigMap and Secrets of `pipelines/cluster.py` (and `secrets`, pairs of name and keys; the
+    MLflow identity `mlflow_auth`, the pipeline's unless the task releases) as
     environment variables (kfp-kubernetes), and the KFP run id as `KFP_RUN_ID` from the pod
     label (downward API); its container as the images' non-root user (RUN_AS_USER). Passed as
     an input, the run id would enter every step's cache key and no later run could reuse a
@@ -268,7 +274,7 @@ def pod(task, name: str, secrets: Iterable[tuple[str, tuple[str, ...]]] = ()):
     for secret, keys in [(cluster.SECRET, cluster.SECRET_KEYS), *secrets]:
         kubernetes.use_secret_as_env(task, secret, {key: key for key in keys})
     kubernetes.use_secret_as_env(
-        task, cluster.AUTH_SECRET, {key: key for key in cluster.AUTH_KEYS}, optional=True
+        task, mlflow_auth, {key: key for key in cluster.AUTH_KEYS}, optional=True
     )
     user = cluster.RUN_AS_USER
     kubernetes.set_security_context(task, run_as_user=user, run_as_group=user, run_as_non_root=True)
@@ -404,7 +410,8 @@ def release(steps, s: dict[str, Any], ft) -> None:
     """promote -> deploy after the fine-tuning `ft` of `deploy_task`: the registry's rule decides
     whether this run's model becomes the champion, then the champion is served. Never cached:
     both act on the registry and the cluster as they are now."""
-    pr = pod(steps.promote(finetuned=ft.outputs["finetuned"], task=s["deploy_task"]), "promote")
+    promote = steps.promote(finetuned=ft.outputs["finetuned"], task=s["deploy_task"])
+    pr = pod(promote, "promote", mlflow_auth=cluster.RELEASE_SECRET)  # may move champion
     de = pod(steps.deploy(task=s["deploy_task"]).after(pr), "deploy")
     for task in (pr, de):
         task.set_caching_options(False)

@@ -39,6 +39,10 @@ SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 # pods mount it with `optional: true`, so a cluster without it runs unchanged.
 AUTH_SECRET = "bert-mlflow-auth"
 AUTH_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+# The Secret `bert-mlflow-release`: the release identity, the one MLflow lets move `champion`
+# (infra/scripts/mlflow_users.py), with the same keys; only the promote task mounts it, instead
+# of bert-mlflow-auth (optional too: without auth, neither exists).
+RELEASE_SECRET = "bert-mlflow-release"
 
 # The Secret `bert-ray-auth` (generated from infra/k8s/env/ray-auth.env): the RayCluster's token
 # (Ray's token authentication), loaded only by the pretrain task, the one that submits Ray jobs.

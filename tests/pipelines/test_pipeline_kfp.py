@@ -335,7 +335,9 @@ def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
             assert [k["secretKey"] for k in ray["keyToEnv"]] == list(cluster.RAY_AUTH_KEYS)
         else:
             assert ray == [], name
-        assert (auth["secretName"], auth["optional"]) == (cluster.AUTH_SECRET, True), name
+        # MLflow's identity: the pipeline's; the release one, which may move champion, for promote
+        identity = cluster.RELEASE_SECRET if name == "promote" else cluster.AUTH_SECRET
+        assert (auth["secretName"], auth["optional"]) == (identity, True), name
         assert [k["envVar"] for k in auth["keyToEnv"]] == list(cluster.AUTH_KEYS)
         assert pod["fieldPathAsEnv"] == [
             {"name": "KFP_RUN_ID", "fieldPath": "metadata.labels['pipeline/runid']"}
@@ -484,8 +486,8 @@ def test_one_parameter_starts_the_run_from_a_public_checkpoint():
 
 def test_release_is_a_condition_in_each_fine_tuning_off_by_default():
     """promote -> deploy run in the iteration whose job is `deploy_task` ("none" by default:
-    no job), promote on that iteration's own fine-tuned model (the version it registered, not
-    whatever `candidate` names by then), deploy after it; neither cached (they act on the
+    no job), promote on that iteration's own fine-tuned model (the candidate it registered,
+    not the newest by then), deploy after it; neither cached (they act on the
     registry and the cluster as they are), each with its pod's resources."""
     spec, _ = _load(SPEC)
     loop = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]

@@ -61,7 +61,7 @@ def test_two_finetunes_at_once_on_one_new_sqlite_store(tmp_path, shared_data, ti
     runs = client.search_runs([client.get_experiment_by_name("bert").experiment_id])
     by_seed = {int(r.data.params["seed"]): r for r in runs}
     assert sorted(by_seed) == list(seeds) and len(runs) == len(seeds)
-    versions = {v.run_id: v for v in client.search_model_versions("name='bert-sst2'")}
+    versions = {v.run_id: v for v in client.search_model_versions("name='bert-sst2-candidates'")}
     assert sorted(int(v.version) for v in versions.values()) == [1, 2]  # none clobbered
     for seed, run in by_seed.items():
         out = tmp_path / f"seed-{seed}"

@@ -246,10 +246,16 @@ def start_cluster_s3(workdir: Path, bucket: str, credentials: Mapping[str, str])
 
 
 def start_cluster_mlflow(
-    workdir: Path, s3_url: str, artifacts: str, credentials: Mapping[str, str]
+    workdir: Path,
+    s3_url: str,
+    artifacts: str,
+    credentials: Mapping[str, str],
+    admin_password: str | None = None,
 ):
-    """`mlflow server` keeping its artifacts at `artifacts` (s3://...), with `credentials`."""
-    return _with_env(credentials, local_services().start_mlflow, workdir, s3_url, artifacts)
+    """`mlflow server` keeping its artifacts at `artifacts` (s3://...), with `credentials`; with
+    `admin_password`, behind MLflow's basic-auth app as the cluster runs it."""
+    start = local_services().start_mlflow
+    return _with_env(credentials, start, workdir, s3_url, artifacts, None, admin_password)
 
 
 def cluster_objects(objects, s3_url: str, mlflow_url: str, ray_dashboard: str = ""):

@@ -157,12 +157,17 @@ def log_model(
 ):
     """Log an HF-layout model folder as an MLflow pyfunc model on the open run (or `run_id`'s);
     returns MLflow's ModelInfo (`.model_uri` to register or load it). Its MLmodel names no path
-    of this machine (`_PORTABLE`)."""
+    of this machine (`_PORTABLE`). A model logged on `run_id` outside any open run belongs to
+    that run's experiment (`in_experiment_of`)."""
+    import mlflow
     from mlflow.models import Model
 
     import bert_core
 
     quiet_progress()
+    model_id = None
+    if run_id is not None and mlflow.active_run() is None:
+        model_id = in_experiment_of(run_id, name)
     config = read_config(model_dir)
     cls = predictor_class(config, Path(model_dir) / "config.json")
     # how text is cut, windowed and decoded; batch size and device are the server's business
@@ -180,7 +185,25 @@ def log_model(
         pip_requirements=requirements(),
         model_config={CONFIG_KEY: kept},
         metadata={"bert_kind": cls.kind, "bert_task": config.get("finetuning_task") or ""},
+        model_id=model_id,
     )
+
+
+def in_experiment_of(run_id: str, name: str) -> str:
+    """A new logged model (its id) in `run_id`'s experiment, made from it, for `Model.log` to
+    fill (MLflow's `initialize_logged_model`). Without it MLflow files a model logged on a run
+    that is not open under this process's default experiment (`Default`), which a tracking
+    server with authentication lets the pipeline's identity read but not write."""
+    import mlflow
+
+    run = mlflow.MlflowClient(tracking_uri()).get_run(run_id)
+    model = mlflow.initialize_logged_model(
+        name=name,
+        source_run_id=run_id,
+        params=dict(run.data.params),
+        experiment_id=run.info.experiment_id,
+    )
+    return model.model_id
 
 
 def _save_portable(path: str, mlflow_model, **kwargs) -> None:

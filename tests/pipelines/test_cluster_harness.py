@@ -30,6 +30,8 @@ from typing import Any
 import pytest
 
 from bert_core import storage
+from bert_core.serve import registry
+from infra.scripts import mlflow_users
 from pipelines import cluster
 from pipelines.bert_pipeline import DEFAULTS, P
 from tests.cluster import pod_env, pod_harness, secrets
@@ -98,11 +100,30 @@ def s3_server(root, planted):
 
 @pytest.fixture(scope="module")
 def servers(s3_server, root, planted):
-    """(S3, MLflow): the MLflow server keeps its artifacts in s3://bert/mlflow."""
+    """(S3, MLflow): the MLflow server keeps its artifacts in s3://bert/mlflow, behind MLflow's
+    basic-auth app as infra/k8s/mlflow.yaml runs it, with the users its Job makes
+    (infra/scripts/mlflow_users.py): the pipeline's identity is the planted `bert-mlflow-auth`
+    Secret's, so every pod of the whole runs works as it (and anonymously would get 401). This
+    process reads the records as the reader identity."""
+    admin = uuid.uuid4().hex
     mlflow = start_cluster_mlflow(
-        root / "mlflow", s3_server.url, f"{cluster.BUCKET}/mlflow", planted.s3()
+        root / "mlflow", s3_server.url, f"{cluster.BUCKET}/mlflow", planted.s3(), admin
     )
-    yield s3_server, mlflow
+    users = {
+        "PIPELINE": (planted.mlflow_username, planted.mlflow_password),
+        "RELEASE": ("bert-release", uuid.uuid4().hex),
+        "READER": ("bert-reader", uuid.uuid4().hex),
+    }
+    models = sorted(
+        {registry.model_name(t) for args in RUNS.values() for t in args["finetune_tasks"]}
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+        mp.setenv("MLFLOW_TRACKING_PASSWORD", admin)
+        mlflow_users.bootstrap(mlflow.url, users, models)
+        mp.setenv("MLFLOW_TRACKING_USERNAME", users["READER"][0])
+        mp.setenv("MLFLOW_TRACKING_PASSWORD", users["READER"][1])
+        yield s3_server, mlflow
     mlflow.stop()
 
 
@@ -170,10 +191,18 @@ def test_pod_env_is_the_manifests_config_map_and_secret_and_the_run_id_label():
     _, platform = pod_harness.load_spec(SPEC)
     env = pod_env.pod_env(platform, "exec-clean", objects, {"pipeline/runid": "run-7"})
     config, secret = objects[("ConfigMap", cluster.CONFIG_MAP)], objects[("Secret", cluster.SECRET)]
+    auth = objects[("Secret", cluster.AUTH_SECRET)]  # the pipeline's MLflow identity
+    assert env == {**config, **secret, **auth, "KFP_RUN_ID": "run-7"}
+    assert set(env) == {
+        *cluster.CONFIG_KEYS,
+        *cluster.SECRET_KEYS,
+        *cluster.AUTH_KEYS,
+        "KFP_RUN_ID",
+    }
+    # bert-mlflow-auth is optional: without it (a server without auth) the pod starts anyway
+    without = {k: v for k, v in objects.items() if k != ("Secret", cluster.AUTH_SECRET)}
+    env = pod_env.pod_env(platform, "exec-clean", without, {"pipeline/runid": "run-7"})
     assert env == {**config, **secret, "KFP_RUN_ID": "run-7"}
-    assert set(env) == {*cluster.CONFIG_KEYS, *cluster.SECRET_KEYS, "KFP_RUN_ID"}
-    # no bert-mlflow-auth Secret in the manifests: optional, so the pod starts without it
-    assert ("Secret", cluster.AUTH_SECRET) not in objects
     # a required key the ConfigMap lacks stops the pod, as Kubernetes does
     uri = objects[("ConfigMap", cluster.CONFIG_MAP)].pop("MLFLOW_TRACKING_URI")
     with pytest.raises(pod_env.PodConfigError, match="couldn't find key MLFLOW_TRACKING_URI"):
@@ -482,7 +511,6 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
 ):
     from mlflow import MlflowClient
 
-    from bert_core.serve import registry
     from bert_core.track import lineage
 
     harness, state, logs = pipeline_run
@@ -604,7 +632,6 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
 
     from bert_core.model.heads import BertForSequenceClassification
     from bert_core.model.modeling import BertForPreTraining
-    from bert_core.serve import registry
     from bert_core.track import lineage
 
     for name, state in runs.states.items():
@@ -791,7 +818,10 @@ def test_no_planted_credential_reaches_any_output_of_the_runs(
     (parent,) = client.search_runs(
         [experiment], f"tags.`kfp.run_id` = '{a.run_id}' and tags.`bert.step` = 'pipeline'"
     )
-    client.set_tag(parent.info.run_id, "control", control)
+    with pytest.MonkeyPatch.context() as mp:  # as the pipeline: this process only reads
+        mp.setenv("MLFLOW_TRACKING_USERNAME", planted.mlflow_username)
+        mp.setenv("MLFLOW_TRACKING_PASSWORD", planted.mlflow_password)
+        client.set_tag(parent.info.run_id, "control", control)
 
     places = _outputs(runs, root, servers, fresh)
     hits, counts = secrets.search(places, [*hidden, user, key_id, control])
@@ -855,14 +885,14 @@ def test_the_harness_runs_the_committed_spec_defaults():
     ],
 )
 def test_bad_inputs_fail_a_first_task_and_the_exit_handler_marks_the_run_failed(
-    servers, s3_data, tmp_path, arguments, failed, message
+    servers, s3_data, planted, tmp_path, arguments, failed, message
 ):
     """Data that is not there fails `pipeline-run` (its digest), nothing to fine-tune fails
     `finetune-jobs`, before any step starts; the steps are not started, the failed launcher
     settles the body's DAG FAILED, and the exit handler, handed FAILED, closes the parent run
     as FAILED."""
     _, mlflow = servers
-    harness = pod_harness.Harness(SPEC, _objects(servers), tmp_path)
+    harness = pod_harness.Harness(SPEC, _objects(servers, planted=planted), tmp_path)
     state = harness.run({**SMALL_ARGS, **arguments})
     assert state == pod_harness.FAILED
     ran = [(t.path, t.state) for t in harness.tasks]

@@ -48,6 +48,10 @@ ENV_FILES = {
     "postgres.env": "postgres.env.example",
     "minio-root.env": "minio-root.env.example",
     "serve-s3.env": "serve-s3.env.example",
+    "env/mlflow-auth.env": "env/mlflow-auth.env.example",
+    "env/mlflow-release.env": "env/mlflow-release.env.example",
+    "mlflow-admin.env": "mlflow-admin.env.example",
+    "mlflow-reader.env": "mlflow-reader.env.example",
 }
 VERSIONS = ROOT / "infra" / "versions.yaml"
 
@@ -491,11 +495,14 @@ def test_mlflow_image_pins_every_package():
     (args,) = _pip_installs(DOCKER / "Dockerfile.mlflow")
     constraints = args[args.index("-c") + 1]
     assert constraints.endswith("constraints-cpu.txt")
-    pkgs = [a for a in args[args.index("-c") + 2 :] if not a.startswith("-")]
+    pkgs = [re.sub(r"\[.*\]", "", a) for a in args[args.index("-c") + 2 :] if a[0] != "-"]
     for pkg in pkgs:
         if "==" not in pkg:
             _pin(pkg)  # unpinned here means pinned by the lock
     assert {"mlflow", "boto3"} <= {p.split("==")[0] for p in pkgs}
+    _pin("Flask-WTF")  # mlflow[auth]'s, the basic-auth app's
+    needed = [a for a in args if a.startswith("mlflow[") and "auth" in a]
+    assert needed, "the server runs MLflow's basic-auth app: mlflow[auth]"
     assert any(p.startswith("psycopg2-binary==") for p in pkgs)
 
 
@@ -505,7 +512,13 @@ def test_dockerignore_keeps_what_the_build_needs():
         for ln in (ROOT / ".dockerignore").read_text().splitlines()
         if ln.strip() and not ln.startswith("#")
     ]
-    for needed in ["pyproject.toml", "constraints-cpu.txt", "bert_core", "README.md"]:
+    for needed in [
+        "pyproject.toml",
+        "constraints-cpu.txt",
+        "bert_core",
+        "README.md",
+        "infra/scripts/mlflow_users.py",
+    ]:
         assert needed not in ignored
     assert {".venv", ".git", "runs", "mlflow.db"} <= set(ignored)
 
@@ -1118,6 +1131,7 @@ EXPECTED_PATHS = (
         ("mlflow", "postgres", 5432),
         ("mlflow", "minio", 9000),
         ("minio-create-bucket", "minio", 9000),
+        ("mlflow-users", "mlflow", 5000),  # the Job that makes MLflow's users
         # KServe: the predictor's storage initializer reads the model; Knative's activator and the
         # Istio gateway send requests to queue-proxy, Knative's autoscaler scrapes its metrics
         ("predictor", "minio", 9000),
@@ -1171,6 +1185,7 @@ def _reachability(docs: list[dict]) -> tuple[set, dict]:
         "ray-worker-gpu": [52365, 23456],
         "ray-worker-cpu": [52365, 23456],
         "minio-create-bucket": [8080],
+        "mlflow-users": [8080],
         "debug": [8080],
         "pipeline-pod": [8080],
         "kfp-ui": [3000],

@@ -7,6 +7,7 @@ are MLflow 3.17.2's own (mlflow/server/auth/__init__.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -22,7 +23,8 @@ USERS = {
     "RELEASE": ("bert-release", "release-password"),
     "READER": ("bert-reader", "reader-password"),
 }
-SOURCE = "s3://bert/mlflow/1/models/m-1234/artifacts"  # where a logged model's files would be
+SOURCE = "s3://bert/mlflow/1/models/m-1234/artifacts"
+ROOT = Path(__file__).resolve().parents[2]  # where a logged model's files would be
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +109,45 @@ def test_only_the_release_identity_moves_champion(server, monkeypatch, capsys):
     assert client.get_model_version_download_uri("bert-sst2", served.version) == SOURCE
     refused(lambda: client.set_model_version_tag(pool, "1", "x", "y"), "403")
     refused(lambda: client.delete_registered_model_alias("bert-sst2", "champion"), "403")
+
+
+def test_the_cluster_server_runs_the_auth_app_and_its_job_makes_every_release_model():
+    """infra/k8s/mlflow.yaml as the test above ran it: the basic-auth app with the same
+    basic_auth.ini (a ConfigMap), the admin's secrets from a Secret; its users' Job makes a
+    release model for every task `bert finetune` knows, each user's credentials from a Secret."""
+    import yaml
+
+    from bert_core.finetune.command import TASKS
+    from pipelines import cluster
+
+    docs = list(yaml.safe_load_all((ROOT / "infra/k8s/mlflow.yaml").read_text()))
+    kinds = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    (server,) = kinds[("Deployment", "mlflow")]["spec"]["template"]["spec"]["containers"]
+    assert "--app-name=basic-auth" in server["args"]
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    (mount,) = [m for m in server["volumeMounts"] if m["name"] == "auth-config"]
+    assert env["MLFLOW_AUTH_CONFIG_PATH"] == f"{mount['mountPath']}/basic_auth.ini"
+    assert {"secretRef": {"name": "bert-mlflow-admin"}} in server["envFrom"]
+    kust = yaml.safe_load((ROOT / "infra/k8s/kustomization.yaml").read_text())
+    (config,) = [g for g in kust["configMapGenerator"] if g["name"] == "bert-mlflow-auth-config"]
+    assert config["files"] == ["mlflow/basic_auth.ini"]  # the file local_services runs with
+    example = (ROOT / "infra/k8s/mlflow-admin.env.example").read_text()
+    assert {"MLFLOW_AUTH_ADMIN_PASSWORD=", "MLFLOW_FLASK_SERVER_SECRET_KEY="} <= {
+        line.split("=")[0] + "=" for line in example.splitlines() if "=" in line[:40]
+    }
+
+    job = kinds[("Job", "mlflow-users")]["spec"]["template"]["spec"]
+    (users,) = job["containers"]
+    (models,) = [a.split("=", 1)[1] for a in users["args"] if a.startswith("--release-models=")]
+    assert models.split(",") == list(dict.fromkeys(registry.model_name(t) for t in TASKS))
+    refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]["name"]
+        for e in users["env"]
+        if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]
+    }
+    secrets = {"PIPELINE": cluster.AUTH_SECRET, "RELEASE": cluster.RELEASE_SECRET}
+    secrets["READER"] = "bert-mlflow-reader"
+    for role in mlflow_users.ROLES:
+        assert refs[f"{role}_USERNAME"] == refs[f"{role}_PASSWORD"] == secrets[role], role
+    assert refs["MLFLOW_TRACKING_PASSWORD"] == "bert-mlflow-admin"
+    assert users["command"][-1] == "/opt/bert/mlflow_users.py"

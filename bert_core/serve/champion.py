@@ -79,15 +79,6 @@ def _score(version, tag: str = SCORE_TAG) -> float:
     return score
 
 
-def _registered(client, name: str, uri: str, hint: str) -> None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.get_registered_model(name)
-    except MlflowException:  # not there (or not readable by this identity)
-        raise BertError(f"no registered model {name!r} at {redacted(uri)}: {hint}") from None
-
-
 def _newest(client, name: str):
     versions = client.search_model_versions(f"name='{name}'")
     if not versions:
@@ -106,13 +97,13 @@ def promote(
 
     uri = tracking_uri()
     client = MlflowClient(uri)
-    _registered(
-        client,
-        candidates,
-        uri,
-        "`bert finetune` of the task registers its versions there (or name another model with "
-        "--registered-model)",
-    )
+    try:
+        client.get_registered_model(candidates)
+    except MlflowException:  # not there (or not readable by this identity)
+        raise BertError(
+            f"no registered model {candidates!r} at {redacted(uri)}: `bert finetune` of the task "
+            "registers its versions there (or name another model with --registered-model)"
+        ) from None
     if version is None:
         chosen = _newest(client, candidates)
     else:

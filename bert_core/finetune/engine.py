@@ -209,7 +209,8 @@ def load_model(task: FinetuneTask, model_dir: str | Path, init: str = "pretraine
     initialised from torch's current seed, none read from the checkpoint: the control run that
     shows what pre-training brings (the vocabulary is still the folder's)."""
     model_dir = Path(model_dir)
-    model = getattr(heads, task.model_class)(model_config(task, model_dir))
+    config = model_config(task, model_dir)
+    model = getattr(heads, task.model_class)(config, init_weights=init == "random")
     model.vocab_file = model_dir / "vocab.txt"
     if init == "random":
         return model

@@ -30,9 +30,9 @@ class ClassifierOutput(NamedTuple):
 class BertForSequenceClassification(BertPreTrainedModel):
     """A linear layer on the pooled [CLS] vector; regression (MSE) when num_labels == 1."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, init_weights: bool = True):
         super().__init__(config)
-        self.bert = BertModel(config)
+        self.bert = BertModel(config, init_weights)
         p = config.classifier_dropout
         self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
@@ -65,9 +65,9 @@ class BertForMultipleChoice(BertPreTrainedModel):
     `num_labels` says (the number of choices is the input's, not the config's).
     """
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, init_weights: bool = True):
         super().__init__(config)
-        self.bert = BertModel(config)
+        self.bert = BertModel(config, init_weights)
         p = config.classifier_dropout
         self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
         self.classifier = nn.Linear(config.hidden_size, 1)
@@ -105,9 +105,9 @@ class _TokenLevelModel(BertPreTrainedModel):
     pre-trained checkpoint's pooler is dropped on load, like its MLM/NSP heads.
     """
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, init_weights: bool = True):
         super().__init__(config)
-        self.bert = BertModel(config)
+        self.bert = BertModel(config, init_weights)
         self.bert.pooler = nn.Identity()  # no parameters; pooler_output is then unused
         p = config.classifier_dropout
         self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
@@ -136,8 +136,8 @@ class BertForTokenClassification(_TokenLevelModel):
     WordPiece of a word but its first.
     """
 
-    def __init__(self, config: BertConfig):
-        super().__init__(config)
+    def __init__(self, config: BertConfig, init_weights: bool = True):
+        super().__init__(config, init_weights)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self._init_weights(self.classifier)
 
@@ -161,8 +161,8 @@ class BertForQuestionAnswering(_TokenLevelModel):
     outside the sequence are ignored (clamped to L, the ignore index), as transformers does.
     """
 
-    def __init__(self, config: BertConfig):
-        super().__init__(config)
+    def __init__(self, config: BertConfig, init_weights: bool = True):
+        super().__init__(config, init_weights)
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self._init_weights(self.qa_outputs)
 
@@ -255,12 +255,12 @@ class BertFeatureTagger(_TokenLevelModel):
     serving code runs it unchanged.
     """
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, init_weights: bool = True):
         if config.feature_layers not in FEATURE_LAYERS:
             raise BadValue(
                 f"feature_layers {config.feature_layers!r}: one of {', '.join(FEATURE_LAYERS)}"
             )
-        super().__init__(config)
+        super().__init__(config, init_weights)
         self.classifier = FeatureBiLSTM(config)
         self._init_weights(self.classifier.out)
         self.bert.requires_grad_(False)

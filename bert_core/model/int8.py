@@ -176,7 +176,7 @@ def load(cls: type[nn.Module], model_dir: str | Path) -> nn.Module:
         state = load_file(model_dir / WEIGHTS_NAME)
     except (SafetensorError, OSError) as e:
         raise InputError(model_dir / WEIGHTS_NAME, f"not a readable int8 model ({e})") from None
-    model = cls(BertConfig.from_json_file(model_dir / CONFIG_NAME)).eval()
+    model = cls(BertConfig.from_json_file(model_dir / CONFIG_NAME), init_weights=False).eval()
     prefix = model.base_model_prefix + "."
     if not hasattr(model, model.base_model_prefix):  # the encoder alone: drop the head
         state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}

@@ -101,9 +101,13 @@ def test_training_lowers_the_distillation_loss(tmp_path, shared_data, tiny_dir, 
     task = load_task(name)
     cfg = FinetuneConfig(epochs=3, learning_rate=1e-3, batch_size=8, **SMALL)
     task.prepare(glue_slice(tmp_path, shared_data, name, 160, 32), load_tokenizer(tiny_dir), cfg)
+    # any teacher will do if it is sure of its answers: a random tiny encoder's [CLS] barely
+    # varies with the input, so its bias makes it sure (with the weight alone, some draws gave a
+    # teacher near 50/50 that the untrained student already matched: nothing left to lower)
+    teacher = load_model(task, tiny_dir).eval()
     torch.manual_seed(1)
-    teacher = load_model(task, tiny_dir).eval()  # any teacher will do: sure of its answers
     torch.nn.init.normal_(teacher.classifier.weight, std=0.5)
+    torch.nn.init.normal_(teacher.classifier.bias, std=1.0)
     soft = torch.from_numpy(predict(teacher, task.train, CPU, 64))
     torch.manual_seed(2)
     student, _ = make_student(task, tiny_dir, 1, "random")
@@ -117,7 +121,7 @@ def test_training_lowers_the_distillation_loss(tmp_path, shared_data, tiny_dir, 
 
     before = mean_loss()
     fit(model, task.num_train, batch, lambda m: task.evaluate(m.student, CPU, cfg), cfg, CPU, "t")
-    # measured: SST-2 0.56 -> 0.33; STS-B 3.56 -> 3.22 (near the labels' variance, which a
+    # measured: SST-2 0.58 -> 0.31; STS-B 3.50 -> 3.09 (near the labels' variance, which a
     # 1-layer student on 160 pairs cannot explain)
     assert mean_loss() < 0.95 * before, (before, mean_loss())
 

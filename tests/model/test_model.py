@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 
 from bert_core.model.config import PRESETS, shape
 from bert_core.model.heads import BertForSequenceClassification
@@ -93,6 +95,45 @@ def test_init_follows_the_paper() -> None:
     assert w.abs().max() <= 0.04
     assert torch.all(model.bert.encoder.layer[0].intermediate.dense.bias == 0)
     assert torch.all(model.bert.embeddings.LayerNorm.weight == 1)
+
+
+def test_a_loaded_model_has_the_checkpoints_weights_and_bert_init_for_the_rest(
+    minilm_dir: Path, tmp_path: Path
+) -> None:
+    """`from_pretrained` and a fine-tuning's load build the model without drawing its weights
+    (the checkpoint's replace them); what the checkpoint lacks (MiniLM: the MLM/NSP heads; a
+    task head; below, a pooler) still starts from BERT's initialisation, not from PyTorch's
+    constructors."""
+    from bert_core.finetune.command import load_task
+    from bert_core.finetune.engine import load_model
+    from bert_core.model import weights
+
+    state = weights.read(minilm_dir)
+    for model in (
+        BertForPreTraining.from_pretrained(minilm_dir),
+        load_model(load_task("sst2"), minilm_dir),
+    ):
+        own = model.state_dict()
+        for key, value in state.items():
+            if f"bert.{key}" in own:
+                assert torch.equal(own[f"bert.{key}"], value), key
+        heads = (
+            [model.cls.predictions.transform.dense, model.cls.seq_relationship]
+            if isinstance(model, BertForPreTraining)
+            else [model.classifier]
+        )
+        for head in heads:  # truncated normal(0, 0.02): PyTorch's kaiming uniform is wider
+            assert head.weight.abs().max() <= 0.04 and torch.all(head.bias == 0)
+            assert abs(head.weight.std().item() - 0.0176) < 0.002
+    assert torch.all(model.bert.embeddings.LayerNorm.weight == state["embeddings.LayerNorm.weight"])
+    pretraining = BertForPreTraining.from_pretrained(minilm_dir)
+    assert torch.all(pretraining.cls.predictions.transform.LayerNorm.weight == 1)
+    assert torch.all(pretraining.cls.predictions.bias == 0)
+    without_pooler = {k: v for k, v in state.items() if not k.startswith("pooler.")}
+    shutil.copytree(minilm_dir, tmp_path / "m")
+    save_file(without_pooler, tmp_path / "m" / "model.safetensors")
+    pooler = BertForSequenceClassification.from_pretrained(tmp_path / "m").bert.pooler.dense
+    assert pooler.weight.abs().max() <= 0.04 and torch.all(pooler.bias == 0)
 
 
 def test_real_weights_match_transformers(minilm_dir: Path, batch: dict) -> None:

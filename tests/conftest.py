@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import http.server
 import os
+import resource
 import threading
 from collections import Counter
 from pathlib import Path
@@ -48,10 +49,51 @@ def pytest_collection_modifyitems(config, items):
 
 BUDGET_S = {"slow": 90.0, "other": 10.0}  # a test's set-up + call + tear-down, issue #42
 _over_budget: list[tuple[float, str, str]] = []
+_spent: dict[str, list[float]] = {}  # nodeid -> [wall seconds, CPU seconds], phases summed
+_CPU_AT = pytest.StashKey[float]()
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its children that have ended (a server or a Ray still
+    running at a phase's end is counted when it is reaped)."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    item.stash[_CPU_AT] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    item.stash[_CPU_AT] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's CPU seconds in its report (xdist hands them to the controller)."""
+    report = (yield).get_result()
+    if _CPU_AT in item.stash:
+        report.user_properties.append(("cpu", _cpu_seconds() - item.stash[_CPU_AT]))
 
 
 def pytest_runtest_logreport(report):
     """Collect (on the xdist controller too) each phase's time per test, for the summary."""
+    spent = _spent.setdefault(report.nodeid, [0.0, 0.0])
+    spent[0] += report.duration
+    spent[1] += sum(v for k, v in report.user_properties if k == "cpu")
     if report.when == "call":
         kind = "slow" if "slow" in report.keywords else "other"
         if report.duration > BUDGET_S[kind]:
@@ -61,11 +103,18 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     """Tests over their time budget (slow <= 90 s, any other <= 10 s), longest first: printed
     every run, so a test that grows is seen the day it does (the call phase; fixtures shared by
-    a file are in --durations' setup lines)."""
+    a file are in --durations' setup lines). Then the 25 longest tests' CPU seconds beside
+    their wall seconds: a test far under 1 CPU-second per second waits (a server, a timeout, a
+    poll), and a third xdist worker could use the core it leaves idle; one near 2 needs both."""
     if _over_budget:
         terminalreporter.section("over the time budget (slow 90 s, other 10 s)")
         for seconds, kind, nodeid in sorted(_over_budget, reverse=True):
             terminalreporter.write_line(f"{seconds:7.1f}s  {kind:5}  {nodeid}")
+    longest = sorted(_spent.items(), key=lambda item: -item[1][0])[:25]
+    if longest:
+        terminalreporter.section("CPU of the 25 longest tests (set-up + call + tear-down)")
+        for nodeid, (wall, cpu) in longest:
+            terminalreporter.write_line(f"{wall:7.1f}s wall {cpu:7.1f}s CPU  {nodeid}")
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,13 @@
 """The driver and rank 0 while a pre-training runs: metrics one way, a stop request the other.
 
-The driver's `Progress` makes two Ray queues and hands them to the workers in the loop config:
-`queue` carries rank 0's training rows to the driver's progress bar and, when the numbers went
-non-finite, its `DIVERGED` word (the driver then raises `errors.Diverged`); `control` carries the
-driver's stop request (SIGTERM or SIGINT), which every rank acts on after the same step
+The driver's `Progress` makes one Ray actor, a `Mailbox`, and hands it to the workers in the loop
+config: rank 0 puts its training rows in it for the driver's progress bar and, when the numbers
+went non-finite, its `DIVERGED` word (the driver then raises `errors.Diverged`); the driver marks
+its stop request there (SIGTERM or SIGINT), which every rank acts on after the same step
 (`stop_requested`). `MetricSink` is rank 0's end: metrics to MLflow and to the bar.
+
+torch is imported only where a function needs it: the mailbox's own Ray process imports this
+module to make the actor, and torch would cost it seconds of CPU for nothing.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ import contextlib
 import queue
 import threading
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from bert_core.errors import Diverged
+
+if TYPE_CHECKING:
+    import torch
 
 # the key of rank 0's message to the driver (`MetricSink.tell_driver`) when the numbers went
 # non-finite: the workers stop, the driver raises `errors.Diverged`
@@ -35,7 +39,7 @@ class MetricSink:
     def __init__(self, loop_config: dict[str, Any]):
         self.run_id = loop_config.get("mlflow_run_id")
         self.uri = loop_config.get("mlflow_tracking_uri")
-        self.progress = loop_config.get("progress")
+        self.mailbox = loop_config.get("mailbox")
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, daemon=True, name="bert-metrics")
         self.thread.start()
@@ -58,10 +62,10 @@ class MetricSink:
         self.queue.put(dict(metrics))
 
     def tell_driver(self, message: dict[str, str]) -> None:
-        """`message` to the driver now, through its progress queue (e.g. `DIVERGED`)."""
-        if self.progress is None:
+        """`message` to the driver now, through the mailbox (e.g. `DIVERGED`)."""
+        if self.mailbox is None:
             raise Diverged(next(iter(message.values())))
-        self.progress.put(message)
+        _post(self.mailbox, message)
 
     def close(self) -> None:
         self.queue.put(None)
@@ -78,38 +82,73 @@ class MetricSink:
                 if client is not None:
                     batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
                     client.log_batch(self.run_id, metrics=batch)
-                if self.progress is not None and "loss" in metrics:  # training rows only
-                    self.progress.put(metrics)
+                if self.mailbox is not None and "loss" in metrics:  # training rows only
+                    _post(self.mailbox, metrics)
             except Exception as e:  # tracking must never kill training
                 print(f"[pretrain] metric logging failed at step {step}: {e}", flush=True)
 
 
+def _post(mailbox, row: dict) -> None:
+    """`row` in the mailbox, waiting until it is there (a worker may end right after)."""
+    import ray
+
+    ray.get(mailbox.put.remote(row))
+
+
+class Mailbox:
+    """The one Ray actor between the driver and rank 0: rank 0's rows to the driver (`put`,
+    `take`), the driver's stop request to the workers (`ask_to_stop`, `stop_asked`). One actor
+    for both ways (a `ray.util.queue.Queue` is one actor per direction): each actor is a process
+    to start, ~2.6 CPU-s of a short run on 2 cores. Its calls run one at a time, in the order
+    each caller made them."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.stop = False
+
+    def put(self, row: dict) -> None:
+        self.rows.append(row)
+
+    def take(self) -> list[dict]:
+        rows, self.rows = self.rows, []
+        return rows
+
+    def ask_to_stop(self) -> None:
+        self.stop = True
+
+    def stop_asked(self) -> bool:
+        return self.stop
+
+
 class Progress:
-    """A tqdm bar on the driver, fed by rank 0 through a Ray queue; and the queue the other way,
-    `control`, that asks the workers to stop (`command._stop_on_signals`)."""
+    """A tqdm bar on the driver, fed by rank 0 through the `Mailbox` this makes (no CPU asked of
+    Ray: it must never wait for a training worker's slot)."""
+
+    POLL_S = 0.5  # how often the bar looks in the mailbox
 
     def __init__(self, total: int):
-        from ray.util.queue import Queue
+        import ray
         from tqdm import tqdm
 
-        self.queue, self.control = Queue(), Queue()
+        self.mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
         self.diverged: str | None = None  # rank 0's word that the numbers went non-finite
         self.bar = tqdm(total=total, desc="pretrain", unit="step", dynamic_ncols=True, disable=None)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
-    def _run(self) -> None:
-        from ray.util.queue import Empty
+    def _take(self) -> None:
+        import ray
 
-        while not self.stop.is_set():
+        for row in ray.get(self.mailbox.take.remote()):
+            self._show(row)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.POLL_S):
             try:
-                m = self.queue.get(timeout=0.5)
-            except Empty:
-                continue
-            except Exception:  # the queue actor went away at shutdown
+                self._take()
+            except Exception:  # the actor went away at shutdown
                 return
-            self._show(m)
 
     def _show(self, m: dict) -> None:
         if DIVERGED in m:
@@ -128,26 +167,28 @@ class Progress:
         self.stop.set()
         self.thread.join(timeout=5)
         with contextlib.suppress(Exception):  # what came after the thread's last look
-            while not self.queue.empty():
-                self._show(self.queue.get_nowait())
+            self._take()
         self.bar.close()
         import ray
 
-        for ray_queue in (self.queue, self.control):
-            with contextlib.suppress(Exception):
-                ray.kill(ray_queue.actor)
+        with contextlib.suppress(Exception):
+            ray.kill(self.mailbox)
 
 
-def stop_requested(control, device: torch.device, world: int) -> bool:
-    """Has the driver asked to stop (an item in its `control` queue)? Rank 0 looks; with more
-    ranks an all-reduce tells them all, so every rank stops after the same step (one rank alone
-    in a collective would hang the others)."""
-    if control is None:
+def stop_requested(mailbox, device: torch.device, world: int) -> bool:
+    """Has the driver asked to stop (`Mailbox.stop_asked`)? Rank 0 looks; with more ranks an
+    all-reduce tells them all, so every rank stops after the same step (one rank alone in a
+    collective would hang the others)."""
+    if mailbox is None:
         return False
+    import ray
+    import torch
+
     if world == 1:
-        return not control.empty()
+        return ray.get(mailbox.stop_asked.remote())
     import torch.distributed as dist
 
-    flag = torch.tensor([float(dist.get_rank() == 0 and not control.empty())], device=device)
+    asked = dist.get_rank() == 0 and ray.get(mailbox.stop_asked.remote())
+    flag = torch.tensor([float(asked)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())

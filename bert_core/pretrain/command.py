@@ -114,9 +114,9 @@ class _Stop:
 
 
 @contextlib.contextmanager
-def _stop_on_signals(control) -> Iterator[_Stop]:
-    """While Ray trains, the first SIGTERM or SIGINT asks the workers (an item in `control`,
-    which rank 0 looks at after every step) to save a checkpoint at the end of the step and
+def _stop_on_signals(mailbox) -> Iterator[_Stop]:
+    """While Ray trains, the first SIGTERM or SIGINT asks the workers (in the `mailbox`, which
+    rank 0 looks in after every step) to save a checkpoint at the end of the step and
     return; `fit()` then ends normally and the caller reports where the checkpoint is. A second
     signal stops at once (`Interrupted`), resuming from the last checkpoint saved before.
 
@@ -140,7 +140,7 @@ def _stop_on_signals(control) -> Iterator[_Stop]:
             flush=True,
         )
         # not here: a Ray call inside a signal handler could interrupt another Ray call
-        threading.Thread(target=control.put, args=("stop",), daemon=True).start()
+        threading.Thread(target=mailbox.ask_to_stop.remote, daemon=True).start()
 
     with handling_signals(handler):
         yield stop
@@ -211,11 +211,10 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 "config": asdict(cfg),
                 "mlflow_run_id": run.info.run_id,
                 "mlflow_tracking_uri": tracking.tracking_uri(),
-                "progress": progress.queue,
-                "control": progress.control,
+                "mailbox": progress.mailbox,
                 "exports": exports_path(storage, cfg),
             }
-            with _stop_on_signals(progress.control) as stop:
+            with _stop_on_signals(progress.mailbox) as stop:
                 result = _fit_in_thread(_trainer(cfg, storage, loop_config))
         finally:
             progress.close()

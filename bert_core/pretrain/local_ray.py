@@ -1,7 +1,7 @@
 """A private, one-run Ray on this machine (`bert pretrain` without `RAY_ADDRESS`).
 
 Every Ray worker process of the instance (Ray Train's controller and its helper actors, the
-training workers, the progress queue) runs `quiet_worker_logs` as its setup hook, so Ray imports
+training workers, the driver's mailbox) runs `quiet_worker_logs` as its setup hook, so Ray imports
 this module in each of them: it imports nothing heavy. Hooked from `command` (which imports
 torch and MLflow), each of those processes spent ~2 s of CPU on imports it never used, about a
 quarter of a short run's CPU on 2 cores (measured: 56 CPU-s for 20 tiny steps).

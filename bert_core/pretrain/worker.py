@@ -238,7 +238,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         world,
         sink,
         heldout,
-        loop_config.get("control"),
+        loop_config.get("mailbox"),
         exports=loop_config.get("exports"),
     )
     if sink is not None:
@@ -253,13 +253,13 @@ def _train(
     world: int,
     sink: MetricSink | None,
     heldout: HeldOutEval | None = None,
-    control=None,
+    mailbox=None,
     exports: str | None = None,
 ) -> None:
     """Steps until --steps (or --stop-after): metrics every --log-every steps and with every
     checkpoint, held-out evaluation at the start and every --eval-every steps and at the end, a
     checkpoint every --checkpoint-every steps and at the end, and at the step the driver asks
-    to stop (`control`: SIGTERM or SIGINT on the driver); a model exported into `exports` by
+    to stop (the `mailbox`: SIGTERM or SIGINT on the driver); a model exported into `exports` by
     rank 0 at the steps --export-every / --export-steps name."""
     batches = prefetch(t.stream)
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
@@ -281,7 +281,7 @@ def _train(
             if (bad := _evaluate(t, heldout, device, sink)) is not None:
                 return _diverged(f"{bad} by step {t.step}", lr, cfg, sink)
 
-        stop = stop_requested(control, device, world)
+        stop = stop_requested(mailbox, device, world)
         save = t.step % cfg.checkpoint_every == 0 or t.step == end or stop
         if t.step % cfg.log_every and not save:
             continue

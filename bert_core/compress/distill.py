@@ -165,7 +165,7 @@ def distill(
         soft = torch.from_numpy(predict(big, task.train, device, cfg.eval_batch_size))
         teacher_seconds = time.perf_counter() - start
         torch.manual_seed(cfg.seed)
-        small, kept = make_student(task, student, cfg.student_layers, cfg.init)
+        small, kept = make_student(task, student, cfg.student_layers, cfg)
         model = Distiller(small.to(device), cfg.temperature, cfg.alpha)
         batch = lambda i: {**task.train_batch(i), "teacher_logits": soft[i]}  # noqa: E731
         evaluate = lambda m: task.evaluate(m.student, device, cfg)  # noqa: E731

@@ -111,7 +111,7 @@ def pick_layers(available: int, keep: int) -> list[int]:
 def keep_layers(model, layers: list[int]):
     """A copy of `model` (a head over `bert`) with only encoder `layers`, renumbered 0.., and
     every other weight (embeddings, pooler, head) as it was."""
-    small = type(model)(replace(model.config, num_hidden_layers=len(layers)))
+    small = type(model)(replace(model.config, num_hidden_layers=len(layers)), init_weights=False)
     state = {}
     for key, value in model.state_dict().items():
         m = LAYER.match(key)
@@ -124,10 +124,11 @@ def keep_layers(model, layers: list[int]):
     return small
 
 
-def make_student(task: FinetuneTask, student: Path, layers: int | None, init: str):
+def make_student(task: FinetuneTask, student: Path, layers: int | None, cfg):
     """(student model, the source layers it kept): `student`'s weights (or random ones,
-    `init="random"`, from torch's current seed) under the task's head, cut to `layers`."""
-    model = load_model(task, student, init)
+    `cfg.init == "random"`, from torch's current seed) under the task's head for `cfg`, cut to
+    `layers`."""
+    model = load_model(task, student, cfg)
     available = model.config.num_hidden_layers
     if layers is None:
         return model, list(range(available))

@@ -81,10 +81,8 @@ def finetune(
     # Everything that can be wrong with the input fails here, before any training.
     tokenizer = load_tokenizer(model_dir)
     counts = task.prepare(Path(data_dir), tokenizer, cfg)
-    if cfg.top_bilstm:  # in config.json, so the fine-tuned model loads back with its BiLSTM
-        task.model_overrides["top_bilstm"] = True
     device = optim.resolve_device(cfg.device)
-    model_config(task, Path(model_dir), cfg.max_seq_length)
+    model_config(task, Path(model_dir), cfg)
     warn_untrained_positions(Path(model_dir), cfg.max_seq_length)
     data_uri, model_uri = data_uri or str(data_dir), model_uri or str(model_dir)
     # models:/bert-pretrained/N for a `bert pretrain` folder (registered by now), else the path

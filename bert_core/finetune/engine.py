@@ -70,8 +70,12 @@ class FinetuneTask:
         self.problem_type: str | None = None
         self.num_train = 0  # training rows (windows) the batches are drawn from
         self.num_train_examples = 0  # examples (sentences, questions) they come from
-        # config.json fields the task's head reads beyond the labels (set by `prepare`)
-        self.model_overrides: dict = {}
+
+    def head(self, cfg) -> tuple[str, dict]:
+        """(a head class of `bert_core.model.heads`, the config.json fields it reads beyond the
+        labels) for the settings `cfg`: the task's class, with Table 5's BiLSTM under its head
+        when `--top-bilstm` asks (in config.json, so the model loads back with it)."""
+        return self.model_class, {"top_bilstm": True} if cfg.top_bilstm else {}
 
     def download(self, data_dir: Path) -> None:
         """Fetch the task's data into `data_dir` when it is not there (`--download`)."""
@@ -168,9 +172,10 @@ def padding_mask(rows: Sequence[np.ndarray], index: Sequence[int]) -> torch.Tens
 # Model, optimisation, the loops
 
 
-def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None = None):
-    """The folder's BertConfig with the task's label names; checks that `max_seq_length`
-    fits its positions (read before any training, so a bad folder fails first)."""
+def model_config(task: FinetuneTask, model_dir: Path, cfg):
+    """The folder's BertConfig with the task's label names and the fields its head reads for
+    `cfg` (`FinetuneTask.head`); checks that `cfg.max_seq_length` fits its positions (read
+    before any training, so a bad folder fails first)."""
     if not (model_dir / CONFIG_NAME).is_file():
         raise NotFound(f"{model_dir}: no {CONFIG_NAME} (not a BERT model folder)")
     # label2id too: given id2label alone, the folder's own label2id (a pre-trained model's
@@ -182,7 +187,7 @@ def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None
         finetuning_task=task.name,
         id2label=dict(enumerate(names)) or None,
         label2id={n: i for i, n in enumerate(names)} or None,
-        **task.model_overrides,
+        **task.head(cfg)[1],
     )
     vocab = model_dir / "vocab.txt"
     if vocab.is_file() and (size := len(read_vocab(vocab))) > config.vocab_size:
@@ -191,28 +196,30 @@ def model_config(task: FinetuneTask, model_dir: Path, max_seq_length: int | None
             f"{size} tokens, more than the model's vocab_size {config.vocab_size} "
             f"({model_dir / CONFIG_NAME}): the vocabulary of another model",
         )
-    if max_seq_length is not None and max_seq_length > config.max_position_embeddings:
+    if cfg.max_seq_length > config.max_position_embeddings:
         raise BadValue(
-            f"max_seq_length {max_seq_length} exceeds the model's max_position_embeddings "
+            f"max_seq_length {cfg.max_seq_length} exceeds the model's max_position_embeddings "
             f"{config.max_position_embeddings}"
         )
     return config
 
 
-def load_model(task: FinetuneTask, model_dir: str | Path, init: str = "pretrained"):
-    """The encoder of any HF-layout BERT folder under the task's head, with the task's label
-    names in its config. A head already in the checkpoint is kept when it fits (continuing a
+def load_model(task: FinetuneTask, model_dir: str | Path, cfg=None):
+    """The encoder of any HF-layout BERT folder under the task's head for the settings `cfg`
+    (None: the task's defaults; `FinetuneTask.head`), with the task's label names in its
+    config. A head already in the checkpoint is kept when it fits (continuing a
     run); with `task.replace_mismatched_head` one of another shape is replaced by a fresh one
     (e.g. an MNLI model fine-tuned on STS-B), as transformers' `ignore_mismatched_sizes`.
 
-    `init="random"`: the same architecture (the folder's config.json) with every weight freshly
-    initialised from torch's current seed, none read from the checkpoint: the control run that
-    shows what pre-training brings (the vocabulary is still the folder's)."""
-    model_dir = Path(model_dir)
-    config = model_config(task, model_dir)
-    model = getattr(heads, task.model_class)(config, init_weights=init == "random")
+    `cfg.init == "random"`: the same architecture (the folder's config.json) with every weight
+    freshly initialised from torch's current seed, none read from the checkpoint: the control
+    run that shows what pre-training brings (the vocabulary is still the folder's)."""
+    model_dir, cfg = Path(model_dir), cfg or task.config_class()
+    random = cfg.init == "random"
+    head, _ = task.head(cfg)
+    model = getattr(heads, head)(model_config(task, model_dir, cfg), init_weights=random)
     model.vocab_file = model_dir / "vocab.txt"
-    if init == "random":
+    if random:
         return model
     state = weights.read(model_dir)
     if task.replace_mismatched_head:
@@ -392,7 +399,7 @@ def train(
     folder's weights or random ones by `cfg.init`) fitted with `cfg`, the best epoch loaded.
     The whole step, or one trial of a sweep (`bert_core.finetune.sweep`)."""
     torch.manual_seed(cfg.seed)
-    model = load_model(task, model_dir, cfg.init).to(device)
+    model = load_model(task, model_dir, cfg).to(device)
     trial = f" lr {cfg.learning_rate:g} seed {cfg.seed}" if cfg.is_sweep else ""
     desc = f"finetune {task.name}{trial}"
     evaluate = lambda m: task.evaluate(m, device, cfg)  # noqa: E731

@@ -110,7 +110,7 @@ def test_training_lowers_the_distillation_loss(tmp_path, shared_data, tiny_dir, 
     torch.nn.init.normal_(teacher.classifier.bias, std=1.0)
     soft = torch.from_numpy(predict(teacher, task.train, CPU, 64))
     torch.manual_seed(2)
-    student, _ = make_student(task, tiny_dir, 1, "random")
+    student, _ = make_student(task, tiny_dir, 1, FinetuneConfig(init="random"))
     model = Distiller(student, temperature=2.0, alpha=0.7)
     batch = lambda i: {**task.train_batch(i), "teacher_logits": soft[i]}  # noqa: E731
 
@@ -148,7 +148,7 @@ def test_student_layers_are_the_chosen_layers_of_the_source(six_layers):
     torch.manual_seed(0)
     full = load_model(task, six_layers).state_dict()
     torch.manual_seed(0)  # the same fresh head as `full`'s
-    student, kept = make_student(task, six_layers, 2, "pretrained")
+    student, kept = make_student(task, six_layers, 2, FinetuneConfig())
     assert kept == [0, 5] and student.config.num_hidden_layers == 2
     small = student.state_dict()
     for key, value in small.items():
@@ -157,7 +157,7 @@ def test_student_layers_are_the_chosen_layers_of_the_source(six_layers):
     dropped = [f"bert.encoder.layer.{i}." for i in (1, 2, 3, 4)]
     expected = {k.replace("layer.5.", "layer.1.") for k in full if not k.startswith(tuple(dropped))}
     assert set(small) == expected  # nothing else kept or added
-    random, _ = make_student(task, six_layers, 2, "random")
+    random, _ = make_student(task, six_layers, 2, FinetuneConfig(init="random"))
     shapes = {k: v.shape for k, v in random.state_dict().items()}
     assert shapes == {k: v.shape for k, v in small.items()}
     assert not torch.equal(

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bert_core.errors import InputError
+from bert_core.finetune.config import FinetuneConfig
 from bert_core.finetune.tasks.glue import Features, GlueFinetune
 from bert_core.finetune.tasks.glue_data import (
     NLI2,
@@ -390,7 +391,7 @@ def test_label_names_say_what_the_data_values_mean(name, tiny_dir):
 
     task = get_task(name)
     assert task.label_names == NAMES[name]
-    config = model_config(GlueFinetune(name), tiny_dir)
+    config = model_config(GlueFinetune(name), tiny_dir, FinetuneConfig())
     if task.is_regression:
         assert config.id2label is None and config.num_labels == 1
         return

@@ -295,10 +295,14 @@ class NerFinetune(FinetuneTask):
         if not (Path(data_dir) / "train.txt").is_file():
             download(data_dir)
 
+    def head(self, cfg: NerConfig) -> tuple[str, dict]:
+        """The feature-based approach (section 5.3, `--feature-based`) trains a BiLSTM tagger on
+        the frozen encoder's layers: its own class, and the layers it reads in config.json."""
+        if cfg.feature_based == "none":
+            return super().head(cfg)
+        return "BertFeatureTagger", {"feature_layers": cfg.feature_based}
+
     def prepare(self, data_dir: Path, tokenizer, cfg: NerConfig) -> dict:
-        if cfg.feature_based != "none":
-            self.model_class = "BertFeatureTagger"
-            self.model_overrides = {"feature_layers": cfg.feature_based}
         self.files = {s: find_split(data_dir, s, s != "test") for s in SPLIT_FILES}
         tokenizer.no_truncation()  # windows, not truncation
         self.sentences, windows = {}, {}

@@ -72,9 +72,8 @@ class FinetuneTask:
         self.num_train_examples = 0  # examples (sentences, questions) they come from
 
     def head(self, cfg) -> tuple[str, dict]:
-        """(a head class of `bert_core.model.heads`, the config.json fields it reads beyond the
-        labels) for the settings `cfg`: the task's class, with Table 5's BiLSTM under its head
-        when `--top-bilstm` asks (in config.json, so the model loads back with it)."""
+        """(a class of `bert_core.model.heads`, config.json fields it reads beyond the labels)
+        for the settings `cfg`: the task's class; Table 5's BiLSTM under it on --top-bilstm."""
         return self.model_class, {"top_bilstm": True} if cfg.top_bilstm else {}
 
     def download(self, data_dir: Path) -> None:
@@ -89,9 +88,8 @@ class FinetuneTask:
         raise NotImplementedError
 
     def evaluate(self, model, device: torch.device, cfg) -> tuple[dict, float, object]:
-        """(dev metrics, score the best epoch is chosen by, predictions). The score is in
-        percent, the results table's scale (`bert_core.metrics`), for every task; the metrics
-        are fractions."""
+        """(dev metrics, score the best epoch is chosen by, predictions). The score is in percent
+        (the results table's scale, `bert_core.metrics`) for every task; metrics are fractions."""
         raise NotImplementedError
 
     def evaluate_test(self, model, device: torch.device, cfg) -> dict | None:
@@ -206,20 +204,19 @@ def model_config(task: FinetuneTask, model_dir: Path, cfg):
 
 def load_model(task: FinetuneTask, model_dir: str | Path, cfg=None):
     """The encoder of any HF-layout BERT folder under the task's head for the settings `cfg`
-    (None: the task's defaults; `FinetuneTask.head`), with the task's label names in its
-    config. A head already in the checkpoint is kept when it fits (continuing a
-    run); with `task.replace_mismatched_head` one of another shape is replaced by a fresh one
-    (e.g. an MNLI model fine-tuned on STS-B), as transformers' `ignore_mismatched_sizes`.
+    (None: the task's defaults; `FinetuneTask.head`), the task's label names in its config. A
+    head already in the checkpoint is kept when it fits (continuing a run); with
+    `task.replace_mismatched_head` one of another shape is replaced by a fresh one (e.g. an
+    MNLI model fine-tuned on STS-B), as transformers' `ignore_mismatched_sizes`.
 
     `cfg.init == "random"`: the same architecture (the folder's config.json) with every weight
     freshly initialised from torch's current seed, none read from the checkpoint: the control
     run that shows what pre-training brings (the vocabulary is still the folder's)."""
     model_dir, cfg = Path(model_dir), cfg or task.config_class()
-    random = cfg.init == "random"
-    head, _ = task.head(cfg)
-    model = getattr(heads, head)(model_config(task, model_dir, cfg), init_weights=random)
+    head = getattr(heads, task.head(cfg)[0])
+    model = head(model_config(task, model_dir, cfg), init_weights=cfg.init == "random")
     model.vocab_file = model_dir / "vocab.txt"
-    if random:
+    if cfg.init == "random":
         return model
     state = weights.read(model_dir)
     if task.replace_mismatched_head:
@@ -238,9 +235,8 @@ def load_model(task: FinetuneTask, model_dir: str | Path, cfg=None):
 def save_model(task: FinetuneTask, model, path: Path) -> None:
     """`model.save_pretrained(path)` (label names and task in config.json), then the task's
     `problem_type` and `num_labels` in config.json as transformers writes them, so the folder
-    says what its head is (STS-B: a regression) to us and to transformers alike.
-    `BertConfig` has no `problem_type` field (it reads past unknown keys), hence the addition
-    here rather than in the model's own `to_dict`."""
+    says what its head is (STS-B: a regression) to us and to transformers alike. `BertConfig`
+    has no `problem_type` field (it reads past unknown keys), hence the addition here."""
     model.save_pretrained(path)
     if task.problem_type is None:
         return
@@ -251,8 +247,7 @@ def save_model(task: FinetuneTask, model, path: Path) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: FinetuneConfig, total_steps: int):
-    """(AdamW, linear warm-up/decay schedule) over `total_steps`, as `bert_core.model.optim` builds
-    them for pre-training too."""
+    """(AdamW, linear warm-up/decay schedule) over `total_steps`, by `bert_core.model.optim`."""
     optimizer = optim.adamw(model, cfg.learning_rate, cfg.weight_decay, cfg.adam_epsilon)
     warmup = int(cfg.warmup_proportion * total_steps)
     return optimizer, optim.linear_schedule(optimizer, warmup, total_steps)
@@ -268,9 +263,7 @@ def predict_batches(
 ) -> Iterator[tuple[np.ndarray, Any]]:
     """The prediction loop of every task: examples in length-sorted batches (least padding),
     yielding (index, model outputs) where `index` holds the batch rows' positions in the input.
-
-    `make_batch(index)` may include targets; only `MODEL_INPUTS` reach the model.
-    """
+    `make_batch(index)` may include targets; only `MODEL_INPUTS` reach the model."""
     model.eval()
     order = np.argsort(lengths, kind="stable")
     for start in range(0, len(order), batch_size):

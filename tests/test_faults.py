@@ -699,6 +699,7 @@ def test_a_step_that_loses_its_tracking_server_fails_fast_and_reruns_clean(
 # ------------------------------------------------------------------------ 4. the S3 server
 
 
+@pytest.mark.slow  # two S3 servers and three steps: 13-19 s, over the 10 s of an unmarked test
 def test_a_step_that_loses_its_s3_endpoint_fails_clearly_and_reruns(refs, tmp_path, empty_store):
     """`bert clean --input s3://...`: the S3 server is SIGKILLed right after the step started
     (it is importing; its first S3 request comes a second later: a kill during the transfer

@@ -19,6 +19,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,23 @@ def train_step(
 # ---------------------------------------------------------------- the Ray Train worker
 
 
+@dataclass
+class Worker:
+    """One Ray Train worker's place in the run, beside its training state: the settings, its
+    rank among `world` on `device`, and its lines to the driver (rank 0's metric sink; the
+    mailbox the driver's stop request arrives in), the held-out instances and where rank 0
+    exports models."""
+
+    cfg: PretrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    sink: MetricSink | None = None  # rank 0's
+    heldout: HeldOutEval | None = None
+    mailbox: Any = None  # the Ray handle of a `channel.Mailbox` actor
+    exports: str | None = None
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """One Ray Train worker: restore, train to `steps` (or `stop_after`), report, checkpoint."""
     import ray.train
@@ -230,108 +248,89 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     heldout = HeldOutEval.load(cfg, rank, world, pad_id=training.stream.pad_id)
     if heldout is None and rank == 0:
         print(f"[pretrain] no held-out instances in {cfg.heldout}: no held-out evaluation")
-    _train(
-        cfg,
-        training,
-        device,
-        rank,
-        world,
-        sink,
-        heldout,
-        loop_config.get("mailbox"),
-        exports=loop_config.get("exports"),
-    )
+    mailbox, exports = loop_config.get("mailbox"), loop_config.get("exports")
+    _train(Worker(cfg, rank, world, device, sink, heldout, mailbox, exports), training)
     if sink is not None:
         sink.close()
 
 
-def _train(
-    cfg: PretrainConfig,
-    t: Training,
-    device: torch.device,
-    rank: int,
-    world: int,
-    sink: MetricSink | None,
-    heldout: HeldOutEval | None = None,
-    mailbox=None,
-    exports: str | None = None,
-) -> None:
+def _train(w: Worker, t: Training) -> None:
     """Steps until --steps (or --stop-after): metrics every --log-every steps and with every
     checkpoint, held-out evaluation at the start and every --eval-every steps and at the end, a
     checkpoint every --checkpoint-every steps and at the end, and at the step the driver asks
-    to stop (the `mailbox`: SIGTERM or SIGINT on the driver); a model exported into `exports` by
-    rank 0 at the steps --export-every / --export-steps name."""
+    to stop (the mailbox: SIGTERM or SIGINT on the driver); a model exported by rank 0 at the
+    steps --export-every / --export-steps name."""
+    cfg, device = w.cfg, w.device
     batches = prefetch(t.stream)
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
     peak = peak_flops(cfg, device)
     meter = Meter()
     t.model.train()
-    if heldout is not None and t.step == 0:  # the untrained model: where the curves start
-        _evaluate(t, heldout, device, sink)
+    if w.heldout is not None and t.step == 0:  # the untrained model: where the curves start
+        _evaluate(w, t)
     while t.step < end:
-        lr = train_step(t.model, batches, t.optimizer, t.scheduler, cfg, device, meter, world > 1)
+        lr = train_step(t.model, batches, t.optimizer, t.scheduler, cfg, device, meter, w.world > 1)
         t.step += 1
-        if exports and cfg.exports_at(t.step):  # every rank looks: their weights are the same
+        if w.exports and cfg.exports_at(t.step):  # every rank looks: their weights are the same
             if (name := nonfinite(t.core.state_dict())) is not None:
-                return _diverged(f"weight {name} is not finite after step {t.step}", lr, cfg, sink)
-            if rank == 0:
-                export_model(exports, cfg, t.core, t.step)
+                return _diverged(w, f"weight {name} is not finite after step {t.step}", lr)
+            if w.rank == 0:
+                export_model(w.exports, cfg, t.core, t.step)
         _maybe_inject_failure(cfg, t.step)
-        if heldout is not None and (t.step % cfg.eval_interval == 0 or t.step == end):
-            if (bad := _evaluate(t, heldout, device, sink)) is not None:
-                return _diverged(f"{bad} by step {t.step}", lr, cfg, sink)
+        if w.heldout is not None and (t.step % cfg.eval_interval == 0 or t.step == end):
+            if (bad := _evaluate(w, t)) is not None:
+                return _diverged(w, f"{bad} by step {t.step}", lr)
 
-        stop = stop_requested(mailbox, device, world)
+        stop = stop_requested(w.mailbox, device, w.world)
         save = t.step % cfg.checkpoint_every == 0 or t.step == end or stop
         if t.step % cfg.log_every and not save:
             continue
-        metrics = meter.values(device, world)  # summed over the ranks: the same on each
+        metrics = meter.values(device, w.world)  # summed over the ranks: the same on each
         if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm")):
             what = f"loss {metrics['loss']:.4g}, gradient norm {metrics['grad_norm']:.4g}"
-            return _diverged(f"{what} by step {t.step}", lr, cfg, sink)
+            return _diverged(w, f"{what} by step {t.step}", lr)
         seq_len = metrics.pop("_mean_seq_len")
         metrics.update(step=t.step, learning_rate=lr)
         if peak:
             flops = metrics["tokens_per_s"] * flops_per_token(t.core, seq_len)
-            metrics["mfu"] = flops / (peak * world)
+            metrics["mfu"] = flops / (peak * w.world)
         meter = Meter()
-        if sink is not None:  # rank 0; a stop between log steps stays off the CSV's grid
+        if w.sink is not None:  # rank 0; a stop between log steps stays off the CSV's grid
             if not (stop and t.step % cfg.log_every):
                 t.history.append({k: metrics.get(k) for k in CSV_COLUMNS})
-            sink.put(metrics)
+            w.sink.put(metrics)
         if save:
-            _report_checkpoint(cfg, t, metrics, rank, final=t.step == cfg.steps)
+            _report_checkpoint(w, t, metrics, final=t.step == cfg.steps)
         if stop:
-            if rank == 0:
+            if w.rank == 0:
                 print(f"[pretrain] stopped at step {t.step} as asked: checkpoint saved", flush=True)
             return
 
 
-def _diverged(what: str, lr: float, cfg: PretrainConfig, sink: MetricSink | None) -> None:
+def _diverged(w: Worker, what: str, lr: float) -> None:
     """Every rank stops at the step (they see the same summed metrics, the same weights) and
     rank 0 tells the driver, which raises `errors.Diverged` and writes no model. Stopping, not
     raising: Ray Train would restart the workers from the last checkpoint, to diverge again.
     That checkpoint, saved while every number was finite, stays for a run with other settings."""
     message = (
         f"pre-training diverged: {what} at learning rate {lr:g} (--learning-rate "
-        f"{cfg.learning_rate:g}); lower --learning-rate or raise --warmup-steps"
+        f"{w.cfg.learning_rate:g}); lower --learning-rate or raise --warmup-steps"
     )
-    if sink is not None:
-        sink.tell_driver({DIVERGED: message})
+    if w.sink is not None:
+        w.sink.tell_driver({DIVERGED: message})
 
 
-def _evaluate(
-    t: Training, heldout: HeldOutEval, device: torch.device, sink: MetricSink | None
-) -> str | None:
+def _evaluate(w: Worker, t: Training) -> str | None:
     """Every rank evaluates its share; rank 0 keeps the row (checkpointed) and logs it. A
     non-finite value is neither kept nor logged: returned, as 'NAME VALUE', for `_diverged`."""
-    row = {"step": t.step, **heldout.evaluate(t.core, device)}
+    assert w.heldout is not None
+    row = {"step": t.step, **w.heldout.evaluate(t.core, w.device)}
     bad = [f"held-out {k} {v:.4g}" for k, v in row.items() if not math.isfinite(v)]
     if bad:
         return bad[0]
-    if sink is not None:
+    if w.sink is not None:
         t.heldout.append(row)
-        sink.put(row)
+        w.sink.put(row)
 
 
 def _maybe_inject_failure(cfg: PretrainConfig, step: int) -> None:
@@ -345,18 +344,16 @@ def _maybe_inject_failure(cfg: PretrainConfig, step: int) -> None:
         raise RuntimeError(f"injected failure at step {step}")
 
 
-def _report_checkpoint(
-    cfg: PretrainConfig, t: Training, metrics: dict[str, float], rank: int, *, final: bool
-) -> None:
+def _report_checkpoint(w: Worker, t: Training, metrics: dict[str, float], *, final: bool) -> None:
     """Every rank hands in its RNG state; rank 0 writes the checkpoint and reports it."""
     import ray.train
 
     rngs = gather_objects(rng_state())
-    if rank != 0:
+    if w.rank != 0:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory(prefix="bert-ckpt-") as tmp:
-        save_checkpoint(Path(tmp), cfg, t, rngs, final=final)
+        save_checkpoint(Path(tmp), w.cfg, t, rngs, final=final)
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(tmp),

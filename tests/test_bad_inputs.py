@@ -973,6 +973,12 @@ CASES = [
         "unknown GLUE task 'SST3'",
     ),
     Case(
+        "finetune-registered-model-template",
+        "setting",
+        lambda r: finetune(r, "--registered-model", "bert-{name}"),
+        "--registered-model 'bert-{name}': a name, or a template whose only field is {task}",
+    ),
+    Case(
         "finetune-missing-data",
         "missing",
         lambda r: finetune(r, data=r.tmp / "nope"),
@@ -1606,9 +1612,8 @@ CASES = [
     Case(
         "promote-registration-off",
         "setting",
-        lambda r: ["promote", "SST-2"],
-        "BERT_REGISTERED_MODEL=none: name the model",
-        env={"BERT_REGISTERED_MODEL": "none"},
+        lambda r: ["promote", "SST-2", "--registered-model", "none"],
+        "--registered-model none: promote needs the release model's name",
     ),
     Case(
         "promote-best-of-missing",

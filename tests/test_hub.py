@@ -186,7 +186,6 @@ def test_finetune_starts_from_a_checkpoint_named_on_the_hub(
     """`bert finetune --model hf:...@TAG` trains from the fetched weights and records the
     commit the tag named."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.setenv("BERT_REGISTERED_MODEL", "none")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
     argv = [
@@ -207,6 +206,8 @@ def test_finetune_starts_from_a_checkpoint_named_on_the_hub(
         "32",
         "--max-seq-length",
         "32",
+        "--registered-model",
+        "none",
     ]
     assert cli.main(argv) == 0
     config = json.loads((out / "model" / "config.json").read_text())

@@ -42,7 +42,13 @@ from bert_core.finetune.tasks.swag import SwagFinetune
 from bert_core.metrics import named, task_run
 from bert_core.model import optim
 from bert_core.options import add_options
-from bert_core.serve.registry import log_finetuned, pretrained_source, register_finetuned
+from bert_core.serve.registry import (
+    DEFAULT_NAME,
+    log_finetuned,
+    model_name,
+    pretrained_source,
+    register_finetuned,
+)
 from bert_core.storage import check_apart, local_copy, output_dir
 from bert_core.tracking import RUN_RECORD, start_run
 
@@ -74,10 +80,12 @@ def finetune(
     cfg,
     data_uri: str | None = None,
     model_uri: str | None = None,
+    release: str | None = None,
 ) -> dict:
     """Fine-tune (one run, or a sweep of trials with the best on dev kept), write the output
     folder (local or s3://); returns metrics.json's content. `data_uri`, `model_uri`: where
-    `data_dir` and `model_dir` were copied from (s3:// URIs), recorded instead of them."""
+    `data_dir` and `model_dir` were copied from (s3:// URIs), recorded instead of them.
+    `release`: the registered model whose candidates the model joins (None: not registered)."""
     # Everything that can be wrong with the input fails here, before any training.
     tokenizer = load_tokenizer(model_dir)
     counts = task.prepare(Path(data_dir), tokenizer, cfg)
@@ -118,7 +126,7 @@ def finetune(
             mlflow.log_metrics(named(test, "test"))
         save_model(task, model, tmp / "model")  # label names, task, problem type: config.json
         task.write_outputs(tmp, model, fitted.predictions, device, cfg)
-        record = finish(tmp, result)
+        record = finish(tmp, result, release)
     # only now, the output complete and the run FINISHED: a failure above registers nothing
     version = register_finetuned(record, result)
     if version is not None:
@@ -202,11 +210,11 @@ def run_tags(start: dict) -> dict[str, str]:
     return {"bert.start_from": start.get("start_from", "random init")} if start else {}
 
 
-def finish(out: Path, result: dict) -> dict:
+def finish(out: Path, result: dict, release: str | None) -> dict:
     """The end of every run: `log_result`, and the model (`serve.registry.log_finetuned`, not
     yet registered) in the open MLflow run. Returns the model's record (`mlflow_model.json`)."""
     log_result(out, result)
-    return log_finetuned(out, result)  # the model as an MLflow model (serve.registry)
+    return log_finetuned(out, result, release)  # the model as an MLflow model (serve.registry)
 
 
 def log_result(out: Path, result: dict) -> None:
@@ -230,6 +238,13 @@ def build_parser(task: FinetuneTask | None = None) -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="the task's data folder, local or s3://")
     p.add_argument("--model", required=True, help="HF-layout BERT folder with vocab, or s3://")
     p.add_argument("--output", required=True, help="output folder, local or s3://")
+    p.add_argument(
+        "--registered-model",
+        default=DEFAULT_NAME,
+        metavar="NAME",
+        help="the task's release model, a template with {task} (default: %(default)s); the "
+        "model is registered in NAME-candidates for `bert promote`; none: logged, not registered",
+    )
     add_options(p, task.config_class if task is not None else FinetuneConfig)
     if task is not None and task.download_help:
         where = f"first fetch the data into --data when missing ({task.download_help})"
@@ -245,12 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     task = load_task(name) if name is not None else None
     args = build_parser(task).parse_args(argv)
     cfg = config_from_args(args, task.config_class)
+    release = model_name(task.name, args.registered_model)
     inputs = {"--data": args.data, "--model": args.model}
     check_apart({"--output": args.output}, hub.folders(inputs))
     if getattr(args, "download", False):
         task.download(Path(args.data))
     with local_copy(args.data) as data, local_copy(hub.location(args.model)) as model:
-        result = finetune(task, data, model, args.output, cfg, str(args.data), str(args.model))
+        result = finetune(
+            task, data, model, args.output, cfg, str(args.data), str(args.model), release
+        )
     keys = ("task", "metrics", "best_epoch", "registered_model")
     print(json.dumps({k: result[k] for k in keys if k in result} | {"output": str(args.output)}))
     return 0

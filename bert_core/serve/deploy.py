@@ -42,7 +42,7 @@ import yaml
 from bert_core.errors import BadValue, BertError, redacted
 from bert_core.options import add_options, config_from_args, option
 from bert_core.serve.champion import CHAMPION, by_alias
-from bert_core.serve.registry import NAME_ENV, model_name
+from bert_core.serve.registry import DEFAULT_NAME, model_name
 from bert_core.tracking import tracking_uri
 
 API_VERSION = "serving.kserve.io/v1beta1"
@@ -72,8 +72,7 @@ class DeployConfig:
 
     task: str | None = option(
         None,
-        "the task (SST-2, conll2003, ...): its registered model "
-        f"({NAME_ENV} or bert-{{task}}) is served",
+        f"the task (SST-2, conll2003, ...): its registered model ({DEFAULT_NAME}) is served",
     )
     model: str | None = option(None, "the registered model instead, e.g. bert-sst2")
     alias: str = option(CHAMPION, "the alias whose version is served")
@@ -104,8 +103,6 @@ class DeployConfig:
     def __post_init__(self) -> None:
         if (self.task is None) == (self.model is None):
             raise BadValue("name the model: --task TASK or --model NAME (one of them)")
-        if self.model is None and model_name(str(self.task)) is None:
-            raise BadValue(f"{NAME_ENV}=none: name the model with --model")
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise BadValue("--min-replicas and --max-replicas: 0 <= min <= max, max >= 1")
         if not 1 <= self.canary_percent <= 99:

@@ -29,7 +29,7 @@ from bert_core.errors import BadValue, NotFound
 from bert_core.serve.champion import promote
 from bert_core.serve.deploy import cluster, full_traffic
 from bert_core.serve.registry import (
-    NAME_ENV,
+    DEFAULT_NAME,
     RECORD,
     candidates_of,
     describe,
@@ -59,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--registered-model",
-        help=f"the release model (default: {NAME_ENV} or "
-        "bert-{task}); its candidates are NAME-candidates",
+        default=DEFAULT_NAME,
+        metavar="NAME",
+        help="the release model, a template with {task} as `bert finetune`'s (default: "
+        "%(default)s); its candidates are NAME-candidates",
     )
     p.add_argument("--force", action="store_true", help="make it champion whatever its score")
     p.add_argument(
@@ -80,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    name = args.registered_model or model_name(args.task)
+    name = model_name(args.task, args.registered_model)
     if name is None:
-        raise BadValue(f"{NAME_ENV}=none: name the model with --registered-model")
+        raise BadValue("--registered-model none: promote needs the release model's name")
     if args.full_traffic:
         service = args.inference_service or name
         print(json.dumps(full_traffic(cluster(), args.namespace, service)))

@@ -10,9 +10,10 @@ MLflow promotes a model from one environment's registered model to the next), an
 server with authentication (MLflow's basic-auth app, docs/cluster.md) grants creating a version
 and moving an alias with one permission (`update` on the registered model), so only two models
 let the pipeline's identity register candidates while moving `champion` needs the identity
-`bert promote` runs as. The release name comes from `BERT_REGISTERED_MODEL` (a template,
-default `bert-{task}`: `bert-sst2`, `bert-conll2003`, `bert-squad`; `none` logs the model
-without registering it); its candidates are `bert-sst2-candidates` (`candidates_of`). The
+`bert promote` runs as. The release name is the `--registered-model` option of `bert
+finetune`, `promote` and `deploy` (a template, default `bert-{task}`: `bert-sst2`,
+`bert-conll2003`, `bert-squad`; `none` tells `bert finetune` to log the model without
+registering it); its candidates are `bert-sst2-candidates` (`candidates_of`). The
 random-init control is never registered: it is a measurement, not a candidate. A fine-tuning
 output folder records its logged model and the candidates model it is registered in, in
 `mlflow_model.json`; the version number is on the run (`bert.model_version` tag) and in the
@@ -49,21 +50,24 @@ from bert_core.errors import BadValue, BertError, NotFound
 from bert_core.serve.champion import BASELINE_TAG, CHAMPION, SCORE_TAG, on_register
 from bert_core.tracking import RUN_RECORD, tracking_uri
 
-NAME_ENV = "BERT_REGISTERED_MODEL"  # release model name template; "none": do not register
-DEFAULT_NAME = "bert-{task}"
+DEFAULT_NAME = "bert-{task}"  # the release model's name template (`--registered-model`)
 CANDIDATES = "{name}-candidates"  # where `bert finetune` registers; `bert promote` copies out
 TASK_TAG, METRIC_TAG, SOURCE_TAG = "bert.task", "bert.dev_metric", "bert.pretrained_model"
 RECORD = "mlflow_model.json"  # in a fine-tuning output: the model's MLflow URI and version
 PRETRAINED = "bert-pretrained"  # the registered model of `bert pretrain`'s models
 
 
-def model_name(task: str, template: str | None = None) -> str | None:
-    """The task's release model (served: `champion`): `bert-sst2` for SST-2 (the task name
-    lower-cased, alphanumerics only); None: no registration (`none`)."""
-    template = os.environ.get(NAME_ENV) or DEFAULT_NAME if template is None else template
+def model_name(task: str, template: str = DEFAULT_NAME) -> str | None:
+    """The task's release model (served: `champion`) by `template`: `bert-sst2` for SST-2 (the
+    task name lower-cased, alphanumerics only); None: no registration (`none`)."""
     if template.strip().lower() in ("", "none"):
         return None
-    return template.format(task=re.sub(r"[^a-z0-9]", "", task.lower()))
+    try:
+        return template.format(task=re.sub(r"[^a-z0-9]", "", task.lower()))
+    except (KeyError, IndexError, ValueError):
+        raise BadValue(
+            f"--registered-model {template!r}: a name, or a template whose only field is {{task}}"
+        ) from None
 
 
 def candidates_of(release: str) -> str:
@@ -77,16 +81,16 @@ def feature_based(result: dict) -> str | None:
     return None if choice == "none" else choice
 
 
-def log_finetuned(out: Path, result: dict) -> dict:
+def log_finetuned(out: Path, result: dict, release: str | None) -> dict:
     """In `bert finetune`'s open MLflow run: log `out/model` as an MLflow model with the run's
     inference settings (`mlflow_model.inference_settings`: SQuAD 2.0's tuned null threshold
-    too), and write `out/mlflow_model.json` (its URI, the run, and the registered model it is
-    meant for: none for a random-init control or a feature-based tagger, measurements rather
-    than candidates). Returns that record; nothing is registered yet."""
+    too), and write `out/mlflow_model.json` (its URI, the run, and the candidates of `release`
+    it is meant for: none when `release` is None, nor for a random-init control or a
+    feature-based tagger, measurements rather than candidates). Returns that record; nothing is
+    registered yet."""
     from bert_core.serve.mlflow_model import inference_settings
 
     registered: dict[str, Any] = {}
-    release = model_name(result["task"])
     # a control or a feature-based tagger is a measurement, never a candidate for the task
     measurement = result.get("init", "pretrained") == "random" or feature_based(result)
     if release is not None and not measurement:

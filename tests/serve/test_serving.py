@@ -22,6 +22,7 @@ from mlflow import MlflowClient
 from mlflow.models import Model
 
 from bert_core import cli
+from bert_core.errors import BadValue
 from bert_core.serve import champion, registry
 from bert_core.serve import mlflow_model as serving
 from bert_core.serve.predictors import load_predictor
@@ -38,7 +39,7 @@ def tracking(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         uri = f"sqlite:///{root / 'mlflow.db'}"
         mp.setenv("MLFLOW_TRACKING_URI", uri)
-        for key in ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME", registry.NAME_ENV):
+        for key in ("BERT_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
             mp.delenv(key, raising=False)
         mp.chdir(root)  # the sqlite store keeps artifacts under the cwd
         mlflow.set_tracking_uri(uri)
@@ -294,17 +295,17 @@ def test_a_step_that_fails_after_logging_its_model_registers_nothing(
     from bert_core.finetune import command
 
     tiny = build("classification", minilm_dir, tracking / "failing-init")
-    monkeypatch.setenv(registry.NAME_ENV, "failing-{task}")
     finish = command.finish
 
-    def finish_then_fail(out, result):
-        record = finish(out, result)  # the model is now logged on the run
+    def finish_then_fail(out, result, release):
+        record = finish(out, result, release)  # the model is now logged on the run
         raise BertError(f"cannot write the output: injected after logging {record['model_uri']}")
 
     monkeypatch.setattr(command, "finish", finish_then_fail)
     out = tracking / "failing"
     argv = ["finetune", "--task", "SST-2", "--data", str(shared_data / "glue" / "SST-2")]
     argv += ["--model", str(tiny), "--output", str(out), "--epochs", "1", "--batch-size", "8"]
+    argv += ["--registered-model", "failing-{task}"]
     assert cli.main([*argv, "--max-train-examples", "8", "--max-eval-examples", "8"]) == 2
     assert "injected after logging" in capsys.readouterr().err
     client = MlflowClient()
@@ -326,6 +327,8 @@ def test_registered_model_names():
     assert registry.model_name("squad_v2") == "bert-squadv2"
     assert registry.model_name("STS-B", "team-{task}-bert") == "team-stsb-bert"
     assert registry.model_name("SST-2", "none") is None
+    with pytest.raises(BadValue, match="--registered-model 'bert-{name}'"):
+        registry.model_name("SST-2", "bert-{name}")
 
 
 SINGLE, PAIR = ("CoLA", "SST-2"), ("MRPC", "QQP", "STS-B", "MNLI", "QNLI", "RTE", "WNLI")

@@ -94,7 +94,7 @@ def log_finetuned(out: Path, result: dict, release: str | None) -> dict:
     # a control or a feature-based tagger is a measurement, never a candidate for the task
     measurement = result.get("init", "pretrained") == "random" or feature_based(result)
     if release is not None and not measurement:
-        registered = {"registered_model": candidates_of(release)}
+        registered = {"registered_model": candidates_of(release), "release_model": release}
     return write_record(out, inference_settings(result), registered)
 
 
@@ -114,15 +114,15 @@ def write_record(out: Path, settings: dict, registered: dict | None = None) -> d
 
 def register_finetuned(record: dict, result: dict):
     """After the step succeeded (output complete, run FINISHED): register the logged model as a
-    new version of `record["registered_model"]` (the task's candidates), tag the run with it.
+    new version of `record["registered_model"]` (the candidates of its `release_model`), tag the
+    run with it.
     Returns the ModelVersion, or None when the record names no registered model."""
     from mlflow import MlflowClient
 
     if not record.get("registered_model"):
         return None
-    name = record["registered_model"]
-    version = register(record["model_uri"], name, result)
-    tags = {"bert.registered_model": name, "bert.model_version": str(version.version)}
+    version = register(record["model_uri"], record["release_model"], result)
+    tags = {"bert.registered_model": version.name, "bert.model_version": str(version.version)}
     if result.get("pretrained_model"):
         tags[SOURCE_TAG] = result["pretrained_model"]
     client = MlflowClient(tracking_uri())
@@ -131,17 +131,18 @@ def register_finetuned(record: dict, result: dict):
     return version
 
 
-def register(model_uri: str, name: str, result: dict):
-    """A new version of `name` (a task's candidates) for a logged model, described and tagged
-    from the run's result (task, dev score and metric, the pre-trained model it came from, the
-    task's baseline); one that does not beat the baseline says so (`champion.on_register`).
-    Returns the ModelVersion."""
+def register(model_uri: str, release: str, result: dict):
+    """A new version of `release`'s candidates (`candidates_of`) for a logged model, described
+    and tagged from the run's result (task, dev score and metric, the pre-trained model it came
+    from, the task's baseline); one that does not beat the baseline says so
+    (`champion.on_register`). Returns the ModelVersion."""
     import mlflow
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri())
+    name = candidates_of(release)
     metric = result.get("score_metric") or "score"
-    describe(client, name, task_description(name, result["task"], metric))
+    describe(client, name, task_description(release, result["task"], metric))
     tags = {
         TASK_TAG: result["task"],
         SCORE_TAG: repr(float(result["score"])),
@@ -175,9 +176,8 @@ def describe(client, name: str, description: str) -> None:
             client.update_registered_model(name, description=description)
 
 
-def task_description(name: str, task: str, metric: str) -> str:
-    """What a task's candidates model is, and how its versions are made and promoted."""
-    release = name.removesuffix(CANDIDATES.format(name=""))
+def task_description(release: str, task: str, metric: str) -> str:
+    """What a task's candidates model (of `release`) is, how its versions are made and promoted."""
     return (
         f"Candidates for {release}: BERT fine-tuned on {task} by `bert finetune --task {task}`, "
         f"scored on {task}'s dev set by {metric} (percent). Each fine-tuning from a pre-trained "

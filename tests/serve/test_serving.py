@@ -224,7 +224,7 @@ def test_finetune_registers_a_candidate_linked_to_the_pretrained_one_and_promote
     pool = registry.candidates_of("bert-gate")
 
     def version(score: float) -> str:
-        return registry.register(record["model_uri"], pool, floor | {"score": score}).version
+        return registry.register(record["model_uri"], "bert-gate", floor | {"score": score}).version
 
     def promote(v: str, force: bool = False) -> dict:
         return champion.promote("bert-gate", pool, v, force)
@@ -408,7 +408,7 @@ def test_squad_v2_tuned_threshold_travels_with_the_model(tracking, minilm_dir, c
     capsys.readouterr()
 
     with mlflow.start_run(experiment_id=mlflow.set_experiment("serving").experiment_id) as run:
-        record = registry.log_finetuned(out, result)
+        record = registry.log_finetuned(out, result, None)
     model = mlflow.pyfunc.load_model(record["model_uri"])
     assert model.predict(pd.DataFrame([row]))[0]["answer"] == ""
     params = MlflowClient().get_run(run.info.run_id).data.params
@@ -427,7 +427,7 @@ def test_predict_logs_where_its_model_was_logged(tracking, minilm_dir, monkeypat
     with mlflow.start_run(experiment_id=mlflow.set_experiment("models").experiment_id) as run:
         info = serving.log_model(folder, {})
     result = {"task": "SST-2", "score": 1.0, "baseline_score": 0.5}
-    version = registry.register(info.model_uri, "exp-sst2-candidates", result)
+    version = registry.register(info.model_uri, "exp-sst2", result)
     champion.promote("exp-sst2", "exp-sst2-candidates", version.version)
     output = tracking / "exp-output"  # a `bert finetune` output: model/, metrics.json, record
     shutil.copytree(folder, output / "model")

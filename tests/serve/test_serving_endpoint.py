@@ -87,7 +87,7 @@ def servers(tmp_path_factory, minilm_dir):
                 folder = build(kind, minilm_dir, root / kind)
                 info = serving.log_model(folder, {"max_chars": 2000})
                 pool, result = registry.candidates_of(name), {"task": name, "score": 0.5}
-                version = registry.register(info.model_uri, pool, result | {"baseline_score": 0})
+                version = registry.register(info.model_uri, name, result | {"baseline_score": 0})
                 champion.promote(name, pool, version.version)
         bin_dir = str(Path(sys.executable).parent)  # the server execs `uvicorn` from PATH
         env = {

@@ -27,6 +27,7 @@ import random
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -90,18 +91,35 @@ def truncate_pair_randomly(
     )
 
 
+class Pair(NamedTuple):
+    """One unmasked instance: `[CLS] A [SEP] B [SEP]` as token ids, the length of segment A,
+    and NSP's label (B is from another document)."""
+
+    tokens: list[int]
+    len_a: int
+    is_random_next: bool
+
+
+class DocumentInstances(NamedTuple):
+    """What one document gives: its pairs, whether the short target length was drawn for it,
+    and how many pairs were random-next by force (a one-sentence chunk has no actual next
+    segment)."""
+
+    pairs: list[Pair]
+    short: bool
+    forced_random_next: int
+
+
 def create_instances_from_document(
     all_documents: list[list[list[int]]],
     document_index: int,
     cfg: InstanceConfig,
     rng: random.Random,
     vocab: Vocab,
-) -> tuple[list[tuple[list[int], int, bool]], bool, int]:
-    """Unmasked instances (tokens, len(A), is_random_next) of one document; line by line the
-    original's loop, kept as one function so that it reads against the original (and draws its
-    random numbers in the same order). Also returns whether the short target length was drawn,
-    and how many instances were random-next by force (a one-sentence chunk has no actual next
-    segment)."""
+) -> DocumentInstances:
+    """The unmasked instances of one document; line by line the original's loop, kept as one
+    function so that it reads against the original (and draws its random numbers in the same
+    order)."""
     document = all_documents[document_index]
     lengths = list(map(len, document))
     last = len(document) - 1
@@ -111,7 +129,7 @@ def create_instances_from_document(
     if short:
         target_seq_length = randint(rng, 2, max_num_tokens)
 
-    instances = []
+    instances: list[Pair] = []
     forced = 0
     current_chunk: list[list[int]] = []
     current_length = 0
@@ -148,11 +166,11 @@ def create_instances_from_document(
                 tokens_a, tokens_b = truncate_pair_randomly(tokens_a, tokens_b, max_num_tokens, rng)
                 assert tokens_a and tokens_b
                 tokens = [vocab.cls_id, *tokens_a, vocab.sep_id, *tokens_b, vocab.sep_id]
-                instances.append((tokens, len(tokens_a), is_random_next))
+                instances.append(Pair(tokens, len(tokens_a), is_random_next))
             current_chunk = []
             current_length = 0
         i += 1
-    return instances, short, forced
+    return DocumentInstances(instances, short, forced)
 
 
 def mask_batch(

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 
 from bert_core.data.instance_config import InstanceConfig
 from bert_core.data.instance_sampling import (
+    Pair,
     Vocab,
     create_instances_from_document,
     mask_batch,
@@ -92,23 +93,25 @@ def _list_array(values: np.ndarray, counts: np.ndarray, type_: pa.DataType) -> p
 
 
 def _round_table(
-    raw: list[tuple[list[int], int, bool]], cfg: InstanceConfig, vocab: Vocab, seeds
+    raw: list[Pair], cfg: InstanceConfig, vocab: Vocab, seeds
 ) -> tuple[pa.Table, dict]:
     """Mask one dupe round's instances and lay them out as an Arrow table."""
     n, width = len(raw), cfg.max_seq_length
-    lengths = np.fromiter((len(t) for t, _, _ in raw), dtype=np.int64, count=n)
-    len_a = np.fromiter((a for _, a, _ in raw), dtype=np.int64, count=n)
-    random_next = np.fromiter((r for _, _, r in raw), dtype=np.int8, count=n)
+    lengths = np.fromiter((len(pair.tokens) for pair in raw), dtype=np.int64, count=n)
+    len_a = np.fromiter((pair.len_a for pair in raw), dtype=np.int64, count=n)
+    random_next = np.fromiter((pair.is_random_next for pair in raw), dtype=np.int8, count=n)
     ids = np.zeros((n, width), dtype=np.int32)
     valid = np.arange(width)[None, :] < lengths[:, None]
-    ids[valid] = np.fromiter(chain.from_iterable(t for t, _, _ in raw), np.int32, lengths.sum())
+    ids[valid] = np.fromiter(
+        chain.from_iterable(pair.tokens for pair in raw), np.int32, lengths.sum()
+    )
     original = ids.copy()
     if cfg.whole_word_mask:
         rng = random.Random(int(seeds.generate_state(1)[0]))
         pos_l, lab_l, dec_l = [], [], []
         count = np.zeros(n, dtype=np.int64)
-        for k, (tokens, _, _) in enumerate(raw):
-            out, pos, lab, dec = mask_whole_words(tokens, cfg, vocab, rng)
+        for k, pair in enumerate(raw):
+            out, pos, lab, dec = mask_whole_words(pair.tokens, cfg, vocab, rng)
             ids[k, : len(out)] = out
             pos_l.extend(pos), lab_l.extend(lab), dec_l.extend(dec)
             count[k] = len(pos)
@@ -210,14 +213,12 @@ def write_instances(
         rng = random.Random(
             int(seed_for(cfg.random_seed, shard_index, CHUNKS, dupe).generate_state(1)[0])
         )
-        raw: list[tuple[list[int], int, bool]] = []
+        raw: list[Pair] = []
         for document_index in range(len(all_documents)):
-            instances, short, forced = create_instances_from_document(
-                all_documents, document_index, cfg, rng, vocab
-            )
-            raw.extend(instances)
-            stats["forced_random_next"] += forced
-            stats["short_target"] += short
+            got = create_instances_from_document(all_documents, document_index, cfg, rng, vocab)
+            raw.extend(got.pairs)
+            stats["forced_random_next"] += got.forced_random_next
+            stats["short_target"] += got.short
             stats["targets"] += 1
         if not raw:
             continue

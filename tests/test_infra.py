@@ -410,13 +410,19 @@ def test_credentials_come_only_from_secrets(rendered, k8s_copy):
 
 
 def _makefile_install() -> tuple[str, set[str]]:
-    """(constraints file, extras) of the package install in `make venv`."""
+    """(constraints file, extras) of the Makefile's runtime install (`make run`'s venv); the
+    other install of the package (`make venv`) adds the dev extra only, with the same
+    constraints."""
     text = (ROOT / "Makefile").read_text()
-    (line,) = [ln for ln in text.splitlines() if "pip install" in ln and "-e" in ln.split()]
-    args = shlex.split(line.replace("$(PY)", "python"))
-    constraints = args[args.index("-c") + 1]
-    (target,) = [a for a in args if a.startswith(".[")]
-    return constraints, set(target[2:-1].split(","))
+    installs = []
+    for line in text.splitlines():
+        if "pip install" in line and "-e" in line.split():
+            args = shlex.split(line.replace("$(PY)", "python"))
+            (target,) = [a for a in args if a.startswith(".[")]
+            installs.append((args[args.index("-c") + 1], set(target[2:-1].split(","))))
+    (runtime,) = [(c, extras) for c, extras in installs if "dev" not in extras]
+    assert installs == [runtime, (runtime[0], runtime[1] | {"dev"})], installs
+    return runtime
 
 
 def _parse(dockerfile: Path) -> DockerfileParser:
@@ -450,13 +456,13 @@ def test_dockerfile_parses_on_python_311_slim(name):
 
 
 @pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
-def test_image_installs_the_package_like_make_venv(name):
+def test_image_installs_the_package_like_make_run(name):
     constraints, extras = _makefile_install()
     installs = _pip_installs(DOCKER / name)
     (pkg,) = [args for args in installs if any(a.startswith(".[") for a in args)]
     assert pkg[pkg.index("-c") + 1] == constraints
     (target,) = [a for a in pkg if a.startswith(".[")]
-    assert set(target[2:-1].split(",")) == extras - {"dev"}, "same extras as make venv, less dev"
+    assert set(target[2:-1].split(",")) == extras, "the same extras as make run's venv"
     assert "-e" not in pkg, "images install the package, not a link to the source"
     text = (DOCKER / name).read_text()
     copy_before_install = text.index("COPY . /opt/bert") < text.index(target)

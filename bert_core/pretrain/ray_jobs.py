@@ -8,8 +8,9 @@ is an http(s) URL `bert pretrain` submits itself (`run_as_job`):
 
 1. the job's command line is the caller's settings (`config_argv`) with `--storage-path` made
    explicit, `--output` on the run's storage (`<storage>/output`) when the caller's is a local
-   folder, and local instances uploaded beside it (`<storage>/instances`) when the storage is
-   s3:// (a pod's local folder means nothing on the cluster);
+   folder, and local instances and a local --init-model (phase two's start) uploaded beside it
+   (`<storage>/instances`, `<storage>/init-model`) when the storage is s3:// (a pod's local
+   folder means nothing on the cluster);
 2. the submission id is derived from the storage path and that command line
    (`bert-pretrain-<hash>`), so a second attempt of the same step (a KFP retry: a new pod running
    the same command) finds the job: PENDING or RUNNING -> follow it; SUCCEEDED -> only fetch the
@@ -126,29 +127,34 @@ def job_config(cfg: PretrainConfig, storage: str) -> PretrainConfig:
     if not st.is_s3(cfg.output):
         job.output = f"{storage}/output"
     if not st.is_s3(cfg.instances):
-        local = Path(cfg.instances).resolve()
-        job.instances = _upload_instances(local, storage) if st.is_s3(storage) else str(local)
+        job.instances = _on_cluster(Path(cfg.instances), storage, "instances")
     if cfg.init_model and not st.is_s3(cfg.init_model) and not hub.is_named(cfg.init_model):
-        job.init_model = str(Path(cfg.init_model).resolve())  # a shared volume (docs/pretrain.md)
+        # e.g. phase two's start, phase one's model in the step's pod: every worker reads it
+        job.init_model = _on_cluster(Path(cfg.init_model), storage, "init-model")
     return job
 
 
-def _upload_instances(local: Path, storage: str) -> str:
-    """Copy the instance folder to `<storage>/instances` once: a listing of names and sizes is
-    written last, and a retry whose folder has the same listing skips the copy."""
-    remote = f"{storage}/instances"
+def _on_cluster(local: Path, storage: str, name: str) -> str:
+    """A local input folder as the job reads it: copied to `<storage>/<name>` when the storage is
+    s3:// (once: a listing of names and sizes is written last, and a retry whose folder has the
+    same listing skips the copy); else the folder itself (a Ray on this machine, or storage on a
+    volume every node mounts)."""
+    local = local.resolve()
+    if not st.is_s3(storage):
+        return str(local)
+    remote = f"{storage}/{name}"
     listing = json.dumps(
         sorted((p.name, p.stat().st_size) for p in local.iterdir() if p.is_file())
     ).encode()
-    fs, marker = st.filesystem(f"{storage}/instances.listing.json")
-    if st.exists(f"{storage}/instances.listing.json"):
+    fs, marker = st.filesystem(f"{remote}.listing.json")
+    if st.exists(f"{remote}.listing.json"):
         with fs.open_input_stream(marker) as f:
             if f.read() == listing:
                 return remote
     n = st.copy(local, remote)
     with fs.open_output_stream(marker) as f:
         f.write(listing)
-    print(f"pretrain: copied {n} instance files to {remote}", flush=True)
+    print(f"pretrain: copied {n} files of {name} to {remote}", flush=True)
     return remote
 
 

@@ -50,6 +50,7 @@ from bert_core.pretrain.state import (
     save_checkpoint,
     seed_all,
 )
+from bert_core.storage import local_copy
 
 
 def build_model(cfg: PretrainConfig, vocab_size: int) -> torch.nn.Module:
@@ -57,8 +58,9 @@ def build_model(cfg: PretrainConfig, vocab_size: int) -> torch.nn.Module:
     overrides: dict[str, Any] = {"is_decoder": cfg.left_to_right}
     if cfg.dropout is not None:
         overrides.update(hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)
-    if cfg.init_model:
-        return BertForPreTraining.from_pretrained(cfg.init_model, **overrides)
+    if cfg.init_model:  # an s3:// one (phase two on a RayCluster): each worker reads its own copy
+        with local_copy(cfg.init_model) as folder:
+            return BertForPreTraining.from_pretrained(folder, **overrides)
     return BertForPreTraining(BertConfig(**cfg.shape(), vocab_size=vocab_size, **overrides))
 
 

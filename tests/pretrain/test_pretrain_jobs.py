@@ -19,10 +19,12 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from bert_core import storage as st
+from bert_core.model.modeling import BertConfig, BertForPreTraining
 from bert_core.pretrain import command as pt
-from bert_core.pretrain import ray_jobs
+from bert_core.pretrain import ray_jobs, worker
 from bert_core.pretrain.config import PretrainConfig, parse_args
 from tests.pipeline_helpers import RayHead, local_services, pretraining_instances
 
@@ -160,6 +162,31 @@ def test_copy_between_local_and_s3(s3, tmp_path, monkeypatch):
         st.copy(f"s3://{BUCKET}/copy/missing", tmp_path / "x")
 
 
+def test_a_local_init_model_reaches_the_workers_through_the_bucket(s3, tmp_path, monkeypatch):
+    """Phase two as a job: its --init-model is phase one's model in the step's pod, which no Ray
+    worker can read. The job is given its copy in the run's storage (uploaded once: a retry's
+    step finds it by its listing), and a worker's `build_model` reads that s3:// copy."""
+    for key, value in s3[1].items():
+        monkeypatch.setenv(key, value)
+    instances = f"s3://{BUCKET}/given/instances"  # already in the bucket: left as it is
+    cfg = PretrainConfig(instances=instances, output="out", preset="tiny")
+    phase1 = tmp_path / "phase1" / "model"
+    BertForPreTraining(BertConfig(**cfg.shape(), vocab_size=50)).save_pretrained(phase1)
+    cfg.init_model = str(phase1)
+    storage = f"s3://{BUCKET}/ray/phase2"
+    job = ray_jobs.job_config(cfg, storage)
+    assert (job.instances, job.init_model) == (instances, f"{storage}/init-model")
+    assert st.exists(f"{storage}/init-model/model.safetensors")
+    st.copy(phase1 / "config.json", f"{storage}/init-model/config.json.mark")
+    ray_jobs.job_config(cfg, storage)  # the same listing: not copied again
+    assert st.exists(f"{storage}/init-model/config.json.mark")
+    built = worker.build_model(job, 50)
+    weight = "bert.embeddings.word_embeddings.weight"
+    assert built.state_dict()[weight].equal(load_file(phase1 / "model.safetensors")[weight])
+    local = ray_jobs.job_config(cfg, str(tmp_path / "ray"))  # a Ray on this machine
+    assert local.init_model == str(phase1)
+
+
 @pytest.fixture(scope="module")
 def ray_head(s3):
     env = {**os.environ, **s3[1], "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -251,8 +278,6 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
     from that checkpoint in S3 and ends with the weights of an uninterrupted
     run; one more retry only fetches the outputs. One long test on purpose: each step needs the
     state the previous one left on the cluster, and every job start costs tens of seconds."""
-    from safetensors.torch import load_file
-
     for key, value in s3[1].items():
         monkeypatch.setenv(key, value)  # this process reads the bucket too
     env = {**os.environ, **s3[1], "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -318,8 +343,8 @@ def test_ray_job_killed_mid_run_is_resumed_by_a_retry(
     # the instances went to the bucket once; the job got no credential and no Ray token
     n_files = sum(1 for f in tiny_instances.rglob("*") if f.is_file())  # held-out split too
     remote = "s3://bert-jobs/ray/kfp-retry/instances"
-    assert f"copied {n_files} instance files to {remote}" in first.text
-    assert "instance files" not in second.text + third.text
+    assert f"copied {n_files} files of instances to {remote}" in first.text
+    assert "files of instances" not in second.text + third.text
     keys = _s3_keys("ray/kfp-retry/")
     assert "ray/kfp-retry/instances/shard-00000.parquet" in keys
     assert "ray/kfp-retry/output/model/model.safetensors" in keys

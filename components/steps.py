@@ -171,6 +171,43 @@ def pretrain(
 
 
 @component
+def pretrain_phase2(
+    shards: Input[Dataset],
+    phase1: Input[Model],
+    steps: int,
+    batch_size: int,
+    num_workers: int,
+    cpus_per_worker: int,
+    learning_rate: float,
+    use_gpu: bool,
+    objective: str,
+    pretrained: Output[Model],
+    metrics: Output[Metrics],
+):
+    """bert pretrain again, the paper's phase two: `steps` more steps on the longer `shards`
+    from phase one's model (its shape and vocabulary are that model's); logged and registered as
+    `pretrain` is. Its Ray run is `kfp-<KFP_RUN_ID>-phase2`, so its checkpoints are apart from
+    phase one's; as a Ray job, phase one's model reaches the workers through the run's storage
+    (bert_core.pretrain.ray_jobs)."""
+    import os
+
+    from bert_core.cli import kfp_register_pretrained, kfp_step
+
+    kfp_run = os.environ.get("KFP_RUN_ID", "")  # the pod's env, not an input: see above
+    kfp_step(
+        ["pretrain", "--instances", shards.path, "--output", pretrained.path]
+        + ["--init-model", f"{phase1.path}/model"]
+        + ["--steps", steps, "--batch-size", batch_size, "--num-workers", num_workers]
+        + ["--cpus-per-worker", cpus_per_worker]
+        + ["--learning-rate", learning_rate, "--objective", objective]
+        + (["--use-gpu"] if use_gpu else [])
+        + (["--run-name", f"kfp-{kfp_run}-phase2"] if kfp_run else [])
+    )
+    for name, value in kfp_register_pretrained(pretrained.path).items():
+        metrics.log_metric(name, value)
+
+
+@component
 def finetune(
     pretrained: Input[Model],
     job: dict,

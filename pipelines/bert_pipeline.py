@@ -1,10 +1,15 @@
 """The BERT DAG as a Kubeflow Pipelines v2 pipeline: compile it, run it locally, or submit it.
 
     pipeline-run -> finetune-jobs -> clean -> vocab -> instances -> pretrain
-        -> finetune (ParallelFor over finetune-jobs' list) -> evaluate (all of them)
+        -> [phase2: pretrain_phase2_steps > 0] instances-512 -> pretrain-phase2 -> the fan-out
+           [phase1-only: else] the fan-out
+    the fan-out: finetune (ParallelFor over finetune-jobs' list) -> evaluate (all of them)
            `-> distill -> quantize (in compress_task's iteration only; off by default)
            `-> promote -> deploy (in deploy_task's iteration only; off by default)
     pipeline-end (the exit handler, after everything)
+
+Phase two is the paper's last 10 % of pre-training steps at 512 tokens, on by default
+(`pretrain_phase2_steps`); the fan-out fine-tunes its model, or phase one's when it is 0.
 
 One fan-out runs every fine-tuning: the GLUE tasks from the pre-trained model, the random-init
 control (`finetune_control_tasks`: the "random init" row and the gain of evaluate's table) and
@@ -75,7 +80,7 @@ DATA = tuple(cluster.DATA)  # the data inputs: data_corpus, data_glue, data_toke
 # checkpoint): a Kubeflow run distils its own fine-tuned model of `compress_task` into a student
 # started from `compress_student` (KFP_ONLY), its pre-trained model by default.
 DVC_ONLY = ("public", "data.output", "compress.tasks", "compress.teacher", "compress.student")
-KFP_ONLY = ("compress_task", "compress_student", "deploy_task")
+KFP_ONLY = ("pretrain_phase2_steps", "compress_task", "compress_student", "deploy_task")
 
 
 def load_params(path: Path = ROOT / "params.yaml") -> dict[str, Any]:
@@ -136,6 +141,9 @@ PARAMETERS = {
     "pretrain_use_gpu": "[pre-training] Train on the RayCluster's GPU workers (false: its CPUs).",
     "pretrain_objective": "[pre-training] mlm+nsp (the paper's), mlm (Table 5's No NSP), ltr "
     "(its 'LTR & No NSP': a left-to-right LM, causal when fine-tuned too) or ltr+nsp.",
+    "pretrain_phase2_steps": "[pre-training] The paper's phase two: this many more steps on "
+    "512-token instances from the model of pretrain_steps, so that the position embeddings past "
+    "instances_max_seq_length train too (the paper: 100,000 after 900,000 at 128); 0: one phase.",
     "pretrain_init_model": "[pre-training] none: from scratch, with a WordPiece vocabulary "
     "learned from the corpus; or a public checkpoint whose pre-training continues on the corpus, "
     "with its own vocabulary and casing: hf:ORG/NAME@COMMIT (a tag is resolved, but the step "
@@ -239,6 +247,8 @@ RESOURCES = {
     "vocab": ("2", "4", "8G"),
     "instances": ("4", "8", "16G"),
     "pretrain": ("1", "2", "4G"),
+    "instances-512": ("4", "8", "32G"),  # four times the tokens per instance
+    "pretrain-phase2": ("1", "2", "4G"),
     "finetune": ("4", "8", "16G"),
     "evaluate": ("1", "2", "2G"),
     "distill": ("4", "8", "16G"),
@@ -318,6 +328,7 @@ def build_pipeline():
         pretrain_objective: str = D["pretrain_objective"],
         pretrain_init_model: str = D["pretrain_init_model"],
         pretrain_export_every: int = D["pretrain_export_every"],
+        pretrain_phase2_steps: int = D["pretrain_phase2_steps"],
         finetune_tasks: list = D["finetune_tasks"],
         finetune_epochs: int = D["finetune_epochs"],
         finetune_batch_size: int = D["finetune_batch_size"],
@@ -374,23 +385,55 @@ def dag(dsl, steps, s: dict[str, Any]) -> None:
             **section(s, "instances"),
         )
         pod(ins, "instances")
-        pretrain = {**section(s, "model"), **section(s, "pretrain")}  # the shape and the run
+        # the shape and the run (phase two's steps are its own step's)
+        pretrain = {**section(s, "model"), **section(s, "pretrain", leave_out=["phase2_steps"])}
         pre = steps.pretrain(shards=ins.outputs["shards"], **pretrain)
         ray_auth = (cluster.RAY_AUTH_SECRET, cluster.RAY_AUTH_KEYS)
         pod(pre, "pretrain", secrets=[ray_auth]).set_retry(**PRETRAIN_RETRY)
-        with dsl.ParallelFor(jobs.output, name="finetune") as job:
-            ft = pod(steps.finetune(pretrained=pre.outputs["pretrained"], job=job), "finetune")
-            on_gpu_nodes(ft, s)
-            # the job named compress_task (a GLUE task, from pre-trained weights) teaches
-            with dsl.If(ft.outputs["Output"] == s["compress_task"], name="compress"):
-                compress(steps, s, pre, ft, job)
-            # and the job named deploy_task is released: promoted if better, then served
-            with dsl.If(ft.outputs["Output"] == s["deploy_task"], name="deploy"):
-                release(steps, s, ft)
-        # never cached: each run's MLflow parent gets its own table (and the exit handler
-        # reads this step's run to tell a finished run, lineage.end_status)
-        ev = steps.evaluate(results=dsl.Collected(ft.outputs["finetuned"]))
-        pod(ev, "evaluate").set_caching_options(False)
+        # The paper's phase two, on when pretrain_phase2_steps > 0: the fan-out fine-tunes its
+        # model, else phase one's. Each branch holds the fan-out rather than one fan-out reading
+        # dsl.OneOf of the two models: kfp.local (2.17) resolves one producer per DAG output
+        # only (local/orchestrator/orchestrator_utils.py, get_dag_output_artifacts).
+        with dsl.If(s["pretrain_phase2_steps"] > 0, name="phase2"):
+            long = {**section(s, "instances"), **cluster.PHASE2_INSTANCES}
+            ins2 = steps.instances(
+                cleaned=cl.outputs["cleaned"], wordpiece=vo.outputs["wordpiece"], **long
+            )
+            pod(ins2, "instances-512")
+            phase2 = section(s, "pretrain", leave_out=PHASE1_ONLY)
+            pre2 = steps.pretrain_phase2(
+                shards=ins2.outputs["shards"],
+                phase1=pre.outputs["pretrained"],
+                steps=s["pretrain_phase2_steps"],
+                **phase2,
+            )
+            pod(pre2, "pretrain-phase2", secrets=[ray_auth]).set_retry(**PRETRAIN_RETRY)
+            fan_out(dsl, steps, s, jobs, pre2)
+        with dsl.Else(name="phase1-only"):
+            fan_out(dsl, steps, s, jobs, pre)
+
+
+# pretrain's settings phase two does not take: its start and shape are phase one's model, its
+# steps pretrain_phase2_steps, and its exports (Figure 2's) are phase one's
+PHASE1_ONLY = ("steps", "init_model", "export_every", "phase2_steps")
+
+
+def fan_out(dsl, steps, s: dict[str, Any], jobs, pre) -> None:
+    """The fine-tunings of `jobs`' list (one ParallelFor) from `pre`'s pre-trained model, the
+    compression and release branches in their iterations, then evaluate over all of them."""
+    with dsl.ParallelFor(jobs.output, name="finetune") as job:
+        ft = pod(steps.finetune(pretrained=pre.outputs["pretrained"], job=job), "finetune")
+        on_gpu_nodes(ft, s)
+        # the job named compress_task (a GLUE task, from pre-trained weights) teaches
+        with dsl.If(ft.outputs["Output"] == s["compress_task"], name="compress"):
+            compress(steps, s, pre, ft, job)
+        # and the job named deploy_task is released: promoted if better, then served
+        with dsl.If(ft.outputs["Output"] == s["deploy_task"], name="deploy"):
+            release(steps, s, ft)
+    # never cached: each run's MLflow parent gets its own table (and the exit handler
+    # reads this step's run to tell a finished run, lineage.end_status)
+    ev = steps.evaluate(results=dsl.Collected(ft.outputs["finetuned"]))
+    pod(ev, "evaluate").set_caching_options(False)
 
 
 def compress(steps, s: dict[str, Any], pre, ft, job) -> None:
@@ -531,7 +574,7 @@ def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     """The whole DAG through kfp.local's SubprocessRunner in this environment (no containers;
     images, resources and the platform spec's ConfigMap / Secrets are ignored). The data
     settings are params.yaml's (the workstation's, not the cluster's), its data paths made
-    absolute, and no GPUs.
+    absolute, no GPUs and one pre-training phase (as `make run`).
     There is no pod label here, so the run id the steps read (`KFP_RUN_ID`) is made up and
     inherited, and so is the tracking URI: `MLFLOW_TRACKING_URI`, else ./mlflow.db, named
     explicitly because a step under KFP refuses to guess one (`bert_core.cli.kfp_step`)."""
@@ -539,7 +582,7 @@ def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
 
     from kfp import local
 
-    args = {**P, "cluster_finetune_gpus": "0", **overrides}
+    args = {**P, "cluster_finetune_gpus": "0", "pretrain_phase2_steps": 0, **overrides}
     for key in DATA:
         if "://" not in str(args[key]):
             args[key] = str((ROOT / args[key]).resolve())

@@ -49,7 +49,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         for L, H, A in TABLE6
     },
     "table8": {masking_row(r): {"instances_masking_recipe": r} for r in TABLE8},
-    # one run whose pre-training exports a model every 100k steps (the paper's 1M-step run);
+    # one run whose pre-training exports a model every 100k steps of its phase one (the paper's
+    # run: 900k steps at 128 tokens, then its phase two);
     # `make figure2 ARGS="--pretrain FOLDER"` fine-tunes from each export (docs/experiments.md)
     "figure2": {"exports": {"pretrain_export_every": 100_000}},
 }

@@ -195,8 +195,8 @@ def pipeline_args(tasks: list[str], **overrides: Any) -> dict[str, Any]:
     """The compiled pipeline's parameters for a small run: params.yaml's settings (the run
     form's defaults are a cluster's first run), SMALL's over them, no GPUs; the data stay the
     spec's cluster defaults (s3://); fine-tuning `tasks` and the random-init control of the
-    first of them (one more job: the control runs, at little cost), then `overrides` (e.g.
-    pretrain_steps=10)."""
+    first of them (one more job: the control runs, at little cost), one pre-training phase, then
+    `overrides` (e.g. pretrain_steps=10)."""
     from pipelines.bert_pipeline import P
 
     args = {k: v for k, v in P.items() if not k.startswith("data_")}
@@ -207,7 +207,8 @@ def pipeline_args(tasks: list[str], **overrides: Any) -> dict[str, Any]:
         if section != "data"
     }
     lists = {"finetune_tasks": list(tasks), "finetune_control_tasks": list(tasks[:1])}
-    return args | lists | {"cluster_finetune_gpus": "0"} | overrides
+    one_phase = {"pretrain_phase2_steps": 0}  # params.yaml's one phase, as `local` runs
+    return args | lists | {"cluster_finetune_gpus": "0"} | one_phase | overrides
 
 
 def git_head() -> str:

@@ -55,12 +55,14 @@ BUCKET = cluster.BUCKET.removeprefix("s3://")
 SMALL_ARGS = pipeline_args(GLUE_TASKS)
 # the compression branch on for SST-2: the tiny model's student keeps 1 of its 2 layers
 COMPRESS = {"compress_task": "SST-2", "compress_student_layers": 1}
+# the paper's phase two on (the cluster's default): a few steps at 512 tokens from phase one
+PHASE2_STEPS = {"pretrain_phase2_steps": 4}
 TRAIN_IMAGE = "registry.example/bert-cuda:ci"
 IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "BERT_GIT_COMMIT": git_head(), "OMP_NUM_THREADS": "1"}
 # Two runs at once that differ in every setting a mix-up would show: tasks, steps, seed, where
 # pre-training runs (the Ray head's Jobs API, a private Ray in the pod)
 RUNS = {
-    "a": {**SMALL_ARGS, **COMPRESS, "cluster_train_image": TRAIN_IMAGE},
+    "a": {**SMALL_ARGS, **COMPRESS, **PHASE2_STEPS, "cluster_train_image": TRAIN_IMAGE},
     "b": pipeline_args(
         ["MRPC"], pretrain_steps=7, instances_random_seed=22, finetune_control_tasks=[]
     ),
@@ -355,7 +357,24 @@ def pipeline_run(runs):
 
 
 BODY = "/exit-handler-1"
-LOOP = f"{BODY}/for-loop-2"  # the fine-tuning fan-out
+# phase two's branches: run a takes the paper's phase two, run b (0 steps) the other; each holds
+# a copy of the fine-tuning fan-out and evaluate (KFP names the second copies' tasks `-2`)
+PHASE2 = f"{BODY}/condition-branches-2/condition-6"
+ONE_PHASE = f"{BODY}/condition-branches-2/condition-7"
+LOOP = f"{PHASE2}/for-loop-3"  # run a's fine-tuning fan-out
+COMPRESS_BRANCH = f"{LOOP}[0]/condition-4"  # compress_task's iteration only
+FINAL = {  # where each run's fine-tunings and evaluate are, and the model they fine-tune
+    "a": (LOOP, "finetune", f"{PHASE2}/evaluate", f"{PHASE2}/pretrain-phase2"),
+    "b": (f"{ONE_PHASE}/for-loop-8", "finetune-2", f"{ONE_PHASE}/evaluate-2", f"{BODY}/pretrain"),
+}
+
+
+def _execution(harness, path: str):
+    """The ML Metadata execution of the DAG at `path` (e.g. PHASE2)."""
+    execution = harness.dag
+    for name in path.strip("/").split("/"):
+        (execution,) = [e for e in execution.children if e.name == name]
+    return execution
 
 
 def _logs(harness) -> str:
@@ -392,12 +411,14 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head, plant
         (f"{BODY}/vocab", "COMPLETE"),
         (f"{BODY}/instances", "COMPLETE"),
         (f"{BODY}/pretrain", "COMPLETE"),
+        (f"{PHASE2}/instances-2", "COMPLETE"),  # at 512 tokens
+        (f"{PHASE2}/pretrain-phase2", "COMPLETE"),
         (f"{LOOP}[0]/finetune", "COMPLETE"),
-        (f"{LOOP}[0]/condition-3/distill", "COMPLETE"),  # compress_task: SST-2's job only
-        (f"{LOOP}[0]/condition-3/quantize", "COMPLETE"),
+        (f"{COMPRESS_BRANCH}/distill", "COMPLETE"),  # compress_task: SST-2's job only
+        (f"{COMPRESS_BRANCH}/quantize", "COMPLETE"),
         (f"{LOOP}[1]/finetune", "COMPLETE"),
         (f"{LOOP}[2]/finetune", "COMPLETE"),  # the random-init control
-        (f"{BODY}/evaluate", "COMPLETE"),
+        (f"{PHASE2}/evaluate", "COMPLETE"),
         ("/pipeline-end", "COMPLETE"),
     ]
     # the untriggered branches (the release branch, deploy_task none, in every iteration; the
@@ -405,8 +426,8 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head, plant
     # iteration's last launcher published, so nothing settles the iterations, the loop or the
     # body (metadata/client.go UpdateDAGExecutionsState runs in launchers only): the exit
     # handler is handed RUNNING, and closes the run by evaluate's record
-    (body,) = [e for e in harness.dag.children if e.name == "exit-handler-1"]
-    (loop,) = [e for e in body.children if e.name == "for-loop-2"]
+    assert _execution(harness, ONE_PHASE).state == "CANCELED"  # phase two ran: not its Else
+    loop = _execution(harness, LOOP)
     assert [i.state for i in loop.children] == ["RUNNING", "RUNNING", "RUNNING"]
     assert [[c.state for c in i.children] for i in loop.children] == [
         ["COMPLETE", "COMPLETE", "CANCELED"],
@@ -422,17 +443,30 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head, plant
         assert task.env["MLFLOW_TRACKING_URI"].startswith("http://127.0.0.1:")
         assert task.env["RAY_ADDRESS"] == ray_head.url
         assert {k: task.env[k] for k in cluster.AUTH_KEYS} == planted.mlflow_auth()
-        pretrain = task.path.endswith("/pretrain")  # the one that submits Ray jobs
+        pretrain = task.path.endswith(("/pretrain", "/pretrain-phase2"))  # submit Ray jobs
         assert ("RAY_AUTH_TOKEN" in task.env) == pretrain, task.path
         finetune = task.path.endswith(("/finetune", "/distill"))  # the trainings: GPU nodes
         assert task.image == (TRAIN_IMAGE if finetune else cluster.IMAGE)
         assert (task.accelerator or {}).get("resourceCount") == ("0" if finetune else None)
         tolerations = cluster.GPU_TOLERATIONS if finetune else []
         assert task.placement == pod_env.Placement({}, tolerations), task.path
-    # pre-training went through the Ray Jobs API: the head ran the job, and the pod followed it
+    # pre-training went through the Ray Jobs API: the head ran both phases' jobs, the pods
+    # followed them; phase two's job read phase one's model from the run's storage, where its
+    # step uploaded it (no Ray worker can read a pod's folder)
     jobs = ray_head.jobs()
-    assert [j["status"] for j in jobs.values()] == ["SUCCEEDED"], jobs
+    assert [j["status"] for j in jobs.values()] == ["SUCCEEDED", "SUCCEEDED"], jobs
     assert "Ray job bert-pretrain-" in by_path[f"{BODY}/pretrain"].log.read_text()
+    phase2 = by_path[f"{PHASE2}/pretrain-phase2"]
+    start = f"{cluster.BUCKET}/ray/kfp-{harness.run_id}-phase2/init-model"
+    assert f"files of init-model to {start}" in phase2.log.read_text()
+    (job,) = [j for j in jobs.values() if "--init-model" in j["entrypoint"]]
+    assert f"--init-model {start}" in job["entrypoint"]
+    assert by_path[f"{PHASE2}/instances-2"].parameters["max_seq_length"] == 512
+    assert phase2.parameters["steps"] == RUNS["a"]["pretrain_phase2_steps"]
+    with pods_s3_env(harness.objects):  # its model's record: 512 positions trained
+        record = f"{cluster.BUCKET}/kfp/{harness.run_id}{PHASE2}/pretrain-phase2/pretrained"
+        with storage.local_copy(f"{record}/model/mlflow_run.json") as path:
+            assert json.loads(path.read_text())["trained_positions"] == 512
     clean = by_path[f"{BODY}/clean"].parameters
     assert clean["corpus"] == f"{cluster.BUCKET}/data/corpus"
     jobs = [by_path[f"{LOOP}[{i}]/finetune"].parameters["job"] for i in range(3)]
@@ -447,11 +481,11 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head, plant
     assert jobs[1]["data_digest"] == _digest(harness, f"{cluster.BUCKET}/data/glue/STS-B")
     # the student: SST-2's fine-tuned model taught to 1 layer of the run's pre-trained model,
     # keyed by the SST-2 data's digest (the loop item's field, through the selector); then int8
-    distill = by_path[f"{LOOP}[0]/condition-3/distill"].parameters
+    distill = by_path[f"{COMPRESS_BRANCH}/distill"].parameters
     assert distill["task"] == "SST-2" and distill["student_layers"] == 1
     assert distill["student"] == "pretrained"
     assert distill["data_digest"] == jobs[0]["data_digest"]
-    quantize = by_path[f"{LOOP}[0]/condition-3/quantize"].parameters
+    quantize = by_path[f"{COMPRESS_BRANCH}/quantize"].parameters
     assert quantize["data_digest"] == jobs[0]["data_digest"]
 
 
@@ -476,22 +510,24 @@ def test_a_rerun_is_cached_and_the_exit_handler_still_closes_the_run(
     state = harness.run(RUNS["a"])
     assert state == pod_harness.SUCCEEDED, _logs(harness)
     states = {t.path: t.state for t in harness.tasks}
-    uncached = {f"{BODY}/pipeline-run", f"{BODY}/finetune-jobs", f"{BODY}/evaluate"}
+    uncached = {f"{BODY}/pipeline-run", f"{BODY}/finetune-jobs", f"{PHASE2}/evaluate"}
     assert {p for p, s in states.items() if s == "COMPLETE"} == {*uncached, "/pipeline-end"}
     assert {p for p, s in states.items() if s == "CACHED"} == {
         f"{BODY}/clean",
         f"{BODY}/vocab",
         f"{BODY}/instances",
         f"{BODY}/pretrain",
+        f"{PHASE2}/instances-2",
+        f"{PHASE2}/pretrain-phase2",
         f"{LOOP}[0]/finetune",
         f"{LOOP}[1]/finetune",
         f"{LOOP}[2]/finetune",
-        f"{LOOP}[0]/condition-3/distill",
-        f"{LOOP}[0]/condition-3/quantize",
+        f"{COMPRESS_BRANCH}/distill",
+        f"{COMPRESS_BRANCH}/quantize",
     }
     keys = {t.path: t.cache_key for t in first.tasks}
     assert all(t.cache_key == keys[t.path] for t in harness.tasks if t.state == "CACHED")
-    assert len(ray_head.jobs()) == 1  # no second Ray job
+    assert len(ray_head.jobs()) == 2  # no new Ray job: the two phases' of the first run
     assert _end_state(harness) == "RUNNING"
     _, mlflow = servers
     parent = _parent(mlflow.url, harness)
@@ -530,6 +566,7 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     assert params["pretrain.steps"] == "20" and params["kfp.cluster_finetune_gpus"] == "0"
     assert params["kfp.cluster_train_image"] == TRAIN_IMAGE
     assert params["kfp.compress_task"] == "SST-2" and params["compress.student_layers"] == "1"
+    assert params["kfp.pretrain_phase2_steps"] == str(PHASE2_STEPS["pretrain_phase2_steps"])
     # the data inputs, with their content digests (mlflow.log_input's records)
     inputs = {d.dataset.name: d for d in parent.inputs.dataset_inputs}
     assert set(inputs) == {"corpus", "glue"}  # no token-level tasks: no token input
@@ -537,25 +574,38 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     assert inputs["corpus"].dataset.digest == clean.parameters["corpus_digest"]
     assert f"{cluster.BUCKET}/data/corpus" in inputs["corpus"].dataset.source
     assert {t.key: t.value for t in inputs["glue"].tags} == {"mlflow.data.context": "glue"}
-    steps = {r.data.tags["bert.step"]: r for r in lineage.child_runs(parent.info.run_id)}
-    assert set(steps) == {
-        "clean",
-        "vocab",
-        "instances",
-        "pretrain",
-        "finetune-SST-2",
-        "finetune-STS-B",
-        "finetune-SST-2-random",
-        "evaluate",
-        "distill-SST-2",
-        "quantize",
-    }
+    children = lineage.child_runs(parent.info.run_id)
+    steps = {r.info.run_name: r for r in children}
+    assert sorted(r.info.run_name for r in children) == sorted(
+        [
+            "clean",
+            "vocab",
+            "instances",
+            "pretrain",
+            "instances",  # phase two's, at 512 tokens (its max_seq_length tells it apart)
+            "pretrain (phase two, 512 tokens)",
+            "finetune-SST-2",
+            "finetune-STS-B",
+            "finetune-SST-2-random",
+            "evaluate",
+            "distill-SST-2",
+            "quantize",
+        ]
+    )
     assert steps["finetune-SST-2-random"].data.params["init"] == "random"
-    for run in steps.values():
+    for run in children:
         assert run.info.status == "FINISHED" and run.data.tags["kfp.run_id"] == harness.run_id
         assert run.data.tags["mlflow.source.git.commit"] == git_head()
     assert steps["clean"].data.params["input"] == f"{cluster.BUCKET}/data/corpus"
     assert steps["finetune-SST-2"].data.params["data"] == f"{cluster.BUCKET}/data/glue/SST-2"
+    phase2 = steps["pretrain (phase two, 512 tokens)"]
+    assert phase2.data.tags["bert.step"] == "pretrain"
+    assert phase2.data.tags["bert.start_from"] == "random init"  # phase one's: ours from scratch
+    assert (
+        steps["finetune-SST-2"]
+        .data.params["model"]
+        .endswith(f"{PHASE2}/pretrain-phase2/pretrained/model")
+    )
     evaluate = steps["evaluate"]
     assert -100 <= evaluate.data.metrics["eval/score"] <= 100
     table = client.download_artifacts(evaluate.info.run_id, "glue/glue_table.md")
@@ -564,8 +614,8 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     assert "| random init |" in markdown and "gain" in markdown, markdown  # the control's row
     assert "random_init/eval/SST-2/score" in evaluate.data.metrics
     # its pre-trained model, registered once (the other run registers its own)
-    versions = client.search_model_versions(f"name='{registry.PRETRAINED}'")
-    assert [v.run_id for v in versions].count(steps["pretrain"].info.run_id) == 1
+    versions = [v.run_id for v in client.search_model_versions(f"name='{registry.PRETRAINED}'")]
+    assert versions.count(steps["pretrain"].info.run_id) == versions.count(phase2.info.run_id) == 1
 
 
 @pytest.mark.slow
@@ -576,16 +626,18 @@ def test_outputs_are_artifacts_in_the_bucket_under_the_pipeline_root(pipeline_ru
     pages = harness.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
     keys = {o["Key"][len(prefix) :] for page in pages for o in page.get("Contents", [])}
     for key in (
-        "exit-handler-1/clean/cleaned/stats.json",
-        "exit-handler-1/vocab/wordpiece/vocab.txt",
-        "exit-handler-1/pretrain/pretrained/model/model.safetensors",
-        "exit-handler-1/for-loop-2[1]/finetune/finetuned/metrics.json",
-        "exit-handler-1/evaluate/table",
-        "exit-handler-1/for-loop-2[0]/condition-3/distill/distilled/model/model.safetensors",
-        "exit-handler-1/for-loop-2[0]/condition-3/quantize/quantized/metrics.json",
+        f"{BODY}/clean/cleaned/stats.json",
+        f"{BODY}/vocab/wordpiece/vocab.txt",
+        f"{BODY}/pretrain/pretrained/model/model.safetensors",
+        f"{PHASE2}/instances-2/shards/stats.json",
+        f"{PHASE2}/pretrain-phase2/pretrained/model/model.safetensors",
+        f"{LOOP}[1]/finetune/finetuned/metrics.json",
+        f"{PHASE2}/evaluate/table",
+        f"{COMPRESS_BRANCH}/distill/distilled/model/model.safetensors",
+        f"{COMPRESS_BRANCH}/quantize/quantized/metrics.json",
     ):
-        assert key in keys, sorted(keys)[:50]
-    body = harness.s3.get_object(Bucket=BUCKET, Key=f"{prefix}exit-handler-1/evaluate/table")
+        assert key.lstrip("/") in keys, sorted(keys)[:50]
+    body = harness.s3.get_object(Bucket=BUCKET, Key=f"{prefix}{PHASE2[1:]}/evaluate/table")
     assert "| STS-B |" in body["Body"].read().decode()
     # every pod ran in an empty working folder of its own, and no parameter named a local path
     for task in harness.tasks:
@@ -602,9 +654,11 @@ def _tasks(name: str) -> list[str]:
 
 
 def _steps(name: str) -> set[str]:
-    """The step runs (`bert.step`) a run of RUNS makes under its parent."""
+    """The names of the step runs a run of RUNS makes under its parent."""
     args = RUNS[name]
     steps = {"clean", "vocab", "instances", "pretrain", "evaluate"}
+    if args["pretrain_phase2_steps"]:  # and its instances at 512, a second `instances`
+        steps.add("pretrain (phase two, 512 tokens)")
     steps |= {f"finetune-{t}" for t in args["finetune_tasks"]}
     steps |= {f"finetune-{t}-random" for t in args["finetune_control_tasks"]}
     if args.get("compress_task", "none") != "none":
@@ -640,7 +694,7 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
     assert len(set(ids.values())) == len(RUNS)
     # at the same time: one after the other, they would take longer than their pods together
     assert runs.seconds < sum(t.seconds for h in runs.harnesses.values() for t in h.tasks)
-    loop = [f"{LOOP}[0]/finetune"]  # run b's one task (run a's pods: the test above)
+    loop_b, finetune_b, evaluate_b, _ = FINAL["b"]  # one phase (run a's pods: the test above)
     assert [t.path for t in runs.harnesses["b"].tasks] == [
         f"{BODY}/pipeline-run",
         f"{BODY}/finetune-jobs",
@@ -648,10 +702,11 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
         f"{BODY}/vocab",
         f"{BODY}/instances",
         f"{BODY}/pretrain",
-        *loop,
-        f"{BODY}/evaluate",
+        f"{loop_b}[0]/{finetune_b}",  # its one task
+        evaluate_b,
         "/pipeline-end",
     ]
+    assert _execution(runs.harnesses["b"], PHASE2).state == "CANCELED"
     for h in runs.harnesses.values():
         assert {t.state for t in h.tasks} == {pod_harness.COMPLETE}
         assert {t.env["KFP_RUN_ID"] for t in h.tasks} == {h.run_id}
@@ -665,14 +720,18 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
     }
     assert set(ids.values()) <= set(parents)  # one parent per KFP run (the rerun test's too)
     steps: dict[str, dict[str, Any]] = {kfp_id: {} for kfp_id in parents}
+    instances: dict[str, list] = {kfp_id: [] for kfp_id in parents}
     for run in found:  # every step run sits under the parent of its own KFP run, once
         if run.data.tags["bert.step"] != "pipeline":
             kfp_id = run.data.tags["kfp.run_id"]
             assert run.data.tags["mlflow.parentRunId"] == parents[kfp_id].info.run_id
-            assert run.data.tags["bert.step"] not in steps[kfp_id]
-            steps[kfp_id][run.data.tags["bert.step"]] = run
+            if run.info.run_name == "instances":  # phase two's has the same name
+                instances[kfp_id].append(run)
+            assert run.info.run_name not in steps[kfp_id] or run.info.run_name == "instances"
+            steps[kfp_id][run.info.run_name] = run
     versions = client.search_model_versions(f"name='{registry.PRETRAINED}'")
-    assert len(versions) == len(RUNS)  # one pre-trained model per run (the rerun is cached)
+    # a pre-trained model per run and phase (the rerun is cached)
+    assert len(versions) == sum(1 + bool(args["pretrain_phase2_steps"]) for args in RUNS.values())
     for name, args in RUNS.items():
         kfp_id, parent, own = ids[name], parents[ids[name]], steps[ids[name]]
         assert parent.info.status == "FINISHED"  # closed by its own exit handler
@@ -681,15 +740,19 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
         assert set(own) == _steps(name)
         assert {r.info.status for r in own.values()} == {"FINISHED"}
         assert own["pretrain"].data.params["steps"] == str(args["pretrain_steps"])
-        assert own["instances"].data.params["random_seed"] == str(args["instances_random_seed"])
+        lengths = sorted(int(r.data.params["max_seq_length"]) for r in instances[kfp_id])
+        assert lengths == ([64, 512] if args["pretrain_phase2_steps"] else [64])
+        seeds = {r.data.params["random_seed"] for r in instances[kfp_id]}
+        assert seeds == {str(args["instances_random_seed"])}
         (version,) = [v for v in versions if v.run_id == own["pretrain"].info.run_id]
         assert version.status == "READY"
-        prefix = f"kfp/{kfp_id}/exit-handler-1"
-        own_ids = {r.info.run_id for r in own.values()}
+        prefix, (loop, finetune, evaluate, final) = f"kfp/{kfp_id}", FINAL[name]
+        own_ids = {r.info.run_id for r in own.values()} | {r.info.run_id for r in instances[kfp_id]}
         for task in _tasks(name):
             params = own[f"finetune-{task}"].data.params
-            # fine-tuned from its own pipeline's pre-trained model, on its own task's data
-            assert params["model"].endswith(f"/{prefix}/pretrain/pretrained/model"), params
+            # fine-tuned from its own pipeline's pre-trained model (phase two's, when it ran)
+            # on its own task's data
+            assert params["model"].endswith(f"/{prefix}{final}/pretrained/model"), params
             assert params["data"] == f"{cluster.BUCKET}/data/glue/{task}"
             # its task's candidates: versions from this run's steps only
             pool = registry.candidates_of(registry.model_name(task))
@@ -704,7 +767,7 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
         # its artifacts: complete under its own prefix, the models load, its own checkpoints
         s3 = runs.harnesses[name].s3
         keys = set(_keys(s3, f"{prefix}/"))
-        pretrained = f"{prefix}/pretrain/pretrained"
+        pretrained = f"{prefix}{BODY}/pretrain/pretrained"
         for key in (
             "model/model.safetensors",
             "model/config.json",
@@ -712,7 +775,7 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
             "pretrain_metrics.csv",
         ):
             assert f"{pretrained}/{key}" in keys, sorted(keys)
-        assert f"{prefix}/evaluate/table" in keys
+        assert f"{prefix}{evaluate}/table" in keys
         with pods_s3_env(runs.harnesses[name].objects):
             with storage.local_copy(f"{cluster.BUCKET}/{pretrained}/model") as model:
                 BertForPreTraining.from_pretrained(model)
@@ -720,7 +783,7 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
         last = csv["Body"].read().decode().strip().splitlines()[-1]
         assert last.split(",")[0] == str(args["pretrain_steps"])  # trained its own steps
         for i, task in enumerate(_tasks(name)):
-            out = f"{prefix}/for-loop-2[{i}]/finetune/finetuned"
+            out = f"{prefix}{loop}[{i}]/{finetune}/finetuned"
             body = s3.get_object(Bucket=BUCKET, Key=f"{out}/metrics.json")["Body"].read()
             metrics = json.loads(body)
             assert metrics["task"] == task

@@ -6,6 +6,8 @@ CANCELED, fails nothing, and leaves its DAG unsettled)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from kfp import compiler
@@ -24,7 +26,8 @@ def spec(tmp_path_factory):
 
 
 def _conditions(path) -> dict[str, str]:
-    """Branch name -> its compiled trigger condition, over every DAG of the spec."""
+    """Branch name -> its compiled trigger condition, over every DAG of the spec (of branches
+    compiled twice, as the fan-out's in both branches of phase two, the last)."""
     (pipeline, *_) = yaml.safe_load_all(path.read_text())
     dags = [
         c["dag"]["tasks"]
@@ -66,12 +69,23 @@ def test_each_condition_the_sdk_compiles_evaluates_as_python_would(spec):
 )
 def test_the_pipelines_branches_run_for_the_named_job_only(branch, parameter):
     condition = _conditions(SPEC)[branch]
+    (finetune,) = re.findall(r"pipelinechannel--(finetune[-\d]*)-Output", condition)
+    output = f"pipelinechannel--{finetune}-Output"
     task = {f"pipelinechannel--{parameter}": "SST-2"}
     for job, runs in [("SST-2", True), ("SST-2 (random init)", False), ("STS-B", False)]:
-        params = task | {"pipelinechannel--finetune-Output": job}
-        assert kfp_cel.condition(condition, params) is runs
-    off = {f"pipelinechannel--{parameter}": "none", "pipelinechannel--finetune-Output": "SST-2"}
+        assert kfp_cel.condition(condition, task | {output: job}) is runs
+    off = {f"pipelinechannel--{parameter}": "none", output: "SST-2"}
     assert kfp_cel.condition(condition, off) is False
+
+
+def test_phase_two_runs_when_it_has_steps_and_its_other_branch_when_not():
+    """The pipeline's phase-two branch and its `dsl.Else`: exactly one runs, by the steps
+    given (the driver hands an int parameter to CEL as a double)."""
+    found = _conditions(SPEC)
+    for steps, phase2 in [(0, False), (0.0, False), (2000.0, True), (1, True)]:
+        params = {"pipelinechannel--pretrain_phase2_steps": steps}
+        assert kfp_cel.condition(found["phase2"], params) is phase2, steps
+        assert kfp_cel.condition(found["phase1-only"], params) is not phase2, steps
 
 
 def test_the_pipelines_selectors_read_a_fine_tuning_jobs_field():

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -52,16 +53,60 @@ def _load(path: Path) -> tuple[dict, dict]:
     return pipeline, platform
 
 
-def _container_tasks(spec: dict) -> dict[str, dict]:
-    """Every task that runs a container, by name (unique here), with its executor label."""
+def _container_tasks(spec: dict, branch: str = "phase2") -> dict[str, dict]:
+    """Every task that runs a container, by its display name (`pod`'s), with its executor label.
+    The fan-out is in both branches of phase two (`branch`: the one whose copy is returned;
+    `test_both_branches_hold_the_same_fan_out` checks that the copies are the same)."""
     components = spec["components"]
     out = {}
-    for c in [*components.values(), spec["root"]]:
-        for name, task in c.get("dag", {}).get("tasks", {}).items():
-            label = components[task["componentRef"]["name"]].get("executorLabel")
-            if label:
+
+    def walk(component: dict, where: str) -> None:
+        for task in component.get("dag", {}).get("tasks", {}).values():
+            name, sub = task["taskInfo"]["name"], components[task["componentRef"]["name"]]
+            if "dag" in sub:
+                if name in ("phase2", "phase1-only") and name != branch:
+                    continue
+                walk(sub, name)
+            elif label := sub.get("executorLabel"):
                 assert name not in out, name
                 out[name] = {**task, "executor": label}
+
+    walk(spec["root"], "")
+    return out
+
+
+def _branches(spec: dict) -> dict[str, dict]:
+    """Phase two's branches (`dsl.If` / `dsl.Else`) by display name: their task specs."""
+    body = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    (branches,) = [t for t in body.values() if t["taskInfo"]["name"].startswith("condition-")]
+    tasks = spec["components"][branches["componentRef"]["name"]]["dag"]["tasks"]
+    return {t["taskInfo"]["name"]: t for t in tasks.values()}
+
+
+@dataclass
+class FanOut:
+    """A branch's fine-tuning fan-out in the compiled spec: the loop task (`name`, `task`), the
+    tasks beside it in the branch, and those in each iteration (`body`), by spec name."""
+
+    name: str
+    task: dict
+    beside: dict[str, dict]
+    body: dict[str, dict]
+
+    def named(self, display: str) -> tuple[str, dict]:
+        """(spec name, task) of the iteration's task shown as `display`."""
+        (found,) = [(n, t) for n, t in self.body.items() if t["taskInfo"]["name"] == display]
+        return found
+
+
+def _fan_outs(spec: dict) -> dict[str, FanOut]:
+    """The fine-tuning fan-out of each branch of phase two, by the branch's display name."""
+    components, out = spec["components"], {}
+    for name, branch in _branches(spec).items():
+        tasks = components[branch["componentRef"]["name"]]["dag"]["tasks"]
+        ((loop, task),) = [(n, t) for n, t in tasks.items() if "parameterIterator" in t]
+        body = components[task["componentRef"]["name"]]["dag"]["tasks"]
+        out[name] = FanOut(loop, task, tasks, body)
     return out
 
 
@@ -99,15 +144,18 @@ def test_the_run_form_has_the_clusters_defaults_and_a_description_for_every_para
     for name, uri in cluster.DATA.items():
         assert uri.startswith(f"{cluster.BUCKET}/data") and inputs[name]["defaultValue"] == uri
     defaults = {name: param["defaultValue"] for name, param in inputs.items()}
-    # a first run that ends the same day (BERT-Small, 20k steps, a GLUE slice), changing only the
-    # data locations; the paper's BERT-Base run is the `paper` preset
+    # a first run that ends the same day (BERT-Small, 18k + 2k steps, a GLUE slice), changing
+    # only the data locations; the paper's BERT-Base run is the `paper` preset; both have the
+    # paper's two phases, 90 % of the steps at 128 tokens and 10 % at 512
     assert defaults["model_preset"] == "small" and defaults["pretrain_num_workers"] == 1
-    assert (defaults["pretrain_steps"], defaults["pretrain_batch_size"]) == (20_000, 256)
+    assert (defaults["pretrain_steps"], defaults["pretrain_batch_size"]) == (18_000, 256)
+    assert defaults["pretrain_phase2_steps"] == 2_000
     assert defaults["finetune_max_train_examples"] == 20_000
     assert "squad" not in defaults["finetune_token_tasks"]
     paper = dict(presets.runs("paper", {})[0][1])
     assert set(paper) <= set(defaults) and paper["model_preset"] == "base"
-    assert (paper["pretrain_steps"], paper["instances_dupe_factor"]) == (1_000_000, 10)
+    assert (paper["pretrain_steps"], paper["instances_dupe_factor"]) == (900_000, 10)
+    assert paper["pretrain_phase2_steps"] == 100_000
     assert paper["finetune_lr_sweep"] == "paper" and "squad" in paper["finetune_token_tasks"]
     assert defaults["cluster_train_image"] == cluster.CUDA_IMAGE
     assert defaults["cluster_finetune_gpus"] == "1" and defaults["pretrain_use_gpu"] is True
@@ -293,6 +341,8 @@ def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
         "vocab",
         "instances",
         "pretrain",
+        "instances-512",
+        "pretrain-phase2",
         "finetune",
         "evaluate",
         "distill",
@@ -301,7 +351,8 @@ def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
         "deploy",
         "pipeline-end",
     }
-    assert set(env) == {t["executor"] for t in tasks.values()}
+    both = [*tasks.values(), *_container_tasks(spec, "phase1-only").values()]
+    assert set(env) == {t["executor"] for t in both}  # the other branch's fan-out: its copy
     for name, task in tasks.items():
         pod = env[task["executor"]]
         on_gpus = name in ("finetune", "distill")
@@ -329,7 +380,7 @@ def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
         s3, *ray, auth = pod["secretAsEnv"]
         assert (s3["secretName"], s3["optional"]) == (cluster.SECRET, False), name
         assert [k["secretKey"] for k in s3["keyToEnv"]] == list(cluster.SECRET_KEYS)
-        if name == "pretrain":
+        if name in ("pretrain", "pretrain-phase2"):
             (ray,) = ray
             assert (ray["secretName"], ray["optional"]) == (cluster.RAY_AUTH_SECRET, False)
             assert [k["secretKey"] for k in ray["keyToEnv"]] == list(cluster.RAY_AUTH_KEYS)
@@ -428,8 +479,9 @@ def test_every_input_a_task_reads_is_declared_by_its_dag():
             for found in re.findall(r"'componentInputParameter': '([^']+)'", str(pods.get(label))):
                 assert found in declared["parameters"], (name, task_name, found)
     loops = [c for n, c in spec["components"].items() if n.startswith("comp-for-loop")]
-    assert len(loops) == 1  # one fan-out: every fine-tuning
-    assert "pipelinechannel--cluster_finetune_gpus" in loops[0]["inputDefinitions"]["parameters"]
+    assert len(loops) == 2  # one fan-out per branch of phase two: every fine-tuning
+    for loop in loops:
+        assert "pipelinechannel--cluster_finetune_gpus" in loop["inputDefinitions"]["parameters"]
 
 
 def test_one_fan_out_over_the_finetune_jobs_collected_into_evaluate():
@@ -451,22 +503,32 @@ def test_one_fan_out_over_the_finetune_jobs_collected_into_evaluate():
     }
     assert set(tasks["clean"]["dependentTasks"]) == {"pipeline-run", "finetune-jobs"}
     assert tasks["finetune-jobs"]["dependentTasks"] == ["pipeline-run"]
-    graph = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
-    (loop_name,) = [n for n, t in graph.items() if "parameterIterator" in t]
-    loop = graph[loop_name]
-    assert loop["taskInfo"]["name"] == "finetune"
     channel = "pipelinechannel--finetune-jobs-Output"
-    assert loop["parameterIterator"]["items"] == {"inputParameter": channel}
-    assert loop["inputs"]["parameters"][channel]["taskOutputParameter"] == {
+    for fan_out in _fan_outs(spec).values():
+        loop = fan_out.task
+        assert loop["taskInfo"]["name"] == "finetune"
+        assert loop["parameterIterator"]["items"] == {"inputParameter": channel}
+        assert loop["inputs"]["parameters"][channel] == {"componentInputParameter": channel}
+        finetune, task = fan_out.named("finetune")
+        assert task["inputs"]["parameters"]["job"] == {
+            "componentInputParameter": loop["parameterIterator"]["itemInput"]
+        }
+        beside = {t["taskInfo"]["name"]: t for t in fan_out.beside.values()}
+        assert set(beside["evaluate"]["inputs"]["artifacts"]) == {"results"}
+        assert beside["evaluate"]["inputs"]["artifacts"]["results"]["taskOutputArtifact"] == {
+            "outputArtifactKey": f"pipelinechannel--{finetune}-finetuned",
+            "producerTask": fan_out.name,
+        }
+    # the branches take the list from finetune-jobs, outside them
+    (branches,) = [
+        t
+        for t in spec["components"]["comp-exit-handler-1"]["dag"]["tasks"].values()
+        if t["taskInfo"]["name"].startswith("condition-branches")
+    ]
+    assert branches["inputs"]["parameters"][channel]["taskOutputParameter"] == {
         "outputParameterKey": "Output",
         "producerTask": "finetune-jobs",
     }
-    assert tasks["finetune"]["inputs"]["parameters"]["job"] == {
-        "componentInputParameter": loop["parameterIterator"]["itemInput"]
-    }
-    evaluate = graph["evaluate"]["inputs"]["artifacts"]
-    assert set(evaluate) == {"results"}
-    assert evaluate["results"]["taskOutputArtifact"]["producerTask"] == loop_name
     for name in ("pipeline-run", "finetune-jobs"):
         assert tasks[name]["cachingOptions"] == {}  # never cached: always fresh digests
 
@@ -484,19 +546,29 @@ def test_one_parameter_starts_the_run_from_a_public_checkpoint():
     assert not [k for k in PARAMETERS if k.startswith("public")]
 
 
+def _after_the_named_job(spec: dict, display: str, parameter: str) -> None:
+    """The branch shown as `display`, in each iteration of both fan-outs, runs after the
+    iteration's finetune when its output (the job's name) is `parameter`'s value."""
+    for fan_out in _fan_outs(spec).values():
+        finetune, _ = fan_out.named("finetune")
+        _, branch = fan_out.named(display)
+        assert branch["dependentTasks"] == [finetune]
+        assert branch["triggerPolicy"]["condition"] == (
+            f"inputs.parameter_values['pipelinechannel--{finetune}-Output'] == "
+            f"inputs.parameter_values['pipelinechannel--{parameter}']"
+        )
+        assert branch["inputs"]["parameters"][f"pipelinechannel--{finetune}-Output"] == {
+            "taskOutputParameter": {"outputParameterKey": "Output", "producerTask": finetune}
+        }
+
+
 def test_release_is_a_condition_in_each_fine_tuning_off_by_default():
     """promote -> deploy run in the iteration whose job is `deploy_task` ("none" by default:
     no job), promote on that iteration's own fine-tuned model (the candidate it registered,
     not the newest by then), deploy after it; neither cached (they act on the
     registry and the cluster as they are), each with its pod's resources."""
     spec, _ = _load(SPEC)
-    loop = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]
-    (branch,) = [t for t in loop.values() if t["taskInfo"]["name"] == "deploy"]
-    assert branch["dependentTasks"] == ["finetune"]
-    assert branch["triggerPolicy"]["condition"] == (
-        "inputs.parameter_values['pipelinechannel--finetune-Output'] == "
-        "inputs.parameter_values['pipelinechannel--deploy_task']"
-    )
+    _after_the_named_job(spec, "deploy", "deploy_task")
     tasks = _container_tasks(spec)
     promote, deploy = tasks["promote"], tasks["deploy"]
     assert promote["inputs"]["artifacts"]["finetuned"] == {
@@ -519,23 +591,14 @@ def test_compression_is_a_condition_in_each_fine_tuning_off_by_default():
     collected outputs), the student starts from the run's pre-trained model by default, and the
     task data's digest (the loop item's field, a parameterExpressionSelector) keys the cache."""
     spec, _ = _load(SPEC)
-    loop = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]
-    (branch,) = [t for t in loop.values() if t["taskInfo"]["name"] == "compress"]
-    assert branch["dependentTasks"] == ["finetune"]
-    assert branch["triggerPolicy"]["condition"] == (
-        "inputs.parameter_values['pipelinechannel--finetune-Output'] == "
-        "inputs.parameter_values['pipelinechannel--compress_task']"
-    )
-    assert branch["inputs"]["parameters"]["pipelinechannel--finetune-Output"] == {
-        "taskOutputParameter": {"outputParameterKey": "Output", "producerTask": "finetune"}
-    }
+    _after_the_named_job(spec, "compress", "compress_task")
     tasks = _container_tasks(spec)
     distill, quantize = tasks["distill"]["inputs"], tasks["quantize"]["inputs"]
     assert distill["artifacts"]["teacher"] == {
         "componentInputArtifact": "pipelinechannel--finetune-finetuned"
     }
-    assert distill["artifacts"]["pretrained"] == {
-        "componentInputArtifact": "pipelinechannel--pretrain-pretrained"
+    assert distill["artifacts"]["pretrained"] == {  # phase two's model, in its branch
+        "componentInputArtifact": "pipelinechannel--pretrain-phase2-pretrained"
     }
     assert quantize["artifacts"]["model"]["taskOutputArtifact"]["producerTask"] == "distill"
     for inputs in (distill, quantize):
@@ -555,15 +618,97 @@ def test_compression_is_a_condition_in_each_fine_tuning_off_by_default():
     assert names == ["SST-2", "SST-2 (random init)"]  # the control is no teacher; none: no job
 
 
-def test_pretrain_alone_is_retried_with_backoff():
-    tasks = _container_tasks(_load(SPEC)[0])
-    assert tasks["pretrain"]["retryPolicy"] == {
-        "maxRetryCount": 3,
-        "backoffDuration": "60s",
-        "backoffFactor": 2.0,
-        "backoffMaxDuration": "2592000s",  # Argo counts it from the first attempt: 30 days
+def test_phase_two_is_a_branch_on_by_default_whose_model_the_fan_out_fine_tunes():
+    """The paper's two phases: with pretrain_phase2_steps > 0 (the form's default, 10 % of its
+    steps), instances at 512 tokens from the same corpus and vocabulary, then pretrain-phase2
+    from phase one's model for that many steps, and the fan-out fine-tunes its model; with 0
+    (make run's, `local`'s), the other branch fine-tunes phase one's. Phase two takes its
+    shape and start from phase one's model, and no settings of its own but its steps."""
+    spec, _ = _load(SPEC)
+    branches = _branches(spec)
+    on = "int(inputs.parameter_values['pipelinechannel--pretrain_phase2_steps']) > 0"
+    assert branches["phase2"]["triggerPolicy"]["condition"] == on
+    assert branches["phase1-only"]["triggerPolicy"]["condition"] == f"!({on})"
+    phase2 = _container_tasks(spec)
+    instances = phase2["instances-512"]["inputs"]
+    assert instances["artifacts"] == {  # phase one's corpus and vocabulary
+        "cleaned": {"componentInputArtifact": "pipelinechannel--clean-cleaned"},
+        "wordpiece": {"componentInputArtifact": "pipelinechannel--vocab-wordpiece"},
     }
-    assert [n for n, t in tasks.items() if "retryPolicy" in t] == ["pretrain"]
+    for key, value in cluster.PHASE2_INSTANCES.items():
+        assert instances["parameters"][key] == {"runtimeValue": {"constant": value}}, key
+    assert (
+        cluster.PHASE2_INSTANCES["max_seq_length"],
+        cluster.PHASE2_INSTANCES["max_predictions_per_seq"],
+    ) == (512, 80)
+    inputs = phase2["pretrain-phase2"]["inputs"]
+    assert inputs["artifacts"]["phase1"] == {
+        "componentInputArtifact": "pipelinechannel--pretrain-pretrained"
+    }
+    assert inputs["artifacts"]["shards"]["taskOutputArtifact"]["outputArtifactKey"] == "shards"
+    assert inputs["parameters"]["steps"] == {
+        "componentInputParameter": "pipelinechannel--pretrain_phase2_steps"
+    }
+    assert set(inputs["parameters"]) == {
+        "steps",
+        "batch_size",
+        "num_workers",
+        "cpus_per_worker",
+        "learning_rate",
+        "use_gpu",
+        "objective",
+    }
+    reads = {
+        branch: _container_tasks(spec, branch)["finetune"]["inputs"]["artifacts"]["pretrained"]
+        for branch in branches
+    }
+    assert reads == {
+        "phase2": {"componentInputArtifact": "pipelinechannel--pretrain-phase2-pretrained"},
+        "phase1-only": {"componentInputArtifact": "pipelinechannel--pretrain-pretrained"},
+    }
+    assert DEFAULTS["pretrain_phase2_steps"] > 0 and "pretrain_phase2_steps" not in P
+
+
+def test_both_branches_hold_the_same_fan_out():
+    """The fan-out is written once (`fan_out`) and compiled into each branch: the copies differ
+    only in KFP's names for them (`finetune-2`, `exec-finetune-2`, ...) and in the model they
+    read, so every check of one branch's tasks holds for the other's."""
+    spec, platform = _load(SPEC)
+    executors = spec["deploymentSpec"]["executors"]
+    pods = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+    def copy_of(branch: str) -> dict[str, str]:
+        tasks = _container_tasks(spec, branch)
+        tasks = {k: t for k, t in tasks.items() if k in FAN_OUT}
+        return {
+            name: re.sub(
+                r"(finetune|evaluate|distill|quantize|promote|deploy|condition|for-loop)-\d+",
+                r"\1",
+                json.dumps([t, executors[t["executor"]], pods[t["executor"]]], sort_keys=True),
+            ).replace("pretrain-phase2-pretrained", "pretrain-pretrained")
+            for name, t in tasks.items()
+        }
+
+    assert copy_of("phase2") == copy_of("phase1-only")
+    assert set(copy_of("phase2")) == set(FAN_OUT)
+
+
+FAN_OUT = ("finetune", "distill", "quantize", "promote", "deploy", "evaluate")
+
+
+def test_pretraining_alone_is_retried_with_backoff():
+    tasks = _container_tasks(_load(SPEC)[0])
+    for name in ("pretrain", "pretrain-phase2"):
+        assert tasks[name]["retryPolicy"] == {
+            "maxRetryCount": 3,
+            "backoffDuration": "60s",
+            "backoffFactor": 2.0,
+            "backoffMaxDuration": "2592000s",  # Argo counts it from the first attempt: 30 days
+        }
+    assert sorted(n for n, t in tasks.items() if "retryPolicy" in t) == [
+        "pretrain",
+        "pretrain-phase2",
+    ]
 
 
 def test_caching_is_on_and_the_run_id_reaches_steps_outside_the_cache_key():
@@ -692,8 +837,12 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
         "quantize",
     }
     assert steps["distill-STS-B"].data.params["student_layers"] == "1"
-    distilled = "bert-pipeline-*/for-loop-*/distill/distilled/metrics.json"
-    (student,) = (tmp_path / "root").glob(distilled)  # in STS-B's iteration only
+    # one pre-training phase (`local`'s, make run's): the other branch's fan-out ran (KFP names
+    # its tasks `-2`), no phase two
+    (run_root,) = (tmp_path / "root").glob("bert-pipeline-*")
+    ran = {p.name for p in run_root.iterdir()}
+    assert "evaluate-2" in ran and not {"pretrain-phase2", "instances-2", "evaluate"} & ran, ran
+    (student,) = run_root.glob("for-loop-*/distill-2/distilled/metrics.json")  # STS-B's only
     assert json.loads(student.read_text())["student"]["layers"] == [0]  # 1 of 2: the first
     for run in steps.values():
         assert run.data.tags["kfp.run_id"] == kfp_run_id

@@ -212,6 +212,7 @@ def finetune(
     pretrained: Input[Model],
     job: dict,
     finetuned: Output[Model],
+    result: Output[Dataset],
     metrics: Output[Metrics],
 ) -> str:
     """bert finetune, one job of the run's fine-tuning fan-out (`finetune_jobs`):
@@ -223,11 +224,18 @@ def finetune(
     name ("SST-2", "SST-2 (random init)", "conll2003"): the pipeline's conditions for the
     compression and release steps compare it with `compress_task` and `deploy_task` (a
     condition on the loop item's field itself compiles wrong in kfp 2.17: to the constant
-    'Output-loop-item')."""
+    'Output-loop-item'). `result` is the output's metrics.json alone, in a folder of its own: what
+    evaluate reads (the launcher downloads every input artifact whole, and a model is hundreds
+    of MB)."""
+    import os
+    import shutil
+
     from bert_core.cli import kfp_metrics, kfp_step
 
     model = ["--model", f"{pretrained.path}/model", "--output", finetuned.path]
     kfp_step(["finetune", *job["options"], *model])
+    os.makedirs(result.path, exist_ok=True)
+    shutil.copyfile(f"{finetuned.path}/metrics.json", f"{result.path}/metrics.json")
     for name, value in kfp_metrics(f"{finetuned.path}/metrics.json").items():
         metrics.log_metric(name, value)
     return job["name"]
@@ -235,15 +243,16 @@ def finetune(
 
 @component
 def evaluate(
-    results: Input[List[Model]],  # noqa: UP006
+    results: Input[List[Dataset]],  # noqa: UP006
     glue: Output[Dataset],
     table: Output[Markdown],
     metrics: Output[Metrics],
 ):
-    """bert evaluate over every fine-tuned model of the run: the GLUE table (rendered by the KFP
-    UI as Markdown) and the GLUE score, a "random init" row and the gain when the control ran,
-    NER / SQuAD rows when token-level tasks ran (evaluate groups the folders into systems by
-    their init). The metrics are the evaluate step's MLflow metrics (percent, named by role)."""
+    """bert evaluate over every fine-tuning of the run (`results`: each one's metrics.json, not
+    its model): the GLUE table (rendered by the KFP UI as Markdown) and the GLUE score, a
+    "random init" row and the gain when the control ran, NER / SQuAD rows when token-level
+    tasks ran (evaluate groups the folders into systems by their init). The metrics are the
+    evaluate step's MLflow metrics (percent, named by role)."""
     import shutil
 
     from bert_core.cli import kfp_metrics, kfp_step

@@ -432,7 +432,7 @@ def fan_out(dsl, steps, s: dict[str, Any], jobs, pre) -> None:
             release(steps, s, ft)
     # never cached: each run's MLflow parent gets its own table (and the exit handler
     # reads this step's run to tell a finished run, lineage.end_status)
-    ev = steps.evaluate(results=dsl.Collected(ft.outputs["finetuned"]))
+    ev = steps.evaluate(results=dsl.Collected(ft.outputs["result"]))  # metrics.json, no model
     pod(ev, "evaluate").set_caching_options(False)
 
 

@@ -487,6 +487,11 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head, plant
     assert distill["data_digest"] == jobs[0]["data_digest"]
     quantize = by_path[f"{COMPRESS_BRANCH}/quantize"].parameters
     assert quantize["data_digest"] == jobs[0]["data_digest"]
+    # evaluate's pod got each fine-tuning's metrics.json, not its model (the launcher downloads
+    # an input artifact whole)
+    got = [p for p in (by_path[f"{PHASE2}/evaluate"].log.parent / "s3").rglob("*") if p.is_file()]
+    assert sorted(p.name for p in got if "result" in p.parts) == ["metrics.json"] * 3
+    assert not [p for p in got if p.suffix == ".safetensors"]  # its own outputs are the rest
 
 
 @pytest.mark.slow

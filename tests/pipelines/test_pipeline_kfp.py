@@ -488,7 +488,8 @@ def test_one_fan_out_over_the_finetune_jobs_collected_into_evaluate():
     """KFP's cache key sees a step's parameter values, not the data behind a URI: the uncached
     first task outputs the corpus digest (clean's input), the uncached `finetune-jobs` the
     fine-tuning jobs, each with its data's digest, which the one ParallelFor hands whole to the
-    finetune component; its models are collected into evaluate. Nothing starts before both."""
+    finetune component; its results (each one's metrics.json, not its model: the launcher
+    downloads an input whole) are collected into evaluate. Nothing starts before both."""
     spec, _ = _load(SPEC)
     outputs = spec["components"]["comp-pipeline-run"]["outputDefinitions"]["parameters"]
     assert set(outputs) == {"corpus_digest", "glue_digest", "token_digest"}
@@ -516,7 +517,7 @@ def test_one_fan_out_over_the_finetune_jobs_collected_into_evaluate():
         beside = {t["taskInfo"]["name"]: t for t in fan_out.beside.values()}
         assert set(beside["evaluate"]["inputs"]["artifacts"]) == {"results"}
         assert beside["evaluate"]["inputs"]["artifacts"]["results"]["taskOutputArtifact"] == {
-            "outputArtifactKey": f"pipelinechannel--{finetune}-finetuned",
+            "outputArtifactKey": f"pipelinechannel--{finetune}-result",  # metrics.json only
             "producerTask": fan_out.name,
         }
     # the branches take the list from finetune-jobs, outside them

@@ -47,7 +47,7 @@ from bert_core.pretrain.channel import Progress
 from bert_core.pretrain.checks import check_inputs, check_output, check_ray_address
 from bert_core.pretrain.config import OUTPUT_FILES, PretrainConfig, build_parser, parse_args
 from bert_core.pretrain.local_ray import init_local_ray
-from bert_core.pretrain.shards import seq_length, shards
+from bert_core.pretrain.shards import longest_sequence
 from bert_core.pretrain.state import HELDOUT_COLUMNS, load_state, write_metrics_csv
 from bert_core.storage import (
     check_apart,
@@ -170,30 +170,30 @@ def start_of(init_model: str | None) -> str:
     return init_model
 
 
-def run_name(start_from: str, init_model: str | None, instances: str) -> str:
+def run_name(start_from: str, init_model: str | None, longest: int) -> str:
     """The MLflow run's name: "pretrain" from scratch; else what it continues, so that a
-    pipeline run's phase two and a public checkpoint's continued pre-training are told apart
-    from phase one in the runs list (the step tag stays `pretrain`)."""
+    pipeline run's phase two (at the instances' `longest` sequence) and a public checkpoint's
+    continued pre-training are told apart from phase one in the runs list (the step tag stays
+    `pretrain`)."""
     if start_from != "random init":
         return f"pretrain ({start_from}, continued)"
     if init_model:
-        longest = max(seq_length(meta) for _, meta in shards(instances))
         return f"pretrain (phase two, {longest} tokens)"
     return "pretrain"
 
 
-def positions_trained(instances: str, init_model: str | None, start_from: str) -> dict[str, int]:
+def positions_trained(longest: int, init_model: str | None, start_from: str) -> dict[str, int]:
     """For the model's record: `trained_positions`, the longest sequence its position embeddings
-    have been pre-trained at: this run's instances', or the init model's record's when longer
-    (phase two at 512 continues phase one at 128). `bert finetune` warns past it: the paper's
-    90 % of steps at 128 tokens leave positions 128-511 to its last 10 % at 512. Nothing for a
-    public checkpoint's lineage: what it was pre-trained at is not in our records."""
+    have been pre-trained at: this run's instances' (`longest`), or the init model's record's
+    when longer (phase two at 512 continues phase one at 128). `bert finetune` warns past it:
+    the paper's 90 % of steps at 128 tokens leave positions 128-511 to its last 10 % at 512.
+    Nothing for a public checkpoint's lineage: what it was pre-trained at is not in our
+    records."""
     if start_from != "random init":
         return {}
     earlier = 0
     if init_model and (record := Path(init_model) / RUN_RECORD).is_file():
         earlier = json.loads(record.read_text()).get("trained_positions", 0)
-    longest = max(seq_length(meta) for _, meta in shards(instances))
     return {"trained_positions": max(earlier, longest)}
 
 
@@ -231,7 +231,8 @@ def _pretrain(cfg: PretrainConfig, init_model: str | None) -> dict[str, Any]:
         cfg.init_model = _local(cfg.init_model)
     _init_ray(cfg)
     tags = {"bert.storage_path": storage, "bert.start_from": start_from}
-    name = run_name(start_from, init_model, cfg.instances)
+    longest = longest_sequence(cfg.instances)  # for the run's name and the model's record
+    name = run_name(start_from, init_model, longest)
     with (
         tracking.start_run("pretrain", cfg, tags=tags, name=name) as run,
         _output_folder(cfg.output) as out,
@@ -254,7 +255,7 @@ def _pretrain(cfg: PretrainConfig, init_model: str | None) -> dict[str, Any]:
         if result.checkpoint is None:
             raise BertError(f"the run under {storage}/{cfg.run_name} produced no checkpoint")
         record = {"run_id": run.info.run_id, "start_from": start_from}
-        record |= positions_trained(cfg.instances, init_model, start_from)
+        record |= positions_trained(longest, init_model, start_from)
         summary = _finish(cfg, result.checkpoint, out, record)
         if exists(exports := exports_path(storage, cfg)):  # --export-every/-steps' models
             copy(exports, out / "exports")

@@ -92,6 +92,11 @@ def seq_length(shard: pq.ParquetFile) -> int:
     return int(pc.max(pc.list_value_length(ids)).as_py() or 0)
 
 
+def longest_sequence(instances_dir: str | Path) -> int:
+    """The longest sequence any shard of `instances_dir` may hold (`seq_length`'s, over all)."""
+    return max(seq_length(meta) for _, meta in shards(instances_dir))
+
+
 def check_seq_length(instances_dir: str | Path, max_positions: int, model: str) -> None:
     """Every shard's sequences fit the model's positions; checked before Ray starts, since a
     longer sequence fails only in a worker's first forward pass, as a traceback."""

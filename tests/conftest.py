@@ -7,7 +7,6 @@ import http.server
 import os
 import resource
 import threading
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,10 +28,7 @@ WHOLE_RUNS = {"dvc_run", "runs"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Test files with the most slow tests first, each file's tests in their own order: `make
-    test` runs two xdist workers a file each (`--dist loadfile`), so the long files start at
-    once and the short ones fill in at the end, instead of one long file running alone last."""
-    # a test on a whole-DAG run is slow, or `make check` (-m "not slow") pays for the run
+    """A test on a whole-DAG run is slow, or `make check` (-m "not slow") pays for the run."""
     unmarked = [
         item.nodeid
         for item in items
@@ -41,10 +37,6 @@ def pytest_collection_modifyitems(config, items):
     ]
     if unmarked:
         raise pytest.UsageError(f"mark these slow, they read a whole-DAG run: {unmarked}")
-    # slow test functions per file: a parametrized one counts once (one fixture, short cases)
-    functions = {(i.path, i.originalname) for i in items if i.get_closest_marker("slow")}
-    slow = Counter(path for path, _ in functions)
-    items.sort(key=lambda item: -slow[item.path])  # stable: files stay whole and in order
 
 
 BUDGET_S = {"slow": 90.0, "other": 10.0}  # a test's set-up + call + tear-down, issue #42

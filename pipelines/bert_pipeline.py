@@ -187,6 +187,10 @@ PARAMETERS = {
     "(Hinton et al.).",
     "compress_alpha": "[compression] Weight of the teacher's soft targets in the student's loss "
     "(1 - alpha on the labels).",
+    "compress_epochs": "[compression] Epochs the student trains (its batch size, lengths and "
+    "examples are the fine-tunings').",
+    "compress_learning_rate": "[compression] The student's peak learning rate (a small student "
+    "takes a larger one than its teacher).",
     "deploy_task": "[serving] none: nothing deployed; or a task of finetune_tasks: this run's "
     "fine-tuned model becomes its champion if its dev score beats the champion's (promote), and "
     "the champion is served as a KServe InferenceService in namespace bert, a canary beside the "
@@ -350,6 +354,8 @@ def build_pipeline():
         compress_student_layers: int = D["compress_student_layers"],
         compress_temperature: float = D["compress_temperature"],
         compress_alpha: float = D["compress_alpha"],
+        compress_epochs: int = D["compress_epochs"],
+        compress_learning_rate: float = D["compress_learning_rate"],
         deploy_task: str = D["deploy_task"],
         cluster_train_image: str = D["cluster_train_image"],
         cluster_finetune_gpus: str = D["cluster_finetune_gpus"],
@@ -460,8 +466,9 @@ def release(steps, s: dict[str, Any], ft) -> None:
         task.set_caching_options(False)
 
 
-# the fine-tuning settings a student trains with (bert distill's, as dvc.yaml's stage passes them)
-DISTILL_FINETUNE = ("epochs", "batch_size", "learning_rate", "max_seq_length", "max_train_examples")
+# the fine-tuning settings a student trains with (bert distill's, as dvc.yaml's stage passes them;
+# its epochs and learning rate are compress_*)
+DISTILL_FINETUNE = ("batch_size", "max_seq_length", "max_train_examples")
 
 
 def on_gpu_nodes(task, s: Mapping[str, Any]) -> None:

@@ -136,6 +136,8 @@ SETTINGS = {
     "compress_student_layers": 6,
     "compress_temperature": 2.0,
     "compress_alpha": 0.5,
+    "compress_epochs": 3,
+    "compress_learning_rate": 1e-4,
     "deploy_task": "none",
     "cluster_train_image": CUDA_IMAGE,
     # text, not a number: the backend fills a GPU count only from a STRING parameter; a number

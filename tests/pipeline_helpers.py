@@ -35,6 +35,7 @@ SMALL = {
     "instances": {"max_seq_length": 64},
     "pretrain": {"steps": 20, "batch_size": 16, "num_workers": 1},
     "finetune": {"epochs": 1, "max_train_examples": 64, "max_seq_length": 64},
+    "compress": {"epochs": 1},
 }
 
 

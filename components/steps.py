@@ -107,8 +107,12 @@ def instances(
     random_seed: int,
     masking_recipe: str,
     shards: Output[Dataset],
-):
-    """bert instances: MLM/NSP pre-training instances as Parquet shards."""
+) -> str:
+    """bert instances: MLM/NSP pre-training instances as Parquet shards. Returns their URI (in
+    the pipeline root's bucket on a cluster), which the pre-training steps take instead of the
+    artifact: KFP's launcher downloads every input artifact whole into the pod
+    (backend/src/v2/component/launcher_v2.go, downloadArtifacts), and a pre-training pod only
+    hands the instances to Ray, whose workers read them from the bucket where they are."""
     from bert_core.cli import kfp_step
 
     kfp_step(
@@ -118,11 +122,12 @@ def instances(
         + ["--masked-lm-prob", masked_lm_prob, "--dupe-factor", dupe_factor]
         + ["--random-seed", random_seed, "--masking-recipe", masking_recipe]
     )
+    return shards.uri
 
 
 @component
 def pretrain(
-    shards: Input[Dataset],
+    shards: str,
     preset: str,
     num_layers: int,
     hidden_size: int,
@@ -140,7 +145,8 @@ def pretrain(
     pretrained: Output[Model],
     metrics: Output[Metrics],
 ):
-    """bert pretrain (Ray Train); the model is logged and registered in MLflow. The shape:
+    """bert pretrain (Ray Train) on the instances at the URI `shards` (the instances step's
+    output, read in place); the model is logged and registered in MLflow. The shape:
     `preset`, each of the numbers in its place when not 0. `init_model`:
     none (from scratch) or the public checkpoint whose pre-training continues (the vocab step
     gave the instances its vocabulary).
@@ -156,7 +162,7 @@ def pretrain(
 
     kfp_run = os.environ.get("KFP_RUN_ID", "")  # the pod's env, not an input: see above
     kfp_step(
-        ["pretrain", "--instances", shards.path, "--output", pretrained.path, "--preset", preset]
+        ["pretrain", "--instances", shards, "--output", pretrained.path, "--preset", preset]
         + ["--num-layers", num_layers, "--hidden-size", hidden_size, "--num-heads", num_heads]
         + ["--intermediate-size", intermediate_size]
         + ["--steps", steps, "--batch-size", batch_size, "--num-workers", num_workers]
@@ -172,7 +178,7 @@ def pretrain(
 
 @component
 def pretrain_phase2(
-    shards: Input[Dataset],
+    shards: str,
     phase1: Input[Model],
     steps: int,
     batch_size: int,
@@ -184,18 +190,18 @@ def pretrain_phase2(
     pretrained: Output[Model],
     metrics: Output[Metrics],
 ):
-    """bert pretrain again, the paper's phase two: `steps` more steps on the longer `shards`
-    from phase one's model (its shape and vocabulary are that model's); logged and registered as
-    `pretrain` is. Its Ray run is `kfp-<KFP_RUN_ID>-phase2`, so its checkpoints are apart from
-    phase one's; as a Ray job, phase one's model reaches the workers through the run's storage
-    (bert_core.pretrain.ray_jobs)."""
+    """bert pretrain again, the paper's phase two: `steps` more steps on the longer instances at
+    the URI `shards` from phase one's model (its shape and vocabulary are that model's); logged
+    and registered as `pretrain` is. Its Ray run is `kfp-<KFP_RUN_ID>-phase2`, so its
+    checkpoints are apart from phase one's; as a Ray job, phase one's model reaches the workers
+    through the run's storage (bert_core.pretrain.ray_jobs)."""
     import os
 
     from bert_core.cli import kfp_register_pretrained, kfp_step
 
     kfp_run = os.environ.get("KFP_RUN_ID", "")  # the pod's env, not an input: see above
     kfp_step(
-        ["pretrain", "--instances", shards.path, "--output", pretrained.path]
+        ["pretrain", "--instances", shards, "--output", pretrained.path]
         + ["--init-model", f"{phase1.path}/model"]
         + ["--steps", steps, "--batch-size", batch_size, "--num-workers", num_workers]
         + ["--cpus-per-worker", cpus_per_worker]

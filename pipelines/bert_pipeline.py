@@ -393,7 +393,7 @@ def dag(dsl, steps, s: dict[str, Any]) -> None:
         pod(ins, "instances")
         # the shape and the run (phase two's steps are its own step's)
         pretrain = {**section(s, "model"), **section(s, "pretrain", leave_out=["phase2_steps"])}
-        pre = steps.pretrain(shards=ins.outputs["shards"], **pretrain)
+        pre = steps.pretrain(shards=ins.outputs["Output"], **pretrain)  # the URI: read in place
         ray_auth = (cluster.RAY_AUTH_SECRET, cluster.RAY_AUTH_KEYS)
         pod(pre, "pretrain", secrets=[ray_auth]).set_retry(**PRETRAIN_RETRY)
         # The paper's phase two, on when pretrain_phase2_steps > 0: the fan-out fine-tunes its
@@ -408,7 +408,7 @@ def dag(dsl, steps, s: dict[str, Any]) -> None:
             pod(ins2, "instances-512")
             phase2 = section(s, "pretrain", leave_out=PHASE1_ONLY)
             pre2 = steps.pretrain_phase2(
-                shards=ins2.outputs["shards"],
+                shards=ins2.outputs["Output"],
                 phase1=pre.outputs["pretrained"],
                 steps=s["pretrain_phase2_steps"],
                 **phase2,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -461,6 +462,16 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head, plant
     assert f"files of init-model to {start}" in phase2.log.read_text()
     (job,) = [j for j in jobs.values() if "--init-model" in j["entrypoint"]]
     assert f"--init-model {start}" in job["entrypoint"]
+    # both jobs read their instances where the instances steps wrote them, under the pipeline
+    # root: the pre-training pods took the URI, downloaded no shard and copied none to Ray
+    root = f"{cluster.BUCKET}/kfp/{harness.run_id}"
+    for job in jobs.values():
+        argv = shlex.split(job["entrypoint"])
+        step = f"{PHASE2}/instances-2" if "--init-model" in argv else f"{BODY}/instances"
+        assert argv[argv.index("--instances") + 1] == f"{root}{step}/shards", argv
+    for task in (by_path[f"{BODY}/pretrain"], phase2):
+        assert not list((task.log.parent / "s3").rglob("*.parquet")), task.path
+        assert "files of instances" not in task.log.read_text(), task.path
     assert by_path[f"{PHASE2}/instances-2"].parameters["max_seq_length"] == 512
     assert phase2.parameters["steps"] == RUNS["a"]["pretrain_phase2_steps"]
     with pods_s3_env(harness.objects):  # its model's record: 512 positions trained

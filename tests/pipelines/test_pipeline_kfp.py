@@ -646,11 +646,20 @@ def test_phase_two_is_a_branch_on_by_default_whose_model_the_fan_out_fine_tunes(
     assert inputs["artifacts"]["phase1"] == {
         "componentInputArtifact": "pipelinechannel--pretrain-pretrained"
     }
-    assert inputs["artifacts"]["shards"]["taskOutputArtifact"]["outputArtifactKey"] == "shards"
+    # the instances' URI, not the artifact: the launcher would download every shard into the pod
+    assert set(inputs["artifacts"]) == {"phase1"}
+    first = _container_tasks(spec)["pretrain"]["inputs"]
+    assert "artifacts" not in first and first["parameters"]["shards"] == {
+        "taskOutputParameter": {"producerTask": "instances", "outputParameterKey": "Output"}
+    }
+    assert inputs["parameters"]["shards"] == {
+        "taskOutputParameter": {"producerTask": "instances-2", "outputParameterKey": "Output"}
+    }
     assert inputs["parameters"]["steps"] == {
         "componentInputParameter": "pipelinechannel--pretrain_phase2_steps"
     }
     assert set(inputs["parameters"]) == {
+        "shards",
         "steps",
         "batch_size",
         "num_workers",

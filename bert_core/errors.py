@@ -45,6 +45,20 @@ class InputError(BertError, ValueError):
         return type(self), (self.path, self.message, self.line)
 
 
+def renamed(e: BertError, old: str, new: str) -> None:
+    """`e` naming `new` where it named `old`: its message, and an InputError's file and message
+    (what it is rebuilt from across processes). For an error about a temporary copy of an input
+    (`storage.local_copy`), which should name the input the user gave."""
+
+    def named(part: object) -> object:
+        return part.replace(old, new) if isinstance(part, str) else part
+
+    e.args = tuple(named(a) for a in e.args)
+    for attribute in ("path", "message"):
+        if hasattr(e, attribute):
+            setattr(e, attribute, named(getattr(e, attribute)))
+
+
 class BadValue(BertError, ValueError):
     """A setting or value the command cannot use. Also a ValueError, so a check that catches
     ValueError (a config's own checks, a parser's) still catches it."""

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
-from bert_core.errors import NO_ROOM, BertError, NotFound, atomic_dir, atomic_file
+from bert_core.errors import NO_ROOM, BertError, NotFound, atomic_dir, atomic_file, renamed
 from bert_core.tracking import check_tracking, tracking_uri
 
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")
@@ -179,7 +179,8 @@ def local_copy(uri: str | os.PathLike, siblings: tuple[str, ...] = ()) -> Iterat
     """A local path holding `uri`'s data for the duration: a local path itself (untouched, not
     copied), an s3:// object or prefix downloaded to a temporary folder under its own name (so a
     file keeps its suffix) and removed afterwards, with the files named in `siblings` found
-    beside it (e.g. a vocab.txt's tokenizer_config.json). Missing data raises `not_found`."""
+    beside it (e.g. a vocab.txt's tokenizer_config.json). Missing data raises `not_found`; a
+    `BertError` raised while the copy is in use names `uri`, not the copy (gone when read)."""
     if not is_s3(uri):
         if not Path(uri).exists():
             raise not_found(uri)
@@ -203,7 +204,11 @@ def local_copy(uri: str | os.PathLike, siblings: tuple[str, ...] = ()) -> Iterat
                 near = f"{PurePosixPath(path).parent}/{name}"
                 if fs.get_file_info(near).type == pafs.FileType.File:
                     pafs.copy_files(near, str(dest.parent / name), fs, local)
-        yield dest
+        try:
+            yield dest
+        except BertError as e:
+            renamed(e, str(dest), str(uri))
+            raise
 
 
 @contextmanager
@@ -383,18 +388,12 @@ def copy(src: str | os.PathLike, dst: str | os.PathLike) -> int:
         info = src_fs.get_file_info(src_path)
     if info.type == pafs.FileType.NotFound:
         raise not_found(src)
-    if info.type == pafs.FileType.File:
-        files = [(src_path, dst_path)]
-    else:
+    folder, files = info.type != pafs.FileType.File, 1
+    if folder:
         found = src_fs.get_file_info(pafs.FileSelector(src_path, recursive=True))
-        files = [
-            (f.path, dst_path + f.path[len(src_path) :])
-            for f in found
-            if f.type == pafs.FileType.File
-        ]
-    for s, d in files:
-        if not is_s3(dst):  # object stores have no folders to create
-            os.makedirs(os.path.dirname(d) or ".", exist_ok=True)
-        with s3_errors(dst if is_s3(dst) else src, f"copying {src} to {dst}"):
-            pafs.copy_files(s, d, source_filesystem=src_fs, destination_filesystem=dst_fs)
-    return len(files)
+        files = sum(f.type == pafs.FileType.File for f in found)
+    if not is_s3(dst):  # pyarrow makes a folder's subfolders, not the destination's own
+        (Path(dst_path) if folder else Path(dst_path).parent).mkdir(parents=True, exist_ok=True)
+    with s3_errors(dst if is_s3(dst) else src, f"copying {src} to {dst}"):
+        pafs.copy_files(src_path, dst_path, source_filesystem=src_fs, destination_filesystem=dst_fs)
+    return files

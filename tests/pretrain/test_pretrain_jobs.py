@@ -22,6 +22,7 @@ import pytest
 from safetensors.torch import load_file
 
 from bert_core import storage as st
+from bert_core.errors import BertError, InputError
 from bert_core.model.modeling import BertConfig, BertForPreTraining
 from bert_core.pretrain import command as pt
 from bert_core.pretrain import ray_jobs, worker
@@ -155,6 +156,8 @@ def test_copy_between_local_and_s3(s3, tmp_path, monkeypatch):
     assert st.copy(f"s3://{BUCKET}/copy/model", tmp_path / "back") == 2
     back = tmp_path / "back" / "sub" / "w.bin"
     assert back.read_bytes() == (src / "sub" / "w.bin").read_bytes()
+    assert st.copy(f"s3://{BUCKET}/copy/model/sub", tmp_path / "flat") == 1  # no subfolder
+    assert (tmp_path / "flat" / "w.bin").read_bytes() == back.read_bytes()
     st.copy(src / "config.json", f"s3://{BUCKET}/copy/one.json")
     st.copy(f"s3://{BUCKET}/copy/one.json", tmp_path / "deep" / "one.json")
     assert (tmp_path / "deep" / "one.json").read_text() == "{}"
@@ -185,6 +188,27 @@ def test_a_local_init_model_reaches_the_workers_through_the_bucket(s3, tmp_path,
     assert built.state_dict()[weight].equal(load_file(phase1 / "model.safetensors")[weight])
     local = ray_jobs.job_config(cfg, str(tmp_path / "ray"))  # a Ray on this machine
     assert local.init_model == str(phase1)
+
+
+def test_a_bad_s3_init_model_is_named_by_its_uri(s3, tiny_instances, tmp_path, monkeypatch):
+    """The checks read an s3:// --init-model in a temporary copy (`storage.local_copy`): their
+    error names the URI the user gave, not that copy, gone when the message is read."""
+    for key, value in s3[1].items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    model = f"s3://{BUCKET}/no-model"
+    (tmp_path / "notes.txt").write_text("not a model")
+    st.copy(tmp_path / "notes.txt", f"{model}/notes.txt")
+    with pytest.raises(BertError) as error:
+        pt.pretrain(PretrainConfig(instances=str(tiny_instances), output="o", init_model=model))
+    assert model in str(error.value) and "bert-s3-" not in str(error.value), error.value
+    with pytest.raises(InputError) as error, st.local_copy(model) as copy:  # an InputError's parts
+        raise InputError(copy / "config.json", "not JSON", line=3)
+    assert (error.value.path, str(error.value)) == (
+        f"{model}/config.json",
+        f"{model}/config.json:3: not JSON",
+    )
 
 
 @pytest.fixture(scope="module")

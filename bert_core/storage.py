@@ -75,15 +75,16 @@ def s3_client(connect_timeout: float = 60, retries: int = 5):
 
 
 def filesystem(path: str | os.PathLike):
-    """(pyarrow FileSystem, path inside it) for a local path or an s3:// URI.
-
-    Pass the pair to pyarrow.parquet / pyarrow.dataset, or to Ray Train as
-    `RunConfig(storage_path=..., storage_filesystem=...)`, so shards and checkpoints go to the
-    same endpoint as DVC and MLflow even when only MLFLOW_S3_ENDPOINT_URL is set.
-    """
+    """(pyarrow FileSystem, path inside it) for a local path or an s3:// URI; another scheme is
+    refused (e.g. minio://, KFP's own artifact store). Pass the pair to pyarrow.parquet /
+    pyarrow.dataset, or to Ray Train as `RunConfig(storage_path=..., storage_filesystem=...)`, so
+    shards and checkpoints go to the same endpoint as DVC and MLflow even when only
+    MLFLOW_S3_ENDPOINT_URL is set."""
     import pyarrow.fs as pafs
 
     if not is_s3(path):
+        if "://" in str(path):
+            raise BertError(f"{path}: not a local path or an s3:// URI")
         return pafs.LocalFileSystem(), os.fspath(path)
     bucket, key = split_s3(str(path))
     endpoint = s3_endpoint()

@@ -192,7 +192,8 @@ def test_a_local_init_model_reaches_the_workers_through_the_bucket(s3, tmp_path,
 
 def test_a_bad_s3_init_model_is_named_by_its_uri(s3, tiny_instances, tmp_path, monkeypatch):
     """The checks read an s3:// --init-model in a temporary copy (`storage.local_copy`): their
-    error names the URI the user gave, not that copy, gone when the message is read."""
+    error names the URI the user gave, not that copy, gone when the message is read. A URI of
+    another scheme is refused by name, not read as a local path."""
     for key, value in s3[1].items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
@@ -203,6 +204,10 @@ def test_a_bad_s3_init_model_is_named_by_its_uri(s3, tiny_instances, tmp_path, m
     with pytest.raises(BertError) as error:
         pt.pretrain(PretrainConfig(instances=str(tiny_instances), output="o", init_model=model))
     assert model in str(error.value) and "bert-s3-" not in str(error.value), error.value
+    # a pipeline root that is not our bucket (KFP's own MinIO): the instances' URI is refused
+    artifacts = "minio://mlpipeline/v2/artifacts/run/instances/shards"
+    with pytest.raises(BertError, match=f"^{artifacts}: not a local path or an s3:// URI$"):
+        pt.pretrain(PretrainConfig(instances=artifacts, output="o"))
     with pytest.raises(InputError) as error, st.local_copy(model) as copy:  # an InputError's parts
         raise InputError(copy / "config.json", "not JSON", line=3)
     assert (error.value.path, str(error.value)) == (

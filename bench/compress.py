@@ -10,7 +10,10 @@ round), so drift in the machine's load hits every model alike.
 One JSON line per model: dev score (the task's metric, percent), parameters, size on disk (MB),
 latency p50 of one sentence (batch 1) and of a batch of 32, throughput at 32; int8 lines add
 the ratio to their fp32 model's throughput and whether the targets hold (int8 within 1 point of
-fp32 at >= 1.5x its throughput at batch 32).
+fp32 at >= 1.5x its throughput at batch 32). The first model given is the teacher: every later
+model's lines add their throughput over the teacher's fp32 and, in fp32, their score's share of
+the teacher's and whether the student's targets hold (>= 90 % of its score at >= 3x its
+throughput at batch 32).
 
     python bench/compress.py --data ../shared/data/glue/SST-2 /tmp/q/teacher [student ...]
 """
@@ -131,6 +134,14 @@ def main() -> None:
             )
             out["score_vs_fp32"] = round(out["dev_score"] - base["dev_score"], 2)
             out["targets_met"] = out["score_vs_fp32"] >= -1.0 and ratio >= 1.5
+        teacher = rows[f"{args.models[0]} fp32"]
+        if row["model"] != teacher["model"]:
+            speed = statistics.median(teacher["t32"]) / statistics.median(row["t32"])
+            out["throughput_vs_teacher"] = round(speed, 2)
+            if row["precision"] == "fp32":
+                share = 100 * out["dev_score"] / teacher["dev_score"]
+                out["score_share_of_teacher"] = round(share, 1)
+                out["student_targets_met"] = share >= 90 and speed >= 3
         out["threads"] = torch.get_num_threads()
         print(json.dumps(out), flush=True)
 

@@ -36,6 +36,7 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "positive": (lambda x: x > 0, " > 0"),
     "non-negative": (lambda x: x >= 0, " >= 0"),
     "share": (lambda x: 0 <= x <= 1, " in [0, 1]"),
+    "fraction": (lambda x: 0 < x <= 1, " in (0, 1]"),  # of something kept: none is no model
 }
 
 

@@ -278,6 +278,7 @@ def distill(
     data_digest: str,
     student: str,
     student_layers: int,
+    student_ffn_share: float,
     temperature: float,
     alpha: float,
     epochs: int,
@@ -289,9 +290,10 @@ def distill(
     metrics: Output[Metrics],
 ):
     """bert distill: a fine-tuned `task` model (`teacher`) taught to a student of
-    `student_layers` layers, started from `student`: "pretrained" is this run's pre-trained
-    model (DistilBERT's start: the teacher's own pre-training), else a checkpoint of the same
-    vocabulary. `data_digest`: the task data's, there for the cache key."""
+    `student_layers` layers (`student_ffn_share` of their feed-forward neurons), started from
+    `student`: "pretrained" is this run's pre-trained model (DistilBERT's start: the teacher's
+    own pre-training), else a checkpoint of the same vocabulary. `data_digest`: the task data's,
+    there for the cache key."""
     from bert_core.cli import kfp_metrics, kfp_step
 
     start = f"{pretrained.path}/model" if student == "pretrained" else student
@@ -299,6 +301,7 @@ def distill(
         ["distill", "--teacher", teacher.path, "--task", task]
         + ["--data", f"{data_glue.rstrip('/')}/{task}", "--output", distilled.path]
         + ["--student", start, "--student-layers", student_layers]
+        + ["--student-ffn-share", student_ffn_share]
         + ["--temperature", temperature, "--alpha", alpha, "--epochs", epochs]
         + ["--batch-size", batch_size, "--lr", learning_rate, "--device", "auto"]
         + ["--max-seq-length", max_seq_length, "--max-train-examples", max_train_examples or "none"]

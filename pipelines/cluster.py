@@ -134,6 +134,7 @@ SETTINGS = {
     "compress_task": "none",
     "compress_student": "pretrained",
     "compress_student_layers": 6,
+    "compress_student_ffn_share": 1.0,  # DistilBERT keeps the width
     "compress_temperature": 2.0,
     "compress_alpha": 0.5,
     "compress_epochs": 3,

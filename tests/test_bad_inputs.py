@@ -2422,6 +2422,12 @@ CASES = [
         "--student-layers must be 1..2 (the student's layers), got 0",
     ),
     Case(
+        "distill-ffn-share-zero",
+        "setting",
+        lambda r: distill(r, "--student-ffn-share", "0"),
+        "argument --student-ffn-share: expected a finite number in (0, 1]: '0'",
+    ),
+    Case(
         "distill-epochs-zero",
         "setting",
         lambda r: distill(r, "--epochs", "0"),

@@ -97,6 +97,12 @@ class DistillConfig(FinetuneConfig):
         "keep this many of --student's layers, evenly spaced (default: all)",
         type=optional(int),
     )
+    student_ffn_share: float = option(
+        1.0,
+        "share of each student layer's feed-forward neurons (intermediate_size) kept, those "
+        "whose weights weigh most (1: all)",
+        within="fraction",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -165,7 +171,7 @@ def distill(
         soft = torch.from_numpy(predict(big, task.train, device, cfg.eval_batch_size))
         teacher_seconds = time.perf_counter() - start
         torch.manual_seed(cfg.seed)
-        small, kept = make_student(task, student, cfg.student_layers, cfg)
+        small, kept = make_student(task, student, cfg.student_layers, cfg, cfg.student_ffn_share)
         model = Distiller(small.to(device), cfg.temperature, cfg.alpha)
         batch = lambda i: {**task.train_batch(i), "teacher_logits": soft[i]}  # noqa: E731
         evaluate = lambda m: task.evaluate(m.student, device, cfg)  # noqa: E731
@@ -185,7 +191,12 @@ def distill(
         }
         result = run_result(task, cfg, fitted, uris["student"], uris["data"], device) | {
             "teacher": {"model": uris["teacher"], **scored["teacher"]},
-            "student": {"source": uris["student"], "layers": kept, **scored["student"]},
+            "student": {
+                "source": uris["student"],
+                "layers": kept,
+                "intermediate_size": small.config.intermediate_size,
+                **scored["student"],
+            },
             "distillation": {
                 "temperature": cfg.temperature,
                 "alpha": cfg.alpha,

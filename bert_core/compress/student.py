@@ -14,6 +14,14 @@ al. 2019 take every other layer of the teacher), generalised to any K. From a pr
 (e.g. MiniLM) this is Turc et al. 2019's "pre-trained distillation": a student pre-trained as a
 language model, then distilled on the task, which they find ahead of distilling a student from
 random weights. `--init random` gives that random student: the same shape, no weight read.
+
+**Narrower** (`--student-ffn-share S`): each kept layer keeps that share of its feed-forward
+neurons (intermediate_size), those whose weights weigh most (`pick_neurons`): structured pruning
+of the feed-forward width, the dimension McCarley et al. 2019 prune in BERT, here by weight
+magnitude so it needs no data. Depth alone cannot make a student 3x faster than a teacher three
+times as deep (the embeddings, pooler and head stay); the feed-forward block is two thirds of a
+layer's multiply-adds at BERT's 4x width, and what a distilled student loses with it, training
+regains (docs/compress.md has the measurements).
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from bert_core.data.tokenizer import read_lowercase, read_vocab
 from bert_core.errors import BadValue, InputError, NotFound
@@ -108,29 +118,62 @@ def pick_layers(available: int, keep: int) -> list[int]:
     return [int(i * (available - 1) / (keep - 1) + 0.5) for i in range(keep)]
 
 
-def keep_layers(model, layers: list[int]):
-    """A copy of `model` (a head over `bert`) with only encoder `layers`, renumbered 0.., and
-    every other weight (embeddings, pooler, head) as it was."""
-    small = type(model)(replace(model.config, num_hidden_layers=len(layers)), init_weights=False)
+def ffn_size(available: int, share: float) -> int:
+    """The feed-forward neurons a layer keeps of its `available`: `share` of them, at least one."""
+    return max(1, round(share * available))
+
+
+def pick_neurons(w_in, w_out, keep: int):
+    """The `keep` feed-forward neurons of a layer whose weights weigh most, in their order:
+    neuron j's |row j of the input matrix| x |column j of the output matrix| (both L2), the
+    size of what it can add to the residual stream."""
+    weight = w_in.norm(dim=1) * w_out.norm(dim=0)
+    return torch.topk(weight, keep).indices.sort().values
+
+
+def cut(model, layers: list[int], ffn_share: float = 1.0):
+    """A copy of `model` (a head over `bert`) with only encoder `layers`, renumbered 0.., each
+    with `ffn_share` of its feed-forward neurons (`pick_neurons`), and every other weight
+    (embeddings, pooler, head) as it was."""
+    size = ffn_size(model.config.intermediate_size, ffn_share)
+    config = replace(model.config, num_hidden_layers=len(layers), intermediate_size=size)
+    small = type(model)(config, init_weights=False)
+    full = model.state_dict()
+    layer = "bert.encoder.layer.{}.{}".format
+    neurons = {
+        i: pick_neurons(
+            full[layer(i, "intermediate.dense.weight")], full[layer(i, "output.dense.weight")], size
+        )
+        for i in layers
+    }
     state = {}
-    for key, value in model.state_dict().items():
+    for key, value in full.items():
         m = LAYER.match(key)
         if m is None:
             state[key] = value
-        elif int(m[1]) in layers:
-            state[f"bert.encoder.layer.{layers.index(int(m[1]))}.{m[2]}"] = value
+            continue
+        i = int(m[1])
+        if i not in layers:
+            continue
+        if m[2].startswith("intermediate.dense."):
+            value = value[neurons[i]]
+        elif m[2] == "output.dense.weight":
+            value = value[:, neurons[i]]
+        state[layer(layers.index(i), m[2])] = value
     small.load_state_dict(state)  # strict: every weight of the small model from `model`
     small.vocab_file = model.vocab_file
     return small
 
 
-def make_student(task: FinetuneTask, student: Path, layers: int | None, cfg):
+def make_student(
+    task: FinetuneTask, student: Path, layers: int | None, cfg, ffn_share: float = 1.0
+):
     """(student model, the source layers it kept): `student`'s weights (or random ones,
     `cfg.init == "random"`, from torch's current seed) under the task's head for `cfg`, cut to
-    `layers`."""
+    `layers` layers with `ffn_share` of their feed-forward neurons (`cut`)."""
     model = load_model(task, student, cfg)
     available = model.config.num_hidden_layers
-    if layers is None:
-        return model, list(range(available))
-    kept = pick_layers(available, layers)
-    return keep_layers(model, kept), kept
+    kept = list(range(available)) if layers is None else pick_layers(available, layers)
+    if layers is None and ffn_share == 1.0:
+        return model, kept
+    return cut(model, kept, ffn_share), kept

@@ -15,7 +15,7 @@ import torch
 
 from bert_core import cli
 from bert_core.compress.distill_loss import Distiller, distillation_loss
-from bert_core.compress.student import make_student, pick_layers
+from bert_core.compress.student import cut, make_student, pick_layers
 from bert_core.finetune.command import load_task
 from bert_core.finetune.config import FinetuneConfig
 from bert_core.finetune.engine import fit, load_model, load_tokenizer, save_model, train
@@ -164,6 +164,38 @@ def test_student_layers_are_the_chosen_layers_of_the_source(six_layers):
         random.state_dict()["bert.encoder.layer.1.output.dense.weight"],
         small["bert.encoder.layer.1.output.dense.weight"],
     )
+
+
+def test_a_narrower_student_keeps_the_neurons_that_weigh_most(six_layers):
+    """--student-ffn-share 0.5: each kept layer keeps the half of its feed-forward neurons
+    whose weights weigh most, in order, cut alike from both matrices. With half the neurons of
+    each layer made silent (zero output weights) those are the ones dropped, and the narrow
+    student computes exactly what the full-width one does."""
+    task = load_task("SST-2")
+    torch.manual_seed(0)
+    model = load_model(task, six_layers).eval()
+    width = model.config.intermediate_size
+    silent = {}
+    for i in (0, 5):
+        silent[i] = torch.randperm(width, generator=torch.Generator().manual_seed(i))[: width // 2]
+        with torch.no_grad():
+            model.bert.encoder.layer[i].output.dense.weight[:, silent[i]] = 0
+    narrow, wide = cut(model, [0, 5], 0.5).eval(), cut(model, [0, 5]).eval()
+    assert narrow.config.intermediate_size == width // 2 and narrow.config.num_hidden_layers == 2
+    assert wide.config.intermediate_size == width
+    for new, i in enumerate((0, 5)):
+        kept = torch.ones(width, dtype=torch.bool)
+        kept[silent[i]] = False
+        source, small = model.bert.encoder.layer[i], narrow.bert.encoder.layer[new]
+        assert torch.equal(small.intermediate.dense.weight, source.intermediate.dense.weight[kept])
+        assert torch.equal(small.intermediate.dense.bias, source.intermediate.dense.bias[kept])
+        assert torch.equal(small.output.dense.weight, source.output.dense.weight[:, kept])
+    ids = torch.randint(5, model.config.vocab_size, (3, 12), generator=torch.Generator())
+    with torch.no_grad():
+        assert torch.allclose(narrow(ids).logits, wide(ids).logits, atol=1e-6)
+    # a student's config says its width, so transformers and our loaders rebuild it
+    student, kept_layers = make_student(task, six_layers, 2, FinetuneConfig(), ffn_share=0.25)
+    assert kept_layers == [0, 5] and student.config.intermediate_size == width // 4
 
 
 def test_output_reads_as_a_finetuned_model_with_both_scores(made, tmp_path):

@@ -55,7 +55,11 @@ BUCKET = cluster.BUCKET.removeprefix("s3://")
 # the settings of a small whole-DAG run (tests/pipeline_helpers.py), as pipeline parameters
 SMALL_ARGS = pipeline_args(GLUE_TASKS)
 # the compression branch on for SST-2: the tiny model's student keeps 1 of its 2 layers
-COMPRESS = {"compress_task": "SST-2", "compress_student_layers": 1}
+COMPRESS = {
+    "compress_task": "SST-2",
+    "compress_student_layers": 1,
+    "compress_student_ffn_share": 0.5,
+}
 # the paper's phase two on (the cluster's default): a few steps at 512 tokens from phase one
 PHASE2_STEPS = {"pretrain_phase2_steps": 4}
 TRAIN_IMAGE = "registry.example/bert-cuda:ci"
@@ -494,6 +498,7 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head, plant
     # keyed by the SST-2 data's digest (the loop item's field, through the selector); then int8
     distill = by_path[f"{COMPRESS_BRANCH}/distill"].parameters
     assert distill["task"] == "SST-2" and distill["student_layers"] == 1
+    assert distill["student_ffn_share"] == 0.5
     assert distill["student"] == "pretrained"
     assert distill["data_digest"] == jobs[0]["data_digest"]
     quantize = by_path[f"{COMPRESS_BRANCH}/quantize"].parameters
@@ -582,6 +587,7 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
     assert params["pretrain.steps"] == "20" and params["kfp.cluster_finetune_gpus"] == "0"
     assert params["kfp.cluster_train_image"] == TRAIN_IMAGE
     assert params["kfp.compress_task"] == "SST-2" and params["compress.student_layers"] == "1"
+    assert params["compress.student_ffn_share"] == "0.5"
     assert params["kfp.pretrain_phase2_steps"] == str(PHASE2_STEPS["pretrain_phase2_steps"])
     # the data inputs, with their content digests (mlflow.log_input's records)
     inputs = {d.dataset.name: d for d in parent.inputs.dataset_inputs}

@@ -609,7 +609,7 @@ def test_compression_is_a_condition_in_each_fine_tuning_off_by_default():
         assert inputs["parameters"]["task"] == {
             "componentInputParameter": "pipelinechannel--compress_task"
         }
-    for key in ("student", "student_layers", "temperature", "alpha"):
+    for key in ("student", "student_layers", "student_ffn_share", "temperature", "alpha"):
         channel = f"pipelinechannel--compress_{key}"
         assert distill["parameters"][key] == {"componentInputParameter": channel}, key
     assert DEFAULTS["compress_task"] == "none" and DEFAULTS["compress_student"] == "pretrained"
@@ -847,6 +847,7 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
         "quantize",
     }
     assert steps["distill-STS-B"].data.params["student_layers"] == "1"
+    assert steps["distill-STS-B"].data.params["student_ffn_share"] == "0.5"  # params.yaml's
     # one pre-training phase (`local`'s, make run's): the other branch's fan-out ran (KFP names
     # its tasks `-2`), no phase two
     (run_root,) = (tmp_path / "root").glob("bert-pipeline-*")

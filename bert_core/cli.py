@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bert_core.errors import BertError, Interrupted, interrupts_raise, refuse_secrets
+from bert_core.errors import BadValue, BertError, Interrupted, interrupts_raise, refuse_secrets
 
 # What an interrupted step that keeps no checkpoint leaves (every step but pretrain: each writes
 # its whole output or nothing, in minutes, and its MLflow run ends KILLED).
@@ -198,6 +198,36 @@ def kfp_pipeline_run(settings: dict[str, Any], *lists: list) -> Any:
         lineage.log_data_inputs(parent, inputs, digests)
     print(f"MLflow parent run: {parent}; data digests: {dict(digests._asdict())}")
     return digests
+
+
+def kfp_settings(advanced: dict[str, Any], defaults: str) -> Any:
+    """A KFP run's `advanced_settings` over their `defaults` (JSON text: the keys a run may
+    set, each value of its type), each value of its default's type; a named tuple in the
+    defaults' order, the settings task's outputs. The object comes through protobuf's Struct,
+    whose numbers are all doubles: a whole number is an int where the default is one."""
+    from collections import namedtuple
+
+    default = json.loads(defaults)
+    unknown = sorted(set(advanced) - set(default))
+    if unknown:
+        raise BadValue(
+            f"advanced_settings: no setting {', '.join(unknown)} (the keys: {', '.join(default)})"
+        )
+    values = {**default, **advanced}
+    for key, value in values.items():
+        kind = type(default[key])
+        if kind is int and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        elif kind is float and type(value) is int:
+            value = float(value)
+        if type(value) is not kind:
+            raise BadValue(
+                f"advanced_settings: {key} = {json.dumps(value)}: expected {kind.__name__}, "
+                f"as its default {json.dumps(default[key])}"
+            )
+        values[key] = value
+    print("advanced settings:", json.dumps({k: values[k] for k in advanced}))
+    return namedtuple("Settings", default)(**values)
 
 
 def kfp_finetune_jobs(settings: dict[str, Any], *lists: list) -> list[dict]:

@@ -40,6 +40,57 @@ def component(func):
 
 
 @component
+def settings(advanced: dict, defaults: str) -> NamedTuple(
+    "Settings",
+    [
+        ("vocab_vocab_size", int),
+        ("instances_max_seq_length", int),
+        ("instances_max_predictions_per_seq", int),
+        ("instances_masked_lm_prob", float),
+        ("instances_dupe_factor", int),
+        ("instances_random_seed", int),
+        ("instances_masking_recipe", str),
+        ("model_num_layers", int),
+        ("model_hidden_size", int),
+        ("model_num_heads", int),
+        ("model_intermediate_size", int),
+        ("pretrain_export_every", int),
+        ("pretrain_batch_size", int),
+        ("pretrain_cpus_per_worker", int),
+        ("pretrain_learning_rate", float),
+        ("pretrain_objective", str),
+        ("finetune_batch_size", int),
+        ("finetune_learning_rate", float),
+        ("finetune_max_seq_length", int),
+        ("finetune_lr_sweep", str),
+        ("finetune_restarts", int),
+        ("finetune_top_bilstm", bool),
+        ("finetune_token_epochs", int),
+        ("finetune_token_max_seq_length", int),
+        ("finetune_token_max_train_examples", int),
+        ("finetune_token_max_eval_examples", int),
+        ("finetune_token_document_context", bool),
+        ("compress_student", str),
+        ("compress_student_layers", int),
+        ("compress_student_ffn_share", float),
+        ("compress_temperature", float),
+        ("compress_alpha", float),
+        ("compress_epochs", int),
+        ("compress_learning_rate", float),
+    ],
+):
+    """The run form's `advanced_settings` (one JSON object of the rarely changed settings) over
+    their `defaults` (JSON text: a Struct would turn their integers into doubles), each as an output
+    of its own type, so every step takes a typed value and its cache key holds only the settings
+    it reads. Refuses an unknown key or a value of another type, before any step starts. The
+    outputs are the pipeline's ADVANCED keys, in this literal form because KFP reads the
+    annotation from this source (a test keeps the two equal)."""
+    from bert_core.cli import kfp_settings
+
+    return kfp_settings(advanced, defaults)
+
+
+@component
 def pipeline_run(settings: dict, tasks: list, control_tasks: list, token_tasks: list) -> NamedTuple(
     "Digests", [("corpus_digest", str), ("glue_digest", str), ("token_digest", str)]
 ):

@@ -1,6 +1,6 @@
 """The BERT DAG as a Kubeflow Pipelines v2 pipeline: compile it, run it locally, or submit it.
 
-    pipeline-run -> finetune-jobs -> clean -> vocab -> instances -> pretrain
+    settings -> pipeline-run -> finetune-jobs -> clean -> vocab -> instances -> pretrain
         -> [phase2: pretrain_phase2_steps > 0] instances-512 -> pretrain-phase2 -> the fan-out
            [phase1-only: else] the fan-out
     the fan-out: finetune (ParallelFor over finetune-jobs' list) -> evaluate (all of them)
@@ -13,8 +13,9 @@ Phase two is the paper's last 10 % of pre-training steps at 512 tokens, on by de
 
 One fan-out runs every fine-tuning: the GLUE tasks from the pre-trained model, the random-init
 control (`finetune_control_tasks`: the "random init" row and the gain of evaluate's table) and
-the token-level tasks (`finetune_token_tasks`: conll2003, squad). Two small uncached tasks come
-first: `pipeline-run` opens the run's MLflow parent run with its settings and records and
+the token-level tasks (`finetune_token_tasks`: conll2003, squad). The first task, `settings`,
+splits the form's `advanced_settings` into typed outputs (`FORM`, below). Two small uncached
+tasks come next: `pipeline-run` opens the run's MLflow parent run with its settings and records and
 outputs the content digest of each data input; `finetune-jobs` turns the three lists into one
 (`bert_core.finetune.jobs`, which says why: a loop over an empty list stops the run on the
 Kubeflow backend), each job with its own task data's digest. The steps reading the data take
@@ -32,15 +33,17 @@ fine-tuning tasks run the `cluster_train_image` image with `cluster_finetune_gpu
 nodes chosen by `cluster_gpu_node_selector` and `cluster_gpu_tolerations` (all run-time
 parameters); everything else runs the CPU image.
 
-The parameters are the KFP UI's run form, each with its description in the compiled spec
-(`PARAMETERS`; the pinned UI's form shows names and types only), named `section_key` after
-params.yaml's sections (data, vocab and instances: the pre-training data, model, pretrain,
-finetune, compress) plus KFP_ONLY's and `cluster_*`: the UI lists them by name, so each group
-stays together. Their defaults are the cluster's first run (`pipelines/cluster.py` SETTINGS:
-BERT-Small, a GLUE slice, data under the bucket; the paper's BERT-Base run is the preset
-`paper`), not params.yaml's, which are the 2-core workstation's
-(`make run`, DVC; `local` runs with those). A step's component takes `section_key` as `key`, so
-each params.yaml section is the keyword arguments of its step (`section`).
+The settings (`PARAMETERS`) are named `section_key` after params.yaml's sections (data, vocab
+and instances: the pre-training data, model, pretrain, finetune, compress) plus KFP_ONLY's and
+`cluster_*`: the UI lists fields by name, so each group stays together. The KFP UI's run form
+(`FORM`) shows the usual ones as fields, each with its description in the compiled spec (the
+pinned UI's form shows names and types only), and the rest in one JSON object,
+`advanced_settings`, that the first task (`settings`) splits into typed outputs. Their defaults
+are the cluster's first run (`pipelines/cluster.py` SETTINGS: BERT-Small, a GLUE slice, data
+under the bucket; the paper's BERT-Base run is the preset `paper`), not params.yaml's, which are
+the 2-core workstation's (`make run`, DVC; `local` runs with those). A step's component takes
+`section_key` as `key`, so each params.yaml section is the keyword arguments of its step
+(`section`).
 
     python -m pipelines.bert_pipeline compile [--image IMAGE] [--train-image IMAGE]
     python -m pipelines.bert_pipeline local [--set KEY=VALUE ...]  # whole DAG via kfp.local
@@ -208,6 +211,45 @@ PARAMETERS = {
     "toleration objects); the default tolerates the usual nvidia.com/gpu taint.",
 }
 
+# The run form: the fields a first run or a usual change needs (the data, the model's size, how
+# long it trains, which tasks, the branches, where the fine-tunings run), and one JSON object,
+# `advanced_settings`, with every other setting of PARAMETERS and its default (the UI shows the
+# default object to edit; a key left out keeps its default). Its task `settings` splits it into
+# typed outputs that the steps take as they took the parameters, so each step's cache key still
+# holds only the settings it reads. The branch conditions, the fine-tuning pods' image, GPUs and
+# placement, and the task lists stay fields: the backend resolves a condition and a pod's spec
+# from pipeline parameters, and a list inside an object built of channels breaks (parent_run).
+SHOWN = (
+    "data_corpus",
+    "data_glue",
+    "data_token",
+    "model_preset",
+    "pretrain_steps",
+    "pretrain_num_workers",
+    "pretrain_use_gpu",
+    "pretrain_init_model",
+    "pretrain_phase2_steps",
+    "finetune_tasks",
+    "finetune_epochs",
+    "finetune_max_train_examples",
+    "finetune_control_tasks",
+    "finetune_token_tasks",
+    "compress_task",
+    "deploy_task",
+    "cluster_train_image",
+    "cluster_finetune_gpus",
+    "cluster_gpu_node_selector",
+    "cluster_gpu_tolerations",
+)
+ADVANCED = tuple(k for k in PARAMETERS if k not in SHOWN)
+ADVANCED_DEFAULTS = {k: DEFAULTS[k] for k in ADVANCED}
+FORM = {k: PARAMETERS[k] for k in SHOWN} | {
+    "advanced_settings": "[advanced] The other settings, one JSON object: each key a setting "
+    "named as the fields are (section_key; docs/pipeline.md describes each), its default shown; "
+    "a key left out keeps its default, an unknown key or a value of another type fails the run "
+    "at its start."
+}
+
 # Parameters outside params.yaml, logged on the MLflow parent run as `kfp.<name>`: where the
 # fine-tuning ran, and what was compressed. (The node selector and tolerations are placement,
 # not results: not logged.)
@@ -248,6 +290,7 @@ PRETRAIN_RETRY = {
 # a corpus of a few GB; pretrain only submits and follows its Ray job, the training runs on the
 # RayCluster; a fine-tuning holds BERT-Base, its optimizer state and a dev set.
 RESOURCES = {
+    "settings": ("250m", "1", "1G"),
     "pipeline-run": ("500m", "1", "1G"),
     "finetune-jobs": ("500m", "1", "1G"),
     "clean": ("2", "4", "8G"),
@@ -305,70 +348,39 @@ def build_pipeline():
     fine-tuning image: `steps.TRAIN_IMAGE`, `--train-image` at compile time), its parameters'
     descriptions PARAMETERS (KFP reads them from the docstring's Args).
 
-    Its parameters are what a user sets for a run (KFP UI, `--set`): one per params.yaml key but
-    DVC_ONLY's, `section_key`, KFP_ONLY's and the `cluster_*` ones. The body is `dag`."""
+    Its parameters are the run form (`FORM`): the SHOWN settings and `advanced_settings`, the
+    object holding the ADVANCED ones (`--set` takes every setting by name: `form_arguments`).
+    The body is `dag`."""
     dsl, steps = _kfp()
     D = {**DEFAULTS, "cluster_train_image": steps.TRAIN_IMAGE}
+    D["advanced_settings"] = ADVANCED_DEFAULTS
 
     def bert_pipeline(
         data_corpus: str = D["data_corpus"],
         data_glue: str = D["data_glue"],
         data_token: str = D["data_token"],
-        vocab_vocab_size: int = D["vocab_vocab_size"],
-        instances_max_seq_length: int = D["instances_max_seq_length"],
-        instances_max_predictions_per_seq: int = D["instances_max_predictions_per_seq"],
-        instances_masked_lm_prob: float = D["instances_masked_lm_prob"],
-        instances_dupe_factor: int = D["instances_dupe_factor"],
-        instances_random_seed: int = D["instances_random_seed"],
-        instances_masking_recipe: str = D["instances_masking_recipe"],
         model_preset: str = D["model_preset"],
-        model_num_layers: int = D["model_num_layers"],
-        model_hidden_size: int = D["model_hidden_size"],
-        model_num_heads: int = D["model_num_heads"],
-        model_intermediate_size: int = D["model_intermediate_size"],
         pretrain_steps: int = D["pretrain_steps"],
-        pretrain_batch_size: int = D["pretrain_batch_size"],
         pretrain_num_workers: int = D["pretrain_num_workers"],
-        pretrain_cpus_per_worker: int = D["pretrain_cpus_per_worker"],
-        pretrain_learning_rate: float = D["pretrain_learning_rate"],
         pretrain_use_gpu: bool = D["pretrain_use_gpu"],
-        pretrain_objective: str = D["pretrain_objective"],
         pretrain_init_model: str = D["pretrain_init_model"],
-        pretrain_export_every: int = D["pretrain_export_every"],
         pretrain_phase2_steps: int = D["pretrain_phase2_steps"],
         finetune_tasks: list = D["finetune_tasks"],
         finetune_epochs: int = D["finetune_epochs"],
-        finetune_batch_size: int = D["finetune_batch_size"],
-        finetune_learning_rate: float = D["finetune_learning_rate"],
-        finetune_max_seq_length: int = D["finetune_max_seq_length"],
         finetune_max_train_examples: int = D["finetune_max_train_examples"],
         finetune_control_tasks: list = D["finetune_control_tasks"],
-        finetune_lr_sweep: str = D["finetune_lr_sweep"],
-        finetune_restarts: int = D["finetune_restarts"],
-        finetune_top_bilstm: bool = D["finetune_top_bilstm"],
         finetune_token_tasks: list = D["finetune_token_tasks"],
-        finetune_token_epochs: int = D["finetune_token_epochs"],
-        finetune_token_max_seq_length: int = D["finetune_token_max_seq_length"],
-        finetune_token_max_train_examples: int = D["finetune_token_max_train_examples"],
-        finetune_token_max_eval_examples: int = D["finetune_token_max_eval_examples"],
-        finetune_token_document_context: bool = D["finetune_token_document_context"],
         compress_task: str = D["compress_task"],
-        compress_student: str = D["compress_student"],
-        compress_student_layers: int = D["compress_student_layers"],
-        compress_student_ffn_share: float = D["compress_student_ffn_share"],
-        compress_temperature: float = D["compress_temperature"],
-        compress_alpha: float = D["compress_alpha"],
-        compress_epochs: int = D["compress_epochs"],
-        compress_learning_rate: float = D["compress_learning_rate"],
         deploy_task: str = D["deploy_task"],
         cluster_train_image: str = D["cluster_train_image"],
         cluster_finetune_gpus: str = D["cluster_finetune_gpus"],
         cluster_gpu_node_selector: dict = D["cluster_gpu_node_selector"],
         cluster_gpu_tolerations: list = D["cluster_gpu_tolerations"],
+        advanced_settings: dict = D["advanced_settings"],
     ):
-        dag(dsl, steps, {k: v for k, v in locals().items() if k in PARAMETERS})  # by name
+        dag(dsl, steps, {k: v for k, v in locals().items() if k in FORM})  # by name
 
-    args = "\n".join(f"    {name}: {text}" for name, text in PARAMETERS.items())
+    args = "\n".join(f"    {name}: {text}" for name, text in FORM.items())
     bert_pipeline.__doc__ = f"{DESCRIPTION}\n\nArgs:\n{args}\n"
     return dsl.pipeline(name=NAME, description=DESCRIPTION)(bert_pipeline)
 
@@ -376,10 +388,15 @@ def build_pipeline():
 def dag(dsl, steps, s: dict[str, Any]) -> None:
     """The pipeline's body: the MLflow bracket (`pipeline-run` first, `pipeline-end` as the exit
     handler) around clean -> vocab -> instances -> pretrain -> the fine-tuning fan-out ->
-    evaluate. `s`: the pipeline parameters."""
+    evaluate. `s`: the pipeline parameters; the advanced settings join them as the `settings`
+    task's outputs, so the steps read every setting by its name."""
     # the exit handler closes the MLflow parent run, whatever becomes of the steps
     end = pod(steps.pipeline_end(), "pipeline-end")
     with dsl.ExitHandler(end.set_caching_options(False), name="bert"):
+        defaults = json.dumps(ADVANCED_DEFAULTS)
+        given = steps.settings(advanced=s["advanced_settings"], defaults=defaults)
+        given = pod(given, "settings").outputs
+        s = {**s, **{key: given[key] for key in ADVANCED}}
         start = pod(steps.pipeline_run(**parent_run(s)), "pipeline-run")
         digests = start.set_caching_options(False).outputs
         jobs = pod(steps.finetune_jobs(**parent_run(s)).after(start), "finetune-jobs")
@@ -521,7 +538,7 @@ def _stable_header(text: str) -> str:
     so the same pipeline always compiles to the same file (a test compares it)."""
 
     def stable(m: re.Match) -> str:
-        default = DEFAULTS.get(m.group(1))
+        default = {**DEFAULTS, "advanced_settings": ADVANCED_DEFAULTS}.get(m.group(1))
         return (
             f"{m.group(0).split(' [Default: ')[0]} [Default: {json.dumps(default, sort_keys=True)}]"
         )
@@ -541,6 +558,15 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         text = isinstance(DEFAULTS[key], str) and not isinstance(parsed, str)
         out[key] = value if text else parsed
     return out
+
+
+def form_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's arguments by setting name (a preset's row, `--set`, params.yaml's) as the run form
+    takes them: the SHOWN settings as fields, the ADVANCED ones inside `advanced_settings` (the
+    settings task puts their defaults under the rest)."""
+    advanced = {k: v for k, v in arguments.items() if k in ADVANCED}
+    fields = {k: v for k, v in arguments.items() if k not in ADVANCED}
+    return fields | ({"advanced_settings": advanced} if advanced else {})
 
 
 def check(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -600,7 +626,7 @@ def run_local(overrides: dict[str, Any], pipeline_root: str) -> Any:
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=pipeline_root)
     os.environ["KFP_RUN_ID"] = f"local-{uuid.uuid4()}"
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{Path.cwd() / 'mlflow.db'}")
-    return build_pipeline()(**args)
+    return build_pipeline()(**form_arguments(args))
 
 
 def client(host: str, namespace: str | None = None, token_file: Path | None = None):
@@ -638,7 +664,7 @@ def submit(
     start a run in `namespace` (its experiment made there if new); returns the run id."""
     run = kfp_client.create_run_from_pipeline_package(
         str(spec),
-        arguments=overrides,
+        arguments=form_arguments(overrides),
         run_name=run_name,
         experiment_name=experiment,
         namespace=namespace,

@@ -193,7 +193,8 @@ def local_services():
 
 
 def pipeline_args(tasks: list[str], **overrides: Any) -> dict[str, Any]:
-    """The compiled pipeline's parameters for a small run: params.yaml's settings (the run
+    """The settings of a small run of the compiled pipeline (by name: `form_arguments` makes
+    them the run form's fields and `advanced_settings`): params.yaml's settings (the run
     form's defaults are a cluster's first run), SMALL's over them, no GPUs; the data stay the
     spec's cluster defaults (s3://); fine-tuning `tasks` and the random-init control of the
     first of them (one more job: the control runs, at little cost), one pre-training phase, then

@@ -517,6 +517,13 @@ def kfp_parameters() -> tuple[int, int]:
     return len(bert_pipeline.PARAMETERS), len(set(bert_pipeline.PARAMETERS) & set(bert_pipeline.P))
 
 
+def kfp_form() -> tuple[int, int, int]:
+    """(the run form's fields, the settings shown as fields, those in advanced_settings)."""
+    from pipelines import bert_pipeline
+
+    return len(bert_pipeline.FORM), len(bert_pipeline.SHOWN), len(bert_pipeline.ADVANCED)
+
+
 def params() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
@@ -531,7 +538,10 @@ def pretrain_retries() -> int:
 COUNTS: list[tuple[str, str, Callable[[], int]]] = [
     ("README.md", r"from (\d+) bad inputs", bad_input_cases),
     ("README.md", r"from (\d+) bad inputs", reliability_rows),
-    ("docs/pipeline.md", r"takes (\d+) parameters", lambda: kfp_parameters()[0]),
+    ("docs/pipeline.md", r"takes (\d+) settings", lambda: kfp_parameters()[0]),
+    ("docs/pipeline.md", r"run form shows (\d+) fields", lambda: kfp_form()[0]),
+    ("docs/pipeline.md", r"the (\d+) settings a first run", lambda: kfp_form()[1]),
+    ("docs/pipeline.md", r"holding the other (\d+) with", lambda: kfp_form()[2]),
     ("docs/pipeline.md", r"(\d+) named\s+after this file's keys", lambda: kfp_parameters()[1]),
     (
         "docs/pipeline.md",

@@ -34,7 +34,7 @@ from bert_core import storage
 from bert_core.serve import registry
 from infra.scripts import mlflow_users
 from pipelines import cluster
-from pipelines.bert_pipeline import DEFAULTS, P
+from pipelines.bert_pipeline import DEFAULTS, P, form_arguments
 from tests.cluster import pod_env, pod_harness, secrets
 from tests.cluster.secrets import Items, Planted
 from tests.pipeline_helpers import (
@@ -257,7 +257,8 @@ def test_harness_refuses_workstation_paths_before_any_pod_runs(tmp_path, argumen
     harness = pod_harness.Harness(SPEC, objects, tmp_path)
     with pytest.raises(pod_harness.WorkstationPath, match="is a path on this machine"):
         harness.run(arguments)
-    assert harness.tasks == []  # refused when the first task's inputs were resolved
+    # refused when the first task reading data (pipeline-run) had its inputs resolved
+    assert [t.path for t in harness.tasks] == [f"{BODY}/settings"]
 
 
 # ------------------------------------------------------------------------------- data identity
@@ -347,7 +348,9 @@ def runs(servers, s3_data, ray_head, planted, cache, root) -> Runs:
     }
     before, start = _ray_sessions(), time.monotonic()
     with ThreadPoolExecutor(len(RUNS)) as pool:
-        futures = {name: pool.submit(h.run, RUNS[name]) for name, h in harnesses.items()}
+        futures = {
+            name: pool.submit(h.run, form_arguments(RUNS[name])) for name, h in harnesses.items()
+        }
         states = {name: f.result() for name, f in futures.items()}
     seconds = time.monotonic() - start
     print(f"\ntwo pipeline runs at once: {seconds:.0f} s")
@@ -410,6 +413,7 @@ def test_compiled_pipeline_runs_as_pods_on_s3_data(pipeline_run, ray_head, plant
     assert state == pod_harness.SUCCEEDED, logs
     ran = [(t.path, t.state) for t in harness.tasks]
     assert ran == [
+        (f"{BODY}/settings", "COMPLETE"),  # advanced_settings, split into typed outputs
         (f"{BODY}/pipeline-run", "COMPLETE"),
         (f"{BODY}/finetune-jobs", "COMPLETE"),
         (f"{BODY}/clean", "COMPLETE"),
@@ -528,12 +532,13 @@ def test_a_rerun_is_cached_and_the_exit_handler_still_closes_the_run(
         image_env=IMAGE_ENV,
         cache=cache,
     )
-    state = harness.run(RUNS["a"])
+    state = harness.run(form_arguments(RUNS["a"]))
     assert state == pod_harness.SUCCEEDED, _logs(harness)
     states = {t.path: t.state for t in harness.tasks}
     uncached = {f"{BODY}/pipeline-run", f"{BODY}/finetune-jobs", f"{PHASE2}/evaluate"}
     assert {p for p, s in states.items() if s == "COMPLETE"} == {*uncached, "/pipeline-end"}
     assert {p for p, s in states.items() if s == "CACHED"} == {
+        f"{BODY}/settings",
         f"{BODY}/clean",
         f"{BODY}/vocab",
         f"{BODY}/instances",
@@ -718,6 +723,7 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
     assert runs.seconds < sum(t.seconds for h in runs.harnesses.values() for t in h.tasks)
     loop_b, finetune_b, evaluate_b, _ = FINAL["b"]  # one phase (run a's pods: the test above)
     assert [t.path for t in runs.harnesses["b"].tasks] == [
+        f"{BODY}/settings",
         f"{BODY}/pipeline-run",
         f"{BODY}/finetune-jobs",
         f"{BODY}/clean",
@@ -967,21 +973,27 @@ def test_the_harness_runs_the_committed_spec_defaults():
             "finetune-jobs",
             "nothing to fine-tune",
         ),
+        (
+            {"advanced_settings": {"pretrain_stepz": 5}},
+            "settings",
+            "advanced_settings: no setting pretrain_stepz",
+        ),
     ],
 )
 def test_bad_inputs_fail_a_first_task_and_the_exit_handler_marks_the_run_failed(
     servers, s3_data, planted, tmp_path, arguments, failed, message
 ):
-    """Data that is not there fails `pipeline-run` (its digest), nothing to fine-tune fails
-    `finetune-jobs`, before any step starts; the steps are not started, the failed launcher
-    settles the body's DAG FAILED, and the exit handler, handed FAILED, closes the parent run
-    as FAILED."""
+    """An unknown advanced setting fails `settings`, data that is not there `pipeline-run` (its
+    digest), nothing to fine-tune `finetune-jobs`, before any step starts; the steps are not
+    started, the failed launcher settles the body's DAG FAILED, and the exit handler, handed
+    FAILED, closes the parent run as FAILED."""
     _, mlflow = servers
     harness = pod_harness.Harness(SPEC, _objects(servers, planted=planted), tmp_path)
-    state = harness.run({**SMALL_ARGS, **arguments})
+    state = harness.run(form_arguments(SMALL_ARGS) | arguments)
     assert state == pod_harness.FAILED
     ran = [(t.path, t.state) for t in harness.tasks]
-    first = [(f"{BODY}/pipeline-run", "COMPLETE")] if failed != "pipeline-run" else []
+    order = ["settings", "pipeline-run", "finetune-jobs"]
+    first = [(f"{BODY}/{task}", "COMPLETE") for task in order[: order.index(failed)]]
     assert ran == [*first, (f"{BODY}/{failed}", "FAILED"), ("/pipeline-end", "COMPLETE")]
     assert message in harness.tasks[-2].log.read_text()
     assert _end_state(harness) == "FAILED"

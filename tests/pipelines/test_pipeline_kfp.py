@@ -23,12 +23,16 @@ from bert_core.errors import BertError
 from bert_core.finetune.jobs import finetune_jobs
 from pipelines import cluster, presets
 from pipelines.bert_pipeline import (
+    ADVANCED,
+    ADVANCED_DEFAULTS,
     DEFAULTS,
+    FORM,
     PARAMETERS,
     RESOURCES,
     RUNTIME,
     P,
     check,
+    form_arguments,
     parse_overrides,
     section,
 )
@@ -118,15 +122,21 @@ def test_committed_spec_is_current(tmp_path):
 
 
 def test_the_run_form_has_the_clusters_defaults_and_a_description_for_every_parameter():
-    """The KFP UI's run form: one parameter per params.yaml key (`section_key`) and the
-    `cluster_*` ones, each with a description saying its group, named so the UI (which lists
-    them by name) keeps each group together; the defaults are a cluster's (BERT-Base, the
-    paper's settings, data in the bucket), not params.yaml's, which stay the workstation's."""
+    """The KFP UI's run form: a setting per params.yaml key (`section_key`) and the `cluster_*`
+    ones, the usual ones as fields and the others inside the one `advanced_settings` object,
+    each field with a description saying its group, named so the UI (which lists them by name)
+    keeps each group together; the defaults are a cluster's (a first run, data in the bucket),
+    not params.yaml's, which stay the workstation's."""
     spec, _ = _load(SPEC)
     inputs = spec["root"]["inputDefinitions"]["parameters"]
-    assert set(inputs) == set(PARAMETERS) == set(cluster.SETTINGS)
-    assert set(P) < set(PARAMETERS)  # every params.yaml setting is a run parameter
+    assert set(inputs) == set(FORM) and len(FORM) == 21
+    assert set(FORM) - {"advanced_settings"} | set(ADVANCED) == set(PARAMETERS)
+    assert set(PARAMETERS) == set(cluster.SETTINGS) and not set(FORM) & set(ADVANCED)
+    assert set(P) < set(PARAMETERS)  # every params.yaml setting is a run setting
+    assert inputs["advanced_settings"]["defaultValue"] == ADVANCED_DEFAULTS
+    assert ADVANCED_DEFAULTS == {k: cluster.SETTINGS[k] for k in ADVANCED}
     groups = {
+        "advanced": "[advanced]",
         "cluster": "[cluster]",
         "data": "[data]",
         "vocab": "[pre-training data]",
@@ -137,13 +147,17 @@ def test_the_run_form_has_the_clusters_defaults_and_a_description_for_every_para
         "compress": "[compression]",
         "deploy": "[serving]",
     }
+    for name in PARAMETERS:
+        assert PARAMETERS[name].startswith(groups[name.split("_")[0]]), name
     for name, param in inputs.items():
-        assert param["description"] == PARAMETERS[name] and len(param["description"]) > 30, name
+        assert param["description"] == FORM[name] and len(param["description"]) > 30, name
         assert param["description"].startswith(groups[name.split("_")[0]]), name
-        assert param["defaultValue"] == DEFAULTS[name] == cluster.SETTINGS[name], name
+        if name != "advanced_settings":
+            assert param["defaultValue"] == DEFAULTS[name] == cluster.SETTINGS[name], name
     for name, uri in cluster.DATA.items():
         assert uri.startswith(f"{cluster.BUCKET}/data") and inputs[name]["defaultValue"] == uri
     defaults = {name: param["defaultValue"] for name, param in inputs.items()}
+    defaults |= defaults.pop("advanced_settings")
     # a first run that ends the same day (BERT-Small, 18k + 2k steps, a GLUE slice), changing
     # only the data locations; the paper's BERT-Base run is the `paper` preset; both have the
     # paper's two phases, 90 % of the steps at 128 tokens and 10 % at 512
@@ -201,8 +215,12 @@ def test_presets_are_a_run_per_row_of_the_papers_tables_with_valid_arguments():
         assert len(rows) == len(presets.PRESETS[name]) and all(row for row, _ in rows)
         for _, arguments in rows:
             assert check(arguments) == arguments and arguments["pretrain_steps"] == 5
-            for key, value in arguments.items():
+            form = form_arguments(arguments)
+            for key, value in form.items():
                 assert isinstance(value, accepts[types[key]]), (key, value)
+            given = form.get("advanced_settings", {})  # what the settings task takes
+            taken = cli.kfp_settings(given, json.dumps(ADVANCED_DEFAULTS))._asdict()
+            assert taken == ADVANCED_DEFAULTS | given
     for table in ("table5", "table6", "table8"):  # `bert evaluate` shows the paper's numbers
         assert list(presets.PRESETS[table]) == list(PAPER_TABLES[f"Table {table[-1]}"][1])
     assert presets.runs(None, {"pretrain_steps": 5}) == [(None, {"pretrain_steps": 5})]
@@ -212,6 +230,53 @@ def test_presets_are_a_run_per_row_of_the_papers_tables_with_valid_arguments():
         check({"finetune_top_bilstm": "yes"})
     with pytest.raises(SystemExit, match="--preset 'table9'"):
         presets.runs("table9", {})
+
+
+def test_the_advanced_settings_are_one_object_split_into_typed_outputs_by_a_task():
+    """`advanced_settings` (one STRUCT field) goes to the first task, `settings`, with the
+    defaults as JSON text; its outputs are ADVANCED, each of its default's type, and every step
+    reads them from it (e.g. instances' masking recipe, as the phase-one field fed it before).
+    The task refuses an unknown key or a value of another type, and takes Struct's doubles for
+    whole numbers; `form_arguments` routes a run's settings to fields and the object."""
+    spec, _ = _load(SPEC)
+    component = spec["components"]["comp-settings"]
+    outputs = component["outputDefinitions"]["parameters"]
+    kinds = {int: "NUMBER_INTEGER", float: "NUMBER_DOUBLE", bool: "BOOLEAN", str: "STRING"}
+    assert {k: v["parameterType"] for k, v in outputs.items()} == {
+        k: kinds[type(v)] for k, v in ADVANCED_DEFAULTS.items()
+    }
+    from components import steps  # the executor reads the outputs in the annotation's order
+
+    assert steps.settings.python_func.__annotations__["return"]._fields == ADVANCED
+    task = spec["root"]["dag"]["tasks"]["exit-handler-1"]
+    body = spec["components"][task["componentRef"]["name"]]["dag"]["tasks"]
+    given = body["settings"]["inputs"]["parameters"]
+    assert given["advanced"] == {"componentInputParameter": "pipelinechannel--advanced_settings"}
+    assert json.loads(given["defaults"]["runtimeValue"]["constant"]) == ADVANCED_DEFAULTS
+    instances = _container_tasks(spec)["instances"]["inputs"]["parameters"]
+    assert instances["masking_recipe"] == {
+        "taskOutputParameter": {
+            "producerTask": "settings",
+            "outputParameterKey": "instances_masking_recipe",
+        }
+    }
+    defaults = json.dumps(ADVANCED_DEFAULTS)
+    doubles = {"vocab_vocab_size": 1000.0, "compress_alpha": 1, "finetune_top_bilstm": True}
+    taken = cli.kfp_settings(doubles, defaults)._asdict()
+    assert taken["vocab_vocab_size"] == 1000 and type(taken["vocab_vocab_size"]) is int
+    assert taken["compress_alpha"] == 1.0 and type(taken["compress_alpha"]) is float
+    assert taken["finetune_top_bilstm"] is True and taken["pretrain_objective"] == "mlm+nsp"
+    with pytest.raises(BertError, match="advanced_settings: no setting pretrain_stepz"):
+        cli.kfp_settings({"pretrain_stepz": 5}, defaults)
+    with pytest.raises(BertError, match="vocab_vocab_size = 1000.5: expected int"):
+        cli.kfp_settings({"vocab_vocab_size": 1000.5}, defaults)
+    with pytest.raises(BertError, match='finetune_top_bilstm = "yes": expected bool'):
+        cli.kfp_settings({"finetune_top_bilstm": "yes"}, defaults)
+    assert form_arguments({"pretrain_steps": 5, "instances_dupe_factor": 1}) == {
+        "pretrain_steps": 5,
+        "advanced_settings": {"instances_dupe_factor": 1},
+    }
+    assert form_arguments({"pretrain_steps": 5}) == {"pretrain_steps": 5}
 
 
 def test_settings_reach_each_step_grouped_by_params_yaml_section():
@@ -335,6 +400,7 @@ def test_every_task_gets_the_config_map_the_secrets_and_the_run_id(tmp_path):
     env = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     tasks = _container_tasks(spec)
     assert set(tasks) == {
+        "settings",
         "pipeline-run",
         "finetune-jobs",
         "clean",
@@ -503,7 +569,7 @@ def test_one_fan_out_over_the_finetune_jobs_collected_into_evaluate():
         }
     }
     assert set(tasks["clean"]["dependentTasks"]) == {"pipeline-run", "finetune-jobs"}
-    assert tasks["finetune-jobs"]["dependentTasks"] == ["pipeline-run"]
+    assert sorted(tasks["finetune-jobs"]["dependentTasks"]) == ["pipeline-run", "settings"]
     channel = "pipelinechannel--finetune-jobs-Output"
     for fan_out in _fan_outs(spec).values():
         loop = fan_out.task
@@ -610,7 +676,7 @@ def test_compression_is_a_condition_in_each_fine_tuning_off_by_default():
             "componentInputParameter": "pipelinechannel--compress_task"
         }
     for key in ("student", "student_layers", "student_ffn_share", "temperature", "alpha"):
-        channel = f"pipelinechannel--compress_{key}"
+        channel = f"pipelinechannel--settings-compress_{key}"  # the settings task's outputs
         assert distill["parameters"][key] == {"componentInputParameter": channel}, key
     assert DEFAULTS["compress_task"] == "none" and DEFAULTS["compress_student"] == "pretrained"
     assert "compress_task" not in P and P["compress_student_layers"] == 2  # DVC's, for local

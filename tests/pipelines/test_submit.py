@@ -87,6 +87,8 @@ def test_submit_sends_the_token_from_a_file_and_runs_in_the_profile_namespace(
         "first",
         "--set",
         "pretrain_steps=10",
+        "--set",
+        "instances_dupe_factor=1",  # an advanced setting: inside advanced_settings
     ]
     assert main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]  # after the SDK's links
@@ -99,6 +101,7 @@ def test_submit_sends_the_token_from_a_file_and_runs_in_the_profile_namespace(
     (run,) = [b for m, p, _, b in seen if m == "POST" and p.endswith("/runs")]
     assert run["experiment_id"] == "exp-1" and run["display_name"] == "first"
     assert run["runtime_config"]["parameters"]["pretrain_steps"] == 10
+    assert run["runtime_config"]["parameters"]["advanced_settings"] == {"instances_dupe_factor": 1}
     assert TOKEN not in " ".join(argv)  # the token travels in a file, never on the command line
 
 

@@ -120,6 +120,7 @@ def main() -> None:
             t1, t32 = timings(row["predictor"], shuffled, args.n1, args.n32)
             row["t1"] += t1
             row["t32"] += t32
+    teacher = rows[f"{args.models[0]} fp32"]
     for key, row in rows.items():
         out = {k: v for k, v in row.items() if k not in ("predictor", "glue", "t1", "t32")}
         out["p50_ms_batch1"] = round(statistics.median(row["t1"]) * 1e3, 2)
@@ -134,7 +135,6 @@ def main() -> None:
             )
             out["score_vs_fp32"] = round(out["dev_score"] - base["dev_score"], 2)
             out["targets_met"] = out["score_vs_fp32"] >= -1.0 and ratio >= 1.5
-        teacher = rows[f"{args.models[0]} fp32"]
         if row["model"] != teacher["model"]:
             speed = statistics.median(teacher["t32"]) / statistics.median(row["t32"])
             out["throughput_vs_teacher"] = round(speed, 2)

@@ -57,7 +57,6 @@ class Timing:
     seconds: float
     staging: float | None = None  # the output's staging folder first seen
     done: float | None = None  # the output in place
-    marker: float | None = None  # the caller's own event (pre-training: first checkpoint)
 
     @property
     def window(self) -> float | None:
@@ -149,8 +148,8 @@ def _assert_no_leftovers(mark: str, timeout: float = 60) -> None:
     assert not pids, f"processes left running after the kill: {pids}"
 
 
-def _watch(run: Run, output: Path, marker: Callable[[], bool] | None = None) -> Timing:
-    """Wait for `run`, noting when its output was staged and in place (and `marker`)."""
+def _watch(run: Run, output: Path) -> Timing:
+    """Wait for `run`, noting when its output was staged and in place."""
     t = Timing(0.0)
     while run.proc.poll() is None:
         now = time.monotonic() - run.started
@@ -158,8 +157,6 @@ def _watch(run: Run, output: Path, marker: Callable[[], bool] | None = None) -> 
             t.staging = now
         if t.done is None and output.exists():
             t.done = now
-        if marker is not None and t.marker is None and marker():
-            t.marker = now
         time.sleep(POLL)
     t.seconds = time.monotonic() - run.started
     assert run.proc.returncode == 0, run.text()[-3000:]
@@ -302,10 +299,10 @@ class References:
         text = (shared_data / "corpus" / "pride_and_prejudice.txt").read_text("utf-8-sig")
         (root / "slice.txt").write_text(text[20_000:60_000], encoding="utf-8")
 
-    def _run(self, name: str, argv: list, marker=None) -> Reference:
+    def _run(self, name: str, argv: list) -> Reference:
         output = self.root / name
         run = _start([*argv, "--output", output], self.root, _env(self.root, "ref"), name)
-        return Reference(argv, output, _watch(run, output, marker))
+        return Reference(argv, output, _watch(run, output))
 
     @cached_property
     def clean(self) -> Reference:
@@ -337,9 +334,8 @@ class References:
             ],
         )
 
-    @cached_property
-    def pretrain(self) -> Reference:
-        argv = [
+    def pretrain_argv(self) -> list:
+        return [
             "pretrain",
             "--instances",
             self.instances.output,
@@ -358,8 +354,10 @@ class References:
             "--warmup-steps",
             2,
         ]
-        snapshot = self.root / "pretrain" / "ray" / "pretrain" / "checkpoint_manager_snapshot.json"
-        return self._run("pretrain", argv, marker=lambda: _recorded(snapshot, 4))
+
+    @cached_property
+    def pretrain(self) -> Reference:
+        return self._run("pretrain", self.pretrain_argv())
 
     @cached_property
     def tiny_model(self) -> Path:
@@ -536,97 +534,131 @@ def _resumed(run: Run) -> set[int]:
     return {int(s) for s in re.findall(r"resumed from step (\d+)", run.text())}
 
 
+def _pretrain_runs(ref_argv: list, work: Path) -> Callable[[str], tuple[Run, str]]:
+    """Starts `bert pretrain` (the reference's command) into `work/out`, each run named: the
+    same command every time, so each resumes what the last left."""
+
+    def start(name: str) -> tuple[Run, str]:
+        mark = f"pretrain-{name}-{os.getpid()}"
+        return _start([*ref_argv, "--output", work / "out"], work, _env(work, mark), name), mark
+
+    return start
+
+
+def _nothing_but_checkpoints(output: Path, mark: str, metrics: bool) -> None:
+    """After an interrupted pre-training: nothing left running, only Ray's storage at --output
+    (and, after a stop that saved a checkpoint, the metrics so far): the model and the rest
+    come at a run's end."""
+    _assert_no_leftovers(mark)
+    left = {p.name for p in output.iterdir()} if output.exists() else set()
+    allowed = {"ray", *(["pretrain_metrics.csv", "heldout_metrics.csv"] if metrics else [])}
+    assert left <= allowed, left
+
+
+def _wait_recorded(run: Run, snapshot: Path, step: int) -> None:
+    while run.proc.poll() is None and not _recorded(snapshot, step):
+        time.sleep(0.02)
+
+
+def _stop(run: Run, sig: signal.Signals) -> None:
+    """SIGTERM to the driver alone (what Kubernetes sends a pod), SIGINT to the whole process
+    group (a terminal's Ctrl-C)."""
+    assert run.proc.poll() is None, f"finished before the signal: {run.text()[-2000:]}"
+    if sig == signal.SIGTERM:
+        os.kill(run.proc.pid, sig)
+    else:
+        os.killpg(run.proc.pid, sig)
+
+
 @pytest.mark.slow
-def test_pretrain_killed_or_stopped_resumes_and_ends_as_one_go(refs, tmp_path, empty_store):
-    """The whole `bert pretrain` (driver, its private Ray cluster, the workers) interrupted four
-    times, each run resuming the last:
-    1. SIGKILL at a seeded time after its MLflow run exists and before the first checkpoint
-       (at the latest when the workers start): only Ray's storage is left.
-    2. SIGKILL a seeded moment after the run's first checkpoint was recorded: the next run
-       resumes from the last recorded one (step >= 4).
-    3. #26: SIGTERM to the driver alone (what Kubernetes sends a pod) once it has resumed: the
-       workers save a checkpoint after the step they are in, one line names it, exit 143.
-    4. SIGINT to the whole process group (a terminal's Ctrl-C) once the next run has resumed:
-       the same, exit 130, at a later step.
-    Each time: no traceback, nothing left running, no model at --output. The fifth run resumes
-    from the last stop's checkpoint and ends with the uninterrupted run's weights (atol 1e-6)
-    and metrics; one run FINISHED, the four others KILLED. (One chain, not a test per fault:
-    each pre-training costs half a minute of Ray start-up on 2 cores.)"""
+def test_pretrain_stopped_by_sigterm_resumes_and_ends_as_one_go(refs, tmp_path, empty_store):
+    """#26: SIGTERM to the `bert pretrain` driver once its first checkpoint is recorded: the
+    workers save a checkpoint after the step they are in, one line names it, exit 143, no
+    traceback, nothing left running, no model at --output. The next run resumes from exactly
+    that step (not a multiple of --checkpoint-every) and ends with the uninterrupted run's
+    weights (atol 1e-6) and metrics: the state a stop saves is the state of its step. One run
+    FINISHED, the stopped one KILLED. (Resuming from a periodic checkpoint as one go, in
+    process: tests/pretrain/test_pretrain.py::test_stop_and_resume_equals_one_go.)"""
     ref = refs.pretrain
     want = _content(ref.output)
     work = _workdir(tmp_path, empty_store)
     output = work / "out"
-    snapshot = output / "ray" / "pretrain" / "checkpoint_manager_snapshot.json"
-    rng = random.Random(f"{SEED}-pretrain")
-    first = ref.timing.marker
-    assert first is not None, "the reference recorded no checkpoint"
-    kills = [("start", rng.uniform(0, first)), ("checkpoint", rng.uniform(0, 0.3))]
+    start = _pretrain_runs(ref.argv, work)
+    run, mark = start("SIGTERM")
+    _wait_recorded(run, output / "ray" / "pretrain" / "checkpoint_manager_snapshot.json", 4)
+    _stop(run, signal.SIGTERM)
+    stop = _stopped_pretrain(run, signal.SIGTERM, output)
+    assert _resumed(run) == set() and stop >= 4, (_resumed(run), stop)
+    _nothing_but_checkpoints(output, mark, metrics=True)
 
-    def start(name: str) -> tuple[Run, str]:
-        mark = f"pretrain-{name}-{os.getpid()}"
-        return _start([*ref.argv, "--output", output], work, _env(work, mark), name), mark
-
-    def nothing_but_checkpoints(mark: str, metrics: bool) -> None:
-        """Only Ray's storage at --output (and, after a stop that saved one, the metrics so
-        far): the model and the rest come at a run's end."""
-        _assert_no_leftovers(mark)
-        left = {p.name for p in output.iterdir()} if output.exists() else set()
-        allowed = {"ray", *(["pretrain_metrics.csv", "heldout_metrics.csv"] if metrics else [])}
-        assert left <= allowed, left
-
-    for i, (after, delay) in enumerate(kills):
-        run, mark = start(f"kill{i}")
-        if after == "checkpoint":
-            while run.proc.poll() is None and not _recorded(snapshot, 4):
-                time.sleep(0.02)
-            time.sleep(delay)
-        else:  # before the first checkpoint: at the seeded time after its MLflow run exists
-            # (a kill before that leaves no run to end KILLED: seen on a slow machine), or once
-            # the workers have started if that comes first (a run faster than the reference's
-            # would reach its end)
-            tracking = f"sqlite:///{work / 'mlflow.db'}"
-            while run.proc.poll() is None and len(_statuses(tracking, "pretrain")) < 1 + i:
-                time.sleep(0.1)
-            end = time.monotonic() + delay
-            while time.monotonic() < end and WORKERS_UP not in run.text():
-                time.sleep(0.02)
-        assert run.proc.poll() is None, f"finished before the kill: {run.text()[-2000:]}"
-        run.kill()
-        nothing_but_checkpoints(mark, metrics=False)
-    resumed, stops = [], []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        run, mark = start(sig.name)
-        while run.proc.poll() is None and "resumed from step" not in run.text():
-            time.sleep(0.02)
-        assert run.proc.poll() is None, f"finished before the signal: {run.text()[-2000:]}"
-        if sig == signal.SIGTERM:
-            os.kill(run.proc.pid, sig)
-        else:
-            os.killpg(run.proc.pid, sig)
-        step = _stopped_pretrain(run, sig, output)
-        (at,) = _resumed(run)
-        resumed.append(at)
-        assert _recorded(snapshot, step) and step > at, (step, at)
-        stops.append(step)
-        nothing_but_checkpoints(mark, metrics=True)
-    assert resumed[0] >= 4 and resumed[1] == stops[0], (resumed, stops)
     run, mark = start("resume")
     assert run.proc.wait() == 0, run.text()[-3000:]
-    assert _resumed(run) == {stops[-1]}, (_resumed(run), stops)
-    assert stops[-1] < int(ref.argv[ref.argv.index("--steps") + 1]), f"stopped at the end: {stops}"
+    assert _resumed(run) == {stop}, (_resumed(run), stop)
+    assert stop < int(ref.argv[ref.argv.index("--steps") + 1]), f"stopped at the end: {stop}"
     got, csv = _content(output), "pretrain_metrics.csv"
-    short = {str(step + 1) for step in stops if step % 2}  # --log-every 2: the row after an
-    for rows in (got[csv], want[csv]):  # odd stop averages fewer steps; the others are equal
+    short = {str(stop + 1)} if stop % 2 else set()  # --log-every 2: the row after an odd
+    for rows in (got[csv], want[csv]):  # stop averages fewer steps; the others are equal
         rows[:] = [row for row in rows if row["step"] not in short]
     _assert_same(got, want)
     assert _debris(work) == []
     _assert_no_leftovers(mark)
     statuses = _statuses(f"sqlite:///{work / 'mlflow.db'}", "pretrain")
-    assert statuses == ["FINISHED", *["KILLED"] * 4], statuses
-    print(
-        f"\nfaults: pretrain: reference {ref.timing}; kills {kills}; resumed at {resumed}, "
-        f"stopped by SIGTERM at step {stops[0]}, by SIGINT at {stops[1]}"
-    )
+    assert statuses == ["FINISHED", "KILLED"], statuses
+    print(f"\nfaults: pretrain: reference {ref.timing}; stopped by SIGTERM at step {stop}")
+
+
+@pytest.mark.slow
+def test_pretrain_killed_then_interrupted_resumes_the_last_checkpoint(refs, tmp_path, empty_store):
+    """The whole `bert pretrain` (driver, its private Ray cluster, the workers) interrupted
+    three times, each run taking up what the last left:
+    1. SIGKILL at a seeded time after its MLflow run exists and before the first checkpoint
+       (at the latest when the workers start): only Ray's storage is left.
+    2. The next run starts from scratch; SIGKILL a seeded moment after its first checkpoint
+       was recorded.
+    3. The next run resumes from the last recorded checkpoint (step >= 4); SIGINT to its
+       process group once it has: the workers save a checkpoint after the step they are in,
+       one line names it, exit 130, and Ray has recorded it (the next run resumes from it).
+    Each time: no traceback, nothing left running, no model at --output; all three runs
+    KILLED. (The resumed run's end equal to one go: the SIGTERM test above.)"""
+    work = _workdir(tmp_path, empty_store)
+    output = work / "out"
+    snapshot = output / "ray" / "pretrain" / "checkpoint_manager_snapshot.json"
+    rng = random.Random(f"{SEED}-pretrain")
+    start = _pretrain_runs(refs.pretrain_argv(), work)
+
+    run, mark = start("kill0")  # at a seeded time after its MLflow run exists (a kill before
+    # that leaves no run to end KILLED: seen on a slow machine), or once the workers have
+    # started if that comes first (no checkpoint can be recorded before they start)
+    delay = rng.uniform(0, 10)
+    while run.proc.poll() is None and not _statuses(f"sqlite:///{work / 'mlflow.db'}", "pretrain"):
+        time.sleep(0.1)
+    end = time.monotonic() + delay
+    while time.monotonic() < end and WORKERS_UP not in run.text():
+        time.sleep(0.02)
+    assert run.proc.poll() is None, f"finished before the kill: {run.text()[-2000:]}"
+    run.kill()
+    _nothing_but_checkpoints(output, mark, metrics=False)
+
+    run, mark = start("kill1")
+    _wait_recorded(run, snapshot, 4)
+    time.sleep(rng.uniform(0, 0.3))
+    assert run.proc.poll() is None, f"finished before the kill: {run.text()[-2000:]}"
+    run.kill()
+    assert _resumed(run) == set(), run.text()[-2000:]  # the first kill left no checkpoint
+    _nothing_but_checkpoints(output, mark, metrics=False)
+
+    run, mark = start("SIGINT")
+    while run.proc.poll() is None and "resumed from step" not in run.text():
+        time.sleep(0.02)
+    _stop(run, signal.SIGINT)
+    stop = _stopped_pretrain(run, signal.SIGINT, output)
+    (at,) = _resumed(run)
+    assert 4 <= at < stop and _recorded(snapshot, stop), (at, stop)
+    _nothing_but_checkpoints(output, mark, metrics=True)
+    assert _debris(work) == []
+    statuses = _statuses(f"sqlite:///{work / 'mlflow.db'}", "pretrain")
+    assert statuses == ["KILLED"] * 3, statuses
+    print(f"\nfaults: pretrain: seeded delay {delay:.2f}s; resumed at {at}, SIGINT at {stop}")
 
 
 @pytest.mark.slow

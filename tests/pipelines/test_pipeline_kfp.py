@@ -852,8 +852,9 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
     settings = {
         "data_corpus": str(shared_data / "corpus" / "a_christmas_carol.txt"),
         "data_glue": str(shared_slice(tmp_path / "data", shared_data) / "glue"),
-        "finetune_tasks": ["SST-2", "STS-B"],  # a fan-out of two keeps CI time down
-        "finetune_control_tasks": ["SST-2"],  # and one random-init control
+        "finetune_tasks": ["SST-2", "STS-B"],  # a fan-out of two keeps CI time down; the
+        "finetune_control_tasks": [],  # random-init control, a third item of that loop, runs
+        # in the cluster harness's whole run (tests/pipelines/test_cluster_harness.py)
         "compress_task": "STS-B",  # the compression branch, for one iteration: a regression
         "compress_student_layers": 1,
         **{
@@ -907,7 +908,6 @@ def test_whole_dag_runs_through_kfp_local(tmp_path, shared_data, monkeypatch):
         "pretrain",
         "finetune-SST-2",
         "finetune-STS-B",
-        "finetune-SST-2-random",
         "evaluate",
         "distill-STS-B",
         "quantize",

@@ -279,12 +279,13 @@ def kfp_metrics(result_file: str | os.PathLike) -> dict[str, float]:
 # DVC: what pipelines/run_dvc.py (`make run`) calls around `dvc repro`.
 
 
-def dvc_pipeline_run(params: dict[str, Any], tags: dict[str, str]):
-    """The MLflow parent run of one `make run` (a context manager yielding the run): each
-    stage's `bert` command nests its run under it (`BERT_PARENT_RUN_ID`, set while it is open)."""
+def dvc_pipeline_run(params: dict[str, Any], tags: dict[str, str], name: str):
+    """The MLflow parent run of one `make run` (a context manager yielding the run), named
+    `name` (the DVC command): each stage's `bert` command nests its run under it
+    (`BERT_PARENT_RUN_ID`, set while it is open)."""
     from bert_core.track import lineage
 
-    return lineage.start_pipeline_run(params=params, tags=tags)
+    return lineage.start_pipeline_run(params=params, tags=tags, run_name=name)
 
 
 def dvc_lineage_env() -> dict[str, str]:

@@ -59,6 +59,7 @@ def resolved_params(overrides: list[str]) -> dict:
 
 
 def dvc_command(overrides: list[str], force: bool) -> list[str]:
+    """`python -m dvc ...`: the words after `-m` also name the pipeline's MLflow run."""
     dvc = [sys.executable, "-m", "dvc"]
     if overrides:
         return [*dvc, "exp", "run", *(a for o in overrides for a in ("-S", o))]
@@ -72,17 +73,18 @@ def run(overrides: list[str], force: bool = False) -> dict:
     params = resolved_params(overrides)
     output = ROOT / params["data"]["output"]
     tags = {"bert.runner": "dvc", "bert.dvc.overrides": " ".join(overrides)}
-    with dvc_pipeline_run(params, tags) as parent:
+    cmd = dvc_command(overrides, force)
+    with dvc_pipeline_run(params, tags, name=" ".join(cmd[2:])) as parent:
         parent_id = parent.info.run_id
         start = time.time()
-        repro(overrides, force)
+        repro(cmd)
         mlflow.log_metric("pipeline_seconds", time.time() - start)
         stages = dvc_record_lineage(parent_id, ROOT / "dvc.lock", output)
         results = dvc_log_results(parent_id, output / "evaluate")
     return {"parent_run_id": parent_id, "glue_results": results, "stages_run": stages}
 
 
-def repro(overrides: list[str], force: bool) -> None:
+def repro(cmd: list[str]) -> None:
     """`dvc repro` (or `dvc exp run`) with the lineage environment, so each stage nests."""
     env = {
         **os.environ,
@@ -90,8 +92,7 @@ def repro(overrides: list[str], force: bool) -> None:
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
     }
-    cmd = dvc_command(overrides, force)
-    print("$", " ".join(cmd[2:] if cmd[1] == "-m" else cmd), flush=True)
+    print("$", " ".join(cmd[2:]), flush=True)
     code = subprocess.run(cmd, cwd=ROOT, env={**env, **dvc_lineage_env()}).returncode
     if code:
         raise SystemExit(f"dvc failed with exit code {code}")

@@ -46,7 +46,8 @@ from tests.pipeline_helpers import env_for, local_services
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 18  # issue #18: the kill points of a step are drawn from Random(f"{SEED}-{step}")
 KILLS = {"clean": 3, "vocab": 3, "instances": 3, "finetune": 2, "evaluate": 2}
-STEP_RUN = {"finetune": "finetune-SST-2"}  # the MLflow run name of a step, where not its own
+# the MLflow run name of a step, where not its own
+STEP_RUN = {"instances": "instances (48 tokens)", "finetune": "finetune-SST-2"}
 POLL = 0.005
 
 

@@ -44,6 +44,7 @@ from bert_core.data.instance_shards import (
 )
 from bert_core.data.tokenizer import (
     TOKENIZER_CONFIG,
+    checkpoint_of,
     read_lowercase,
     text_shards,
     write_tokenizer_settings,
@@ -204,6 +205,14 @@ def create_instances(
     return stats
 
 
+def run_name(start: str | None, max_seq_length: int) -> str:
+    """The MLflow run's name: the sequence length, and the checkpoint its vocabulary is from,
+    so that one pipeline run's instances are told apart in the runs list (phase one's and
+    phase two's at 512 tokens; ours and a public start's); the step tag stays `instances`."""
+    about = f"{start}, {max_seq_length} tokens" if start else f"{max_seq_length} tokens"
+    return f"instances ({about})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """`bert instances`' options: the inputs and output, one per `InstanceConfig` field, and the
     worker count (which cannot change the output, so it is not a setting)."""
@@ -223,19 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     cfg.validate()  # the settings, before any input is downloaded
     inputs = {"--input": args.input, "--vocab": args.vocab}
     storage.check_apart({"--output": args.output}, hub.folders(inputs))
-    if hub.is_named(args.vocab):  # a public checkpoint's vocabulary (and casing)
+    start = hub.identity(args.vocab) if hub.is_named(args.vocab) else None
+    if start:  # a public checkpoint's vocabulary (and casing)
         args.vocab = str(hub.resolve(args.vocab) / "vocab.txt")
 
     with (
         storage.local_copy(args.input) as corpus,
-        storage.local_copy(args.vocab, siblings=(TOKENIZER_CONFIG,)) as vocab,
+        storage.local_copy(args.vocab, siblings=(TOKENIZER_CONFIG, "stats.json")) as vocab,
     ):
+        start = start or checkpoint_of(vocab)
         lowercase = read_lowercase(vocab.parent)  # the vocabulary's own setting, if it has one
         if lowercase is not None and cfg.lowercase:  # --cased with an uncased one: checked
             cfg = replace(cfg, lowercase=lowercase)
         check_inputs(corpus, vocab, cfg)
         params = {"input": str(args.input), "vocab": str(args.vocab), **asdict(cfg)}
-        with start_run("instances", params) as run:
+        with start_run("instances", params, name=run_name(start, cfg.max_seq_length)) as run:
             stats = create_instances(corpus, vocab, args.output, cfg, args.num_workers)
             import mlflow
 

@@ -330,6 +330,25 @@ def write_vocab(tok: Tokenizer, path: Path) -> None:
     path.write_text("".join(f"{t}\n" for t, _ in by_id), encoding="utf-8")
 
 
+def run_name(start: str | None) -> str:
+    """The MLflow run's name: "vocab", or the checkpoint a vocabulary is taken from, so that a
+    pipeline run's own vocabulary and a public start's are told apart in the runs list (the
+    step tag stays `vocab`)."""
+    return f"vocab ({start})" if start else "vocab"
+
+
+def checkpoint_of(vocab: Path) -> str | None:
+    """The public checkpoint a vocabulary file was taken from, as `bert vocab --init-model`
+    records it in the stats.json beside it; None for one trained here or of unknown origin
+    (it only names a run, so an unreadable record is no error)."""
+    try:
+        stats = json.loads((vocab.parent / "stats.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    start = stats.get("start_from") if isinstance(stats, dict) else None
+    return start if isinstance(start, str) else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """`bert vocab`'s options: the input and output, then one per `VocabConfig` field."""
     p = argparse.ArgumentParser(prog="bert vocab", description=__doc__.split("\n")[0])
@@ -351,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     start = cfg.init_model and hub.identity(cfg.init_model)  # the cache key's part: exact bytes
     with (
         contextlib.nullcontext() if start else storage.local_copy(args.input) as source,
-        start_run("vocab", {"input": str(args.input), **asdict(cfg)}) as run,
+        start_run("vocab", {"input": str(args.input), **asdict(cfg)}, name=run_name(start)) as run,
     ):
         if start:
             tok, lowercase = checkpoint_vocab(cfg.init_model)

@@ -607,9 +607,9 @@ def test_glue_table_lands_in_mlflow_under_one_finished_parent_run(
         [
             "clean",
             "vocab",
-            "instances",
+            "instances (64 tokens)",
             "pretrain",
-            "instances",  # phase two's, at 512 tokens (its max_seq_length tells it apart)
+            "instances (512 tokens)",  # phase two's: the length tells the two apart
             "pretrain (phase two, 512 tokens)",
             "finetune-SST-2",
             "finetune-STS-B",
@@ -683,9 +683,9 @@ def _tasks(name: str) -> list[str]:
 def _steps(name: str) -> set[str]:
     """The names of the step runs a run of RUNS makes under its parent."""
     args = RUNS[name]
-    steps = {"clean", "vocab", "instances", "pretrain", "evaluate"}
-    if args["pretrain_phase2_steps"]:  # and its instances at 512, a second `instances`
-        steps.add("pretrain (phase two, 512 tokens)")
+    steps = {"clean", "vocab", "instances (64 tokens)", "pretrain", "evaluate"}
+    if args["pretrain_phase2_steps"]:  # and its instances at 512
+        steps |= {"instances (512 tokens)", "pretrain (phase two, 512 tokens)"}
     steps |= {f"finetune-{t}" for t in args["finetune_tasks"]}
     steps |= {f"finetune-{t}-random" for t in args["finetune_control_tasks"]}
     if args.get("compress_task", "none") != "none":
@@ -753,9 +753,9 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
         if run.data.tags["bert.step"] != "pipeline":
             kfp_id = run.data.tags["kfp.run_id"]
             assert run.data.tags["mlflow.parentRunId"] == parents[kfp_id].info.run_id
-            if run.info.run_name == "instances":  # phase two's has the same name
+            if run.data.tags["bert.step"] == "instances":
                 instances[kfp_id].append(run)
-            assert run.info.run_name not in steps[kfp_id] or run.info.run_name == "instances"
+            assert run.info.run_name not in steps[kfp_id], run.info.run_name
             steps[kfp_id][run.info.run_name] = run
     versions = client.search_model_versions(f"name='{registry.PRETRAINED}'")
     # a pre-trained model per run and phase (the rerun is cached)
@@ -775,7 +775,7 @@ def test_two_pipeline_runs_at_once_keep_their_runs_and_artifacts_apart(runs, ser
         (version,) = [v for v in versions if v.run_id == own["pretrain"].info.run_id]
         assert version.status == "READY"
         prefix, (loop, finetune, evaluate, final) = f"kfp/{kfp_id}", FINAL[name]
-        own_ids = {r.info.run_id for r in own.values()} | {r.info.run_id for r in instances[kfp_id]}
+        own_ids = {r.info.run_id for r in own.values()}
         for task in _tasks(name):
             params = own[f"finetune-{task}"].data.params
             # fine-tuned from its own pipeline's pre-trained model (phase two's, when it ran)

@@ -182,7 +182,14 @@ def test_the_public_branch_continues_the_packaged_checkpoint(dvc_run):
     assert run.data.tags["bert.start_from"] == identity
     assert run.data.params["init_model"] == str(minilm)  # the folder it read
     assert run.info.run_name == f"pretrain ({identity}, continued)"  # ours: "pretrain"
+    # its vocabulary and instances too are told apart from ours by name
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    parent = run.data.tags["mlflow.parentRunId"]
+    children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{parent}'")
+    names = {r.data.tags["dvc.stage"]: r.info.run_name for r in children}
+    assert names["vocab"] == "vocab" and names["instances"] == "instances (64 tokens)"
+    assert names["vocab-public@minilm"] == f"vocab ({identity})"
+    assert names["instances-public@minilm"] == f"instances ({identity}, 64 tokens)"
     for task in GLUE_TASKS:
         result = json.loads((repo / f"runs/dvc/glue/minilm-{task}/metrics.json").read_text())
         assert result["start_from"] == identity and result["continued_pretraining"], task
@@ -331,6 +338,9 @@ def test_mlflow_pipeline_run_with_nested_steps_and_lineage(dvc_run, monkeypatch)
     )
     assert len(parents) == 2
     first, second = parents
+    # each named by the DVC command that ran (MLflow would make up a name)
+    assert first.info.run_name == "dvc repro"
+    assert second.info.run_name == "dvc exp run -S finetune.token_epochs=7"
     lock = _locked(repo, env)
     corpus_md5 = lock["clean"]["deps"][0]["md5"]
     # DVC's hashes as MLflow dataset inputs (digest = the DVC hash), not a tag per file

@@ -39,10 +39,40 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"mark these slow, they read a whole-DAG run: {unmarked}")
 
 
+# The project's own MLflow store (`tracking.default_store` in the checkout): `make run` writes it,
+# a test never should (it would leave runs in a user's experiments, and a fresh clone's `make
+# run` would find them): a test gives its steps a store of its own (`env_for`, MLFLOW_TRACKING_URI).
+PROJECT_STORE = ROOT / "mlflow.db"
+_store_touched: list[str] = []
+
+
+def _store_state() -> tuple[int, int] | None:
+    try:
+        stat = PROJECT_STORE.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
+
+
+def pytest_sessionstart(session):
+    session.stash[_STORE_AT] = _store_state()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """On the controller (or a run without xdist): the suite fails if the project's store changed
+    while it ran."""
+    if hasattr(session.config, "workerinput") or _STORE_AT not in session.stash:
+        return
+    if _store_state() != session.stash[_STORE_AT]:
+        _store_touched.append(f"{PROJECT_STORE} changed while the tests ran")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 BUDGET_S = {"slow": 90.0, "other": 10.0}  # a test's set-up + call + tear-down, issue #42
 _over_budget: list[tuple[float, str, str]] = []
 _spent: dict[str, list[float]] = {}  # nodeid -> [wall seconds, CPU seconds], phases summed
 _CPU_AT = pytest.StashKey[float]()
+_STORE_AT = pytest.StashKey[tuple[int, int] | None]()
 
 
 def _cpu_seconds() -> float:
@@ -98,6 +128,9 @@ def pytest_terminal_summary(terminalreporter):
     a file are in --durations' setup lines). Then the 25 longest tests' CPU seconds beside
     their wall seconds: a test far under 1 CPU-second per second waits (a server, a timeout, a
     poll), and a third xdist worker could use the core it leaves idle; one near 2 needs both."""
+    for line in _store_touched:
+        terminalreporter.section("a test wrote to the project's MLflow store", red=True)
+        terminalreporter.write_line(f"{line}: give its steps a store of their own (env_for)")
     if _over_budget:
         terminalreporter.section("over the time budget (slow 90 s, other 10 s)")
         for seconds, kind, nodeid in sorted(_over_budget, reverse=True):

@@ -365,7 +365,7 @@ def test_masking_recipe_reaches_dynamic_masking(instances, tmp_path):
         pt.main(["--instances", str(instances), "--output", str(tmp_path), "--masking-recipe", "1"])
 
 
-def test_dynamic_masking_takes_the_instances_settings_unless_given(instances, tmp_path):
+def test_dynamic_masking_takes_the_instances_settings_unless_given(instances, tmp_path, mlflow_uri):
     """512-token instances made for 76 predictions a sequence: `--dynamic-masking` alone masks
     ~15 % of their tokens as they were made (the 128-token default of 20 would mask ~5 %), and
     says it took the instances' settings; an option given still wins (Table 8's recipes)."""

@@ -545,7 +545,7 @@ def test_heldout_evaluation_and_its_baselines_on_a_hand_made_case(tmp_path):
     assert HeldOutEval.load(cfg) is None
 
 
-def test_bad_instances_fail_clearly(tmp_path, instances):
+def test_bad_instances_fail_clearly(tmp_path, instances, mlflow_uri):
     bad = tmp_path / "bad"
     shutil.copytree(instances, bad)
     pq.write_table(pa.table({"input_ids": [[1, 2]]}), bad / "shard-00000.parquet")

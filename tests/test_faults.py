@@ -546,11 +546,12 @@ def _pretrain_runs(ref_argv: list, work: Path) -> Callable[[str], tuple[Run, str
     return start
 
 
-def _nothing_but_checkpoints(output: Path, mark: str, metrics: bool) -> None:
-    """After an interrupted pre-training: nothing left running, only Ray's storage at --output
-    (and, after a stop that saved a checkpoint, the metrics so far): the model and the rest
-    come at a run's end."""
-    _assert_no_leftovers(mark)
+def _nothing_but_checkpoints(output: Path, mark: str | None, metrics: bool) -> None:
+    """After an interrupted pre-training: nothing of `mark` left running (None: checked later by
+    the caller), only Ray's storage at --output (and, after a stop that saved a checkpoint, the
+    metrics so far): the model and the rest come at a run's end."""
+    if mark is not None:
+        _assert_no_leftovers(mark)
     left = {p.name for p in output.iterdir()} if output.exists() else set()
     allowed = {"ray", *(["pretrain_metrics.csv", "heldout_metrics.csv"] if metrics else [])}
     assert left <= allowed, left
@@ -638,7 +639,10 @@ def test_pretrain_killed_then_interrupted_resumes_the_last_checkpoint(refs, tmp_
         time.sleep(0.02)
     assert run.proc.poll() is None, f"finished before the kill: {run.text()[-2000:]}"
     run.kill()
-    _nothing_but_checkpoints(output, mark, metrics=False)
+    _nothing_but_checkpoints(output, None, metrics=False)
+    # a Ray worker the raylet was starting at the kill waits ~25 s for the dead raylet before
+    # it exits (measured): its leftovers are checked once the next run has been killed too
+    first = mark
 
     run, mark = start("kill1")
     _wait_recorded(run, snapshot, 4)
@@ -646,6 +650,7 @@ def test_pretrain_killed_then_interrupted_resumes_the_last_checkpoint(refs, tmp_
     assert run.proc.poll() is None, f"finished before the kill: {run.text()[-2000:]}"
     run.kill()
     assert _resumed(run) == set(), run.text()[-2000:]  # the first kill left no checkpoint
+    _assert_no_leftovers(first)
     _nothing_but_checkpoints(output, mark, metrics=False)
 
     run, mark = start("SIGINT")

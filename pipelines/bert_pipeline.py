@@ -243,6 +243,7 @@ SHOWN = (
 )
 ADVANCED = tuple(k for k in PARAMETERS if k not in SHOWN)
 ADVANCED_DEFAULTS = {k: DEFAULTS[k] for k in ADVANCED}
+FORM_DEFAULTS = {k: DEFAULTS[k] for k in SHOWN} | {"advanced_settings": ADVANCED_DEFAULTS}
 FORM = {k: PARAMETERS[k] for k in SHOWN} | {
     "advanced_settings": "[advanced] The other settings, one JSON object: each key a setting "
     "named as the fields are (section_key; docs/pipeline.md describes each), its default shown; "
@@ -344,16 +345,15 @@ def pod(
 
 
 def build_pipeline():
-    """The pipeline function: the DAG of the module docstring, its defaults DEFAULTS (but the
-    fine-tuning image: `steps.TRAIN_IMAGE`, `--train-image` at compile time), its parameters'
-    descriptions PARAMETERS (KFP reads them from the docstring's Args).
+    """The pipeline function: the DAG of the module docstring, its defaults FORM_DEFAULTS (but
+    the fine-tuning image: `steps.TRAIN_IMAGE`, `--train-image` at compile time), its parameters'
+    descriptions FORM's (KFP reads them from the docstring's Args).
 
     Its parameters are the run form (`FORM`): the SHOWN settings and `advanced_settings`, the
     object holding the ADVANCED ones (`--set` takes every setting by name: `form_arguments`).
     The body is `dag`."""
     dsl, steps = _kfp()
-    D = {**DEFAULTS, "cluster_train_image": steps.TRAIN_IMAGE}
-    D["advanced_settings"] = ADVANCED_DEFAULTS
+    D = {**FORM_DEFAULTS, "cluster_train_image": steps.TRAIN_IMAGE}
 
     def bert_pipeline(
         data_corpus: str = D["data_corpus"],
@@ -538,7 +538,7 @@ def _stable_header(text: str) -> str:
     so the same pipeline always compiles to the same file (a test compares it)."""
 
     def stable(m: re.Match) -> str:
-        default = {**DEFAULTS, "advanced_settings": ADVANCED_DEFAULTS}.get(m.group(1))
+        default = FORM_DEFAULTS.get(m.group(1))
         return (
             f"{m.group(0).split(' [Default: ')[0]} [Default: {json.dumps(default, sort_keys=True)}]"
         )
